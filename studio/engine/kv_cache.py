@@ -1,0 +1,64 @@
+"""Static KV cache: one allocation, explicit slots, commit/rollback move a length (gpt-fast style).
+
+A forward writes its T new keys/values at slots [length, length + T). Nothing is kept until the
+strategy commits: `commit(n)` keeps the first n written slots, `keep(rows)` keeps an arbitrary
+subset (copied to be contiguous), `rollback(to_len)` forgets committed tokens. Stale slots past
+`length` are masked out by every later forward and then overwritten, so no zeroing ever happens.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int,
+                 dtype=torch.float32, device="cpu", batch: int = 1):
+        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0    # committed slots [0, length)
+        self.written = 0   # slots the last forward wrote past `length`
+
+    def begin(self, n_new: int) -> None:
+        """Reserve slots [length, length + n_new) for the forward about to run."""
+        if self.length + n_new > self.max_len:
+            raise ValueError(f"KV cache full: {self.length} + {n_new} > {self.max_len}")
+        self.written = n_new
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k/v [B, H_kv, T, D] for `layer`; return the keys/values visible to this forward."""
+        end = self.length + k.shape[2]
+        self.k[layer, :, :, self.length:end] = k
+        self.v[layer, :, :, self.length:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def commit(self, n: int) -> tuple[int, int]:
+        """Keep the first n slots written by the last forward. Returns (from_len, to_len)."""
+        if not 0 <= n <= self.written:
+            raise ValueError(f"cannot commit {n} of {self.written} written slots")
+        old = self.length
+        self.length += n
+        self.written = 0
+        return old, self.length
+
+    def keep(self, rows: list[int]) -> tuple[int, int]:
+        """Keep written slots at offsets `rows` (ascending), moved to be contiguous after `length`."""
+        if any(not 0 <= r < self.written for r in rows) or rows != sorted(set(rows)):
+            raise ValueError(f"bad rows to keep: {rows} of {self.written}")
+        if rows != list(range(len(rows))):
+            src = torch.tensor(rows, device=self.k.device) + self.length
+            dst = slice(self.length, self.length + len(rows))
+            self.k[:, :, :, dst] = self.k[:, :, :, src]
+            self.v[:, :, :, dst] = self.v[:, :, :, src]
+        self.written = len(rows)
+        return self.commit(len(rows))
+
+    def rollback(self, to_len: int) -> tuple[int, int]:
+        """Forget committed slots past `to_len`."""
+        if not 0 <= to_len <= self.length:
+            raise ValueError(f"cannot roll back from {self.length} to {to_len}")
+        old = self.length
+        self.length = to_len
+        self.written = 0
+        return old, to_len

@@ -1,0 +1,178 @@
+"""A compact causal transformer for the Llama, Qwen2 and Qwen3 families.
+
+Parameter names follow Hugging Face exactly, so checkpoints and PEFT adapters load without a
+rename table. The forward takes explicit position ids (RoPE) separately from KV slots, an optional
+attention mask over [committed KV | new tokens], a per-row LoRA gate, and the rows whose logits
+are wanted: the vocab projection dominates a small model, so we never compute rows nobody reads.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from studio.engine.config import ModelConfig
+from studio.engine.kv_cache import KVCache
+from studio.engine.masks import causal
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Linear(nn.Linear):
+    """nn.Linear with an optional gated LoRA term (attached by studio.engine.lora).
+
+    Rows whose gate is False get exactly the base projection (the low-rank term is zeroed with
+    `where`, not multiplied, so inf/NaN in it cannot leak), which keeps R-ISD's clean rows and
+    their KV bit-identical to the base model.
+    """
+    lora_A: torch.Tensor | None = None   # [r, in]
+    lora_B: torch.Tensor | None = None   # [out, r]
+    lora_scale: float = 0.0
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.lora_A is None or gate is None:
+            return y
+        h = F.linear(x, self.lora_A)
+        h = torch.where(gate[..., None], h, torch.zeros((), dtype=h.dtype, device=h.device))
+        return y + F.linear(h, self.lora_B) * self.lora_scale
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv
+    if rs["rope_type"] == "linear":
+        return inv / rs["factor"]
+    # llama3: low frequencies scaled by `factor`, high ones kept, a smooth ramp between.
+    factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old_ctx = rs["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
+    smooth = (old_ctx / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.attn_bias)
+        self.k_proj = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.attn_bias)
+        self.v_proj = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.attn_bias)
+        self.o_proj = Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+
+    def forward(self, x, cos, sin, kv: KVCache, layer: int, mask, gate):
+        B, T, _ = x.shape
+        q = self.q_proj(x, gate).view(B, T, self.n_heads, self.hd)
+        k = self.k_proj(x, gate).view(B, T, self.n_kv, self.hd)
+        v = self.v_proj(x, gate).view(B, T, self.n_kv, self.hd)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        keys, values = kv.write(layer, k, v)
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1), gate)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up_proj = Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down_proj = Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x, gate):
+        return self.down_proj(F.silu(self.gate_proj(x, gate)) * self.up_proj(x, gate), gate)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.rms_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.rms_eps)
+
+    def forward(self, x, cos, sin, kv, layer, mask, gate):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, layer, mask, gate)
+        return x + self.mlp(self.post_attention_layernorm(x), gate)
+
+
+class Backbone(nn.Module):
+    """Holds the `model.*` parameters (HF naming)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.rms_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def new_cache(self, max_len: int | None = None, batch: int = 1) -> KVCache:
+        cfg = self.config
+        p = self.lm_head.weight
+        return KVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_len or cfg.max_seq_len,
+                       dtype=p.dtype, device=p.device, batch=batch)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+                mask: torch.Tensor | None = None, lora_gate: torch.Tensor | None = None,
+                logits_rows: torch.Tensor | list[int] | None = None) -> torch.Tensor:
+        """tokens, positions: [T] or [B, T]. mask: bool [T, kv.length + T] (default causal).
+        lora_gate: bool [T] or [B, T]. Returns float logits [B, R, V] for `logits_rows` (all rows if None).
+        Writes the new K/V at slots [kv.length, kv.length + T); the caller commits what it keeps."""
+        if tokens.dim() == 1:
+            tokens, positions = tokens[None], positions[None]
+            lora_gate = None if lora_gate is None else lora_gate[None]
+        T = tokens.shape[1]
+        kv.begin(T)
+        if mask is None and T > 1:
+            mask = causal(T, kv.length, device=tokens.device)
+        if lora_gate is not None and not bool(lora_gate.any()):
+            lora_gate = None  # nothing gated on: take the plain path
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
+        cos, sin = emb.cos().to(self.lm_head.weight.dtype), emb.sin().to(self.lm_head.weight.dtype)
+
+        x = self.model.embed_tokens(tokens)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, kv, i, mask, lora_gate)
+        if logits_rows is not None:
+            x = x[:, torch.as_tensor(logits_rows, device=x.device)]
+        return self.lm_head(self.model.norm(x)).float()

@@ -1,0 +1,19 @@
+"""The strategy registry: CLI names -> classes."""
+from __future__ import annotations
+
+from studio.engine.strategies.ar import AR
+from studio.engine.strategies.base import DecodeContext, Output, Strategy
+from studio.engine.strategies.isd import ISD, RISD
+from studio.errors import BadInput
+
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (AR, ISD, RISD)}
+
+
+def make_strategy(name: str, params: dict | None = None) -> Strategy:
+    cls = STRATEGIES.get(name)
+    if cls is None:
+        raise BadInput(f"unknown strategy {name!r} (available: {', '.join(STRATEGIES)})")
+    return cls(params)
+
+
+__all__ = ["STRATEGIES", "make_strategy", "Strategy", "DecodeContext", "Output"]

@@ -1,0 +1,188 @@
+"""What every strategy stands on: the decode context (model, KV, sampler, output, events) and the
+Strategy interface. A strategy only decides *what* to run and keep; the context does the plumbing
+and turns every forward, KV move and emitted token into an event.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from studio import events as ev
+from studio.engine.sampling import SamplingParams
+from studio.errors import BadInput
+
+
+@dataclass
+class Output:
+    """The generated tokens and the stop rules (EOS ids, stop strings, max_new_tokens)."""
+    tokenizer: Any
+    max_new_tokens: int
+    eos_ids: frozenset[int]
+    stop_strings: tuple[str, ...] = ()
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    stop_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.stop_reason is not None
+
+    def append(self, tokens: list[int]) -> tuple[list[int], str]:
+        """Take tokens one by one until a stop rule fires. Returns (taken tokens, new text)."""
+        taken = []
+        for tok in tokens:
+            if self.finished:
+                break
+            taken.append(tok)
+            self.token_ids.append(tok)
+            if tok in self.eos_ids:
+                self.stop_reason = "eos"
+            elif len(self.token_ids) >= self.max_new_tokens:
+                self.stop_reason = "max_new_tokens"
+        text = self.tokenizer.decode([t for t in self.token_ids if t not in self.eos_ids])
+        for s in self.stop_strings:
+            cut = text.find(s)
+            if cut >= 0:
+                text, self.stop_reason = text[:cut], "stop_string"
+        if not self.finished:
+            text = text[:len(text) - self._held_back(text)]
+        new = text[len(self.text):]
+        self.text = text
+        return taken, new
+
+    def _held_back(self, text: str) -> int:
+        """Characters not to show yet: an incomplete UTF-8 sequence, or a possible stop-string start."""
+        if text.endswith("\ufffd"):
+            return 1
+        return max((k for s in self.stop_strings for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+class DecodeContext:
+    """Model + KV cache + sampler + output for one generation, with event bookkeeping.
+
+    Events are buffered and handed out between steps (`drain`), so rendering never runs inside the
+    timed decode loop.
+    """
+
+    def __init__(self, model, tokenizer, sampling: SamplingParams, seed: int, output: Output,
+                 mask_id: int | None, kv_len: int):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.sampling = sampling
+        self.gen = torch.Generator().manual_seed(seed)
+        self.out = output
+        self.mask_id = mask_id
+        self.kv = model.new_cache(kv_len)
+        self.has_adapter = any(getattr(m, "lora_A", None) is not None for m in model.modules())
+        self.device = model.lm_head.weight.device
+        self.step = 0          # index of the last forward (0 = prefill)
+        self._t0 = time.perf_counter()
+        self._pending: list[dict] = []
+
+    # -- events ---------------------------------------------------------------------------
+    def ms(self) -> float:
+        return (time.perf_counter() - self._t0) * 1000.0
+
+    def event(self, kind: str, **fields) -> None:
+        self._pending.append(ev.make(kind, self.step, self.ms(), **fields))
+
+    def drain(self) -> list[dict]:
+        out, self._pending = self._pending, []
+        return out
+
+    # -- model ----------------------------------------------------------------------------
+    def forward(self, role: str, tokens: list[int], positions: list[int] | None = None,
+                mask=None, lora_gate: list[bool] | None = None, logits_rows=None) -> torch.Tensor:
+        """One model forward over new tokens written after the committed KV. Returns logits [R, V]."""
+        if role != "prefill":
+            self.step += 1
+        L = self.kv.length
+        pos = list(range(L, L + len(tokens))) if positions is None else positions
+        gate = None
+        if lora_gate is not None and self.has_adapter:
+            gate = torch.tensor(lora_gate, dtype=torch.bool, device=self.device)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            logits = self.model(torch.tensor(tokens, device=self.device), torch.tensor(pos, device=self.device),
+                                self.kv, mask=mask, lora_gate=gate, logits_rows=logits_rows)[0]
+        if torch.isnan(logits).any():
+            raise BadInput(f"model produced NaN logits at forward {self.step} ({role})")
+        self.event("forward", role=role, n_tokens=len(tokens), lora_rows=0 if gate is None else int(gate.sum()),
+                   wall_ms=(time.perf_counter() - t) * 1000.0)
+        return logits
+
+    def commit(self, n: int) -> None:
+        frm, to = self.kv.commit(n)
+        self.event("kv", op="commit", from_len=frm, to_len=to)
+
+    def keep(self, rows: list[int]) -> None:
+        frm, to = self.kv.keep(rows)
+        self.event("kv", op="commit", from_len=frm, to_len=to)
+
+    def rollback(self, to_len: int) -> None:
+        frm, to = self.kv.rollback(to_len)
+        self.event("kv", op="rollback", from_len=frm, to_len=to)
+
+    # -- output ---------------------------------------------------------------------------
+    @property
+    def n_out(self) -> int:
+        return len(self.out.token_ids)
+
+    def emit(self, tokens: list[int]) -> list[int]:
+        """Make tokens final output (stop rules apply). Returns the tokens actually taken."""
+        start = self.n_out
+        taken, text = self.out.append(tokens)
+        if taken:
+            self.event("emit", pos=list(range(start, start + len(taken))), tok=taken, text=text)
+        return taken
+
+
+class Strategy:
+    """One decoding strategy. Subclasses declare their parameters as dataclass fields of `Params`."""
+    name: ClassVar[str]
+    needs_mask: ClassVar[bool] = False   # proposals come from MASK rows
+
+    @dataclass
+    class Params:
+        pass
+
+    def __init__(self, params: dict | None = None):
+        self.params = self.parse(params or {})
+
+    @classmethod
+    def parse(cls, params: dict):
+        known = {f.name: f for f in dataclasses.fields(cls.Params)}
+        unknown = sorted(set(params) - set(known))
+        if unknown:
+            raise BadInput(f"strategy {cls.name!r} has no parameter {unknown[0]!r} "
+                           f"(parameters: {', '.join(known) or 'none'})")
+        p = cls.Params(**params)
+        for f in known.values():
+            value = getattr(p, f.name)
+            expected = type(f.default)
+            if expected is float and isinstance(value, int) and not isinstance(value, bool):
+                setattr(p, f.name, float(value))
+            elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+                raise BadInput(f"{cls.name} parameter {f.name!r} must be {expected.__name__}, got {value!r}")
+        cls.validate(p)
+        return p
+
+    @staticmethod
+    def validate(p) -> None:
+        """Raise BadInput for out-of-range parameter values."""
+
+    def start(self, ctx: DecodeContext, prompt: list[int]) -> None:
+        """Run the prefill (and whatever the strategy folds into it); may emit tokens."""
+        raise NotImplementedError
+
+    def step(self, ctx: DecodeContext) -> None:
+        """One decoding iteration: at least one forward, at least one emitted token."""
+        raise NotImplementedError
+
+    def kv_headroom(self) -> int:
+        """Slots a single forward may need beyond the committed length."""
+        return 1

@@ -1,0 +1,148 @@
+"""Introspective Strided Decoding (I-DLM, papers/000 Alg. 1) and its lossless gated-LoRA variant R-ISD.
+
+Each round is one strictly causal forward of at most 2N-1 tokens (logit shift: row i predicts i+1):
+  verify  [pending, d1..d(N-1), M x (N-1)]  rows 0..N-2 score the drafts, row N-1 gives the bonus,
+                                            the MASK rows propose the next N-1 drafts;
+  cold    [t0, M x (N-1)]                   row 0 gives the next clean token, MASK rows propose.
+All accepted: emit the drafts + bonus (N tokens) and keep the KV of pending + drafts.
+Rejected at k: emit the accepted drafts + the correction, drop the proposals; next round is cold.
+MASK-row KV is never committed. The prefill folds in the first cold round: [prompt, M x (N-1)].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from studio.engine.sampling import Proposal, SamplingParams, process_logits, sample, sample_token, verify_chain
+from studio.engine.strategies.base import DecodeContext, Strategy
+from studio.errors import BadInput
+
+
+class ISD(Strategy):
+    name = "isd"
+    needs_mask = True
+    gate_clean_rows = True   # isd applies an adapter on every row (the I-DLM behaviour); r-isd does not
+
+    @dataclass
+    class Params:
+        stride: int = 4               # N: tokens committed per forward when every draft is accepted
+        proposal: str = "sample"      # sample (d ~ q) | argmax (deterministic draft, exact rule p(d))
+        tau: float = 0.0              # relaxed acceptance (lossy; 0 = exact)
+        mode: str = "exact"           # exact | reference (the I-DLM code's biased argmax + softmax-q scoring)
+
+    @staticmethod
+    def validate(p) -> None:
+        if p.stride < 2:
+            raise BadInput(f"isd stride must be >= 2, got {p.stride}")
+        if p.proposal not in ("sample", "argmax"):
+            raise BadInput(f"isd proposal must be 'sample' or 'argmax', got {p.proposal!r}")
+        if p.tau < 0:
+            raise BadInput(f"isd tau must be >= 0, got {p.tau}")
+        if p.mode not in ("exact", "reference"):
+            raise BadInput(f"isd mode must be 'exact' or 'reference', got {p.mode!r}")
+
+    def kv_headroom(self) -> int:
+        return 2 * self.params.stride - 1
+
+    # -- rounds ---------------------------------------------------------------------------
+    def start(self, ctx: DecodeContext, prompt: list[int]) -> None:
+        n_mask = self.params.stride - 1
+        P = len(prompt)
+        logits = ctx.forward("prefill", prompt + [ctx.mask_id] * n_mask,
+                             lora_gate=self._gate(P, n_mask), logits_rows=list(range(P - 1, P + n_mask)))
+        ctx.commit(P)
+        self._clean_and_propose(ctx, logits, already_emitted=0)
+
+    def step(self, ctx: DecodeContext) -> None:
+        if self.drafts:
+            self._verify_round(ctx)
+        else:
+            self._cold_round(ctx)
+
+    def _cold_round(self, ctx: DecodeContext) -> None:
+        n_mask = self.params.stride - 1
+        logits = ctx.forward("cold", [self.pending] + [ctx.mask_id] * n_mask, lora_gate=self._gate(1, n_mask))
+        ctx.commit(1)
+        self._clean_and_propose(ctx, logits, already_emitted=0)
+
+    def _verify_round(self, ctx: DecodeContext) -> None:
+        k, n_mask = len(self.drafts), self.params.stride - 1
+        logits = ctx.forward("verify", [self.pending] + self.drafts + [ctx.mask_id] * n_mask,
+                             lora_gate=self._gate(1 + k, n_mask))
+        res = verify_chain(self.drafts, self._target_probs(ctx, logits[:k]), self.q, self._proposal(ctx),
+                           ctx.sampling, ctx.gen, tau=self.params.tau, reference=self.params.mode == "reference")
+        a, base = res.n_accepted, self.pending_pos + 1
+        if a:
+            ctx.event("accept", pos=list(range(base, base + a)), tok=self.drafts[:a],
+                      p=res.p_draft[:a], q=res.q_draft[:a])
+        if a < k:
+            accepted = self.drafts[:a]
+            ctx.event("reject", pos=base + a, tok=self.drafts[a], p=res.p_draft[a], q=res.q_draft[a])
+            ctx.event("resample", pos=base + a, tok=res.correction)
+            ctx.commit(1 + a)
+            self.pending, self.pending_pos, self.drafts = res.correction, base + a, []
+            ctx.emit(accepted + [res.correction])
+            return
+        ctx.commit(1 + k)
+        self._clean_and_propose(ctx, logits[k:], already_emitted=k, bonus=True)
+
+    # -- pieces ---------------------------------------------------------------------------
+    def _clean_and_propose(self, ctx: DecodeContext, logits: torch.Tensor, already_emitted: int,
+                           bonus: bool = False) -> None:
+        """Row 0 of `logits` gives the next clean token; rows 1..N-1 (MASK rows) the next drafts."""
+        pos = ctx.n_out + already_emitted
+        clean, _ = sample_token(logits[0], ctx.sampling, ctx.gen)
+        if bonus:
+            ctx.event("bonus", pos=pos, tok=clean)
+        accepted = self.drafts if bonus else []
+        self.pending, self.pending_pos = clean, pos
+        self.drafts, self.q = self._propose(ctx, logits[1:], pos + 1)
+        ctx.emit(accepted + [clean])
+
+    def _propose(self, ctx: DecodeContext, mask_logits: torch.Tensor, first_pos: int):
+        """Draft tokens from the MASK rows, with the distribution q each was drawn from."""
+        if self._argmax_drafts(ctx):
+            drafts = mask_logits.argmax(-1).tolist()
+            q = self._draft_q_reference(ctx, mask_logits) if self.params.mode == "reference" else None
+            q_of = [1.0] * len(drafts) if q is None else q.gather(1, torch.tensor(drafts)[:, None])[:, 0].tolist()
+        else:
+            q = process_logits(mask_logits, ctx.sampling)
+            drafts = sample(q, ctx.gen).tolist()
+            q_of = q.gather(1, torch.tensor(drafts)[:, None])[:, 0].tolist()
+        ctx.event("propose", pos=list(range(first_pos, first_pos + len(drafts))), tok=drafts, q=q_of, src="mask")
+        return drafts, q
+
+    def _argmax_drafts(self, ctx: DecodeContext) -> bool:
+        p = self.params
+        return ctx.sampling.greedy or p.proposal == "argmax" or p.mode == "reference"
+
+    def _proposal(self, ctx: DecodeContext) -> Proposal:
+        return Proposal.DETERMINISTIC if self._argmax_drafts(ctx) else Proposal.SAMPLED
+
+    def _target_probs(self, ctx: DecodeContext, logits: torch.Tensor) -> torch.Tensor:
+        if self.params.mode == "reference" and not ctx.sampling.greedy:
+            # the reference scores with the untruncated softmax(logits / T)
+            return torch.softmax(logits / ctx.sampling.temperature, dim=-1)
+        return process_logits(logits, ctx.sampling)
+
+    @staticmethod
+    def _draft_q_reference(ctx: DecodeContext, mask_logits: torch.Tensor) -> torch.Tensor | None:
+        if ctx.sampling.greedy:
+            return None
+        return torch.softmax(mask_logits / ctx.sampling.temperature, dim=-1)
+
+    def _gate(self, n_clean: int, n_mask: int) -> list[bool]:
+        return [self.gate_clean_rows] * n_clean + [True] * n_mask
+
+
+class RISD(ISD):
+    """R-ISD: the adapter is gated on at MASK rows only, so clean rows and their KV are base-only and
+    the output follows the base model exactly."""
+    name = "r-isd"
+    gate_clean_rows = False
+
+
+def expected_tpf(p: float, n: int) -> float:
+    """ISD tokens per forward at per-token acceptance p (papers/000 App. B)."""
+    return (2 + sum(p ** i for i in range(1, n - 1))) / (2 - p ** (n - 1))

