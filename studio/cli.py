@@ -138,6 +138,133 @@ def run(
 
 
 @app.command()
+def compare(
+    prompt: str = typer.Argument(..., help="The prompt every strategy runs on."),
+    strategies: str = typer.Option("ar,isd", "--strategy", "-s", help="Comma-separated strategies or presets."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="Add a strategy preset to the runs."),
+    model: str = typer.Option("default", "--model"),
+    adapter: Optional[str] = typer.Option(None, "--adapter"),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens"),
+    temperature: Optional[float] = typer.Option(None, "--temperature"),
+    top_k: Optional[int] = typer.Option(None, "--top-k"),
+    top_p: Optional[float] = typer.Option(None, "--top-p"),
+    seed: int = typer.Option(0, "--seed"),
+    stop: list[str] = typer.Option([], "--stop"),
+    raw: bool = typer.Option(False, "--raw"),
+    trace_dir: Optional[Path] = typer.Option(None, "--trace-dir", help="Keep one trace per run here."),
+    html: Optional[Path] = typer.Option(None, "--html", help="Write a self-contained HTML report."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Run several strategies on the same prompt, seed and sampling settings; compare against ar."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from studio.compare import parse_specs, render_table, rows, run_compare
+    from studio.engine.engine import Engine
+    from studio.session import encode_prompt
+
+    specs = parse_specs(strategies, preset)
+    def make_run(spec):
+        return build_run(spec.strategy, spec.preset, [], max_new_tokens, temperature, top_k, top_p, seed, stop)
+    runs = {spec.label: make_run(spec) for spec in specs}  # validate everything before loading the model
+    engine = Engine.load(model, adapter=adapter)
+    ids = encode_prompt(engine, prompt, chat=not raw)
+    if trace_dir:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+    err = Console(stderr=True)
+    with Progress(TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                  console=err, transient=True, disable=as_json or not err.is_terminal) as bar:
+        tasks = {label: bar.add_task(label, total=settings.max_new_tokens, info="")
+                 for label, (_, settings) in runs.items()}
+        def progress(label, e):
+            if e["t"] == "emit":
+                bar.advance(tasks[label], len(e["tok"]))
+            elif e["t"] == "forward" and e["role"] != "prefill":
+                bar.update(tasks[label], info=f"forward {e['step']}")
+        results = run_compare(engine, prompt, ids, specs, lambda spec: runs[spec.label], trace_dir, progress)
+    table = rows(results)
+    sampled = any(r.header["params"]["temperature"] > 0 for r in results.values())
+    if html:
+        from studio.traces.export import html_report
+        html_report([_as_trace(r) for r in results.values()], html, title=f"compare: {prompt[:60]}")
+    if as_json:
+        print(json.dumps(table))
+        return
+    Console().print(render_table(table, sampled))
+    for label, r in results.items():
+        typer.echo(f"── {label}: {r.footer['text'].strip()[:300]}")
+    if trace_dir:
+        typer.echo(f"traces: {trace_dir}/", err=True)
+    if html:
+        typer.echo(f"report: {html}", err=True)
+
+
+def _as_trace(result):
+    from studio.events import Trace
+    return Trace(header=result.header, events=result.events, footer=result.footer)
+
+
+@app.command()
+def bench(
+    strategies: str = typer.Option("ar,isd", "--strategy", "-s", help="Comma-separated strategies or presets."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="One prompt per line (or JSONL with 'prompt')."),
+    model: str = typer.Option("default", "--model"),
+    adapter: Optional[str] = typer.Option(None, "--adapter"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    temperature: Optional[float] = typer.Option(None, "--temperature"),
+    seed: int = typer.Option(0, "--seed"),
+    repeats: int = typer.Option(3, "--repeats"),
+    warmup: int = typer.Option(1, "--warmup"),
+    no_transformers: bool = typer.Option(False, "--no-transformers", help="Skip the transformers baseline."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Speed and agreement of strategies against ar (and transformers generate), measured in one run."""
+    from rich.console import Console
+    from rich.progress import Progress
+    from studio.bench import load_prompts, run_bench
+    from studio.compare import parse_specs
+    from studio.engine.engine import Engine
+
+    if repeats < 1 or warmup < 0:
+        raise BadInput("--repeats must be >= 1 and --warmup >= 0")
+    specs = parse_specs(strategies)
+    texts = load_prompts(prompts)
+    def make_run(spec):
+        return build_run(spec.strategy, spec.preset, [], max_new_tokens, temperature, None, None, seed, [])
+    for spec in specs:
+        make_run(spec)
+    engine = Engine.load(model, adapter=adapter)
+    err = Console(stderr=True)
+    per_round = len(specs) + (0 if no_transformers else 1)
+    total = warmup * len(specs) + repeats * len(texts) * per_round
+    with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
+        task = bar.add_task("bench", total=total)
+        def progress(phase, label):
+            bar.update(task, advance=1, description=f"{phase}: {label}")
+        report = run_bench(engine, texts, specs, make_run, repeats, warmup, not no_transformers, progress)
+    if as_json:
+        print(json.dumps(report))
+        return
+    Console(width=max(Console().width, 120)).print(_bench_table(report))
+
+
+def _bench_table(report: dict):
+    from rich.table import Table
+    hf = report["transformers_tok_s"]
+    t = Table(title=f"bench: {len(report['prompts'])} prompts × {report['repeats']} repeats "
+                    "(median \\[min–max])", title_justify="left")
+    for col in ("strategy", "tok/s", "TPF", "accept", "× ar", "× transformers", "= ar"):
+        t.add_column(col, justify="left" if col == "strategy" else "right")
+    fmt = lambda s, d=1: "—" if s is None else f"{s['median']:.{d}f} [{s['min']:.{d}f}–{s['max']:.{d}f}]"
+    for s in report["strategies"]:
+        t.add_row(s["label"], fmt(s["tok_s"]), fmt(s["tpf"], 2), fmt(s["accept_rate"], 2),
+                  fmt(s["speedup_vs_ar"], 2), fmt(s["speedup_vs_transformers"], 2),
+                  f"{100 * s['exact_match_vs_ar']:.0f}%")
+    if hf:
+        t.caption = f"transformers generate: {fmt(hf)} tok/s"
+    return t
+
+
+@app.command()
 def demo(
     prompt: str = typer.Option(DEMO_PROMPT, "--prompt"),
     strategies: str = typer.Option("ar,isd", "--strategies", "-s"),
