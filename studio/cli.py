@@ -11,11 +11,13 @@ from typing import Optional
 import typer
 
 from studio.errors import BadInput
+from studio.traces.cli import trace_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="A local studio for parallel decoding of language models.")
 models_app = typer.Typer(no_args_is_help=True, help="List and inspect models.")
 app.add_typer(models_app, name="models")
+app.add_typer(trace_app, name="trace")
 
 DEMO_PROMPT = "Write a numbered list of five fruits."
 

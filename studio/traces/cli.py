@@ -1,0 +1,143 @@
+"""`dlm-studio trace info|export|replay FILE`: a Typer sub-app (registered by studio.cli as `trace`).
+
+Every malformed, truncated or wrong-version trace raises `studio.errors.BadInput` (from
+`studio.events.read_trace`), which the `dlm-studio` entry point prints as one line with exit code 2.
+"""
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from studio.errors import BadInput
+from studio.events import Trace, read_trace, summarize
+
+trace_app = typer.Typer(no_args_is_help=True, add_completion=False,
+                        help="Inspect, export and replay trace files (JSONL, schema dlm-studio.trace/1).")
+
+
+class ExportFormat(str, Enum):
+    parquet = "parquet"
+    perfetto = "perfetto"
+    html = "html"
+    csv = "csv"
+
+
+_ALLOW_TRUNCATED = typer.Option(False, "--allow-truncated",
+                                help="Read a trace without footer (a crashed or killed run) instead of refusing it.")
+
+
+def _read(file: Path, allow_truncated: bool) -> Trace:
+    return read_trace(file, allow_truncated=allow_truncated)
+
+
+def _info_dict(file: Path, t: Trace) -> dict[str, Any]:
+    from studio.viz.stats import acceptance, kind_counts
+
+    computed = summarize(t.events)
+    footer = t.footer
+    mismatch = []
+    if footer is not None:
+        for k in ("n_tokens", "forwards"):
+            if footer.get(k) != computed[k]:
+                mismatch.append(f"{k}: footer {footer.get(k)} vs events {computed[k]}")
+        for k in ("tpf", "accept_rate"):
+            fv = footer.get(k)
+            if fv is not None and abs(fv - computed[k]) > 1e-9:
+                mismatch.append(f"{k}: footer {fv:.6g} vs events {computed[k]:.6g}")
+    acc = acceptance(t.events)
+    return {
+        "file": str(file), "schema": t.header.get("schema"), "truncated": t.footer is None,
+        "header": {k: v for k, v in t.header.items() if k != "kind"},
+        "footer": None if footer is None else {k: v for k, v in footer.items() if k != "kind"},
+        "metrics": {**computed, "mean_acceptance_length": acc.mean_acceptance_length,
+                    "verify_steps": acc.verify_steps},
+        "events": {"total": len(t.events), "by_kind": kind_counts(t.events),
+                   "steps": len({e["step"] for e in t.events})},
+        "footer_mismatch": mismatch,
+    }
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "–" if v is None else format(v, spec)
+
+
+@trace_app.command()
+def info(file: Path = typer.Argument(..., help="A trace file (.jsonl)."),
+         json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
+         allow_truncated: bool = _ALLOW_TRUNCATED) -> None:
+    """Header summary, footer metrics and event counts by kind."""
+    t = _read(file, allow_truncated)
+    d = _info_dict(file, t)
+    if json_out:
+        typer.echo(json.dumps(d, ensure_ascii=False, default=str))
+        return
+    h, f, m = d["header"], d["footer"], d["metrics"]
+    model, tok, prompt = h.get("model", {}), h.get("tokenizer", {}), h.get("prompt", {})
+    params = " ".join(f"{k}={json.dumps(v)}" for k, v in (h.get("params") or {}).items())
+    lines = [
+        f"trace:      {file}  ({d['schema']}{', TRUNCATED' if d['truncated'] else ''})",
+        f"run:        {h.get('run_id')}  created {h.get('created')}",
+        f"strategy:   {h.get('strategy')}   {params}",
+        f"model:      {model.get('name')} ({model.get('arch')}, {model.get('dtype')}, {model.get('device')})"
+        + (f"  adapter {model.get('adapter')}" if model.get("adapter") else ""),
+        f"tokenizer:  {tok.get('name')}  vocab {tok.get('vocab_size')}  eos {tok.get('eos_ids')}  "
+        f"mask {tok.get('mask_id')}",
+        f"seed:       {h.get('seed')}",
+        f"prompt:     {json.dumps(prompt.get('text', ''), ensure_ascii=False)[:200]} "
+        f"({len(prompt.get('token_ids') or [])} tokens)",
+    ]
+    src = f if f is not None else m
+    lines += [
+        f"stop:       {f['stop_reason'] if f else 'truncated (no footer)'}",
+        f"tokens:     {src['n_tokens']}   forwards {src['forwards']}   TPF {_fmt(src['tpf'], '.3f')}   "
+        f"accept {_fmt(src['accept_rate'], '.1%')}   mean acceptance length {_fmt(m['mean_acceptance_length'], '.2f')}",
+        f"by slot:    {' '.join(f'{x:.0%}' for x in src.get('accept_by_pos') or []) or '–'}",
+    ]
+    if f is not None:
+        lines.append(f"speed:      {_fmt(f.get('tok_s'), '.1f')} tok/s   wall {_fmt(f.get('wall_s'), '.3f')} s   "
+                     f"prefill {_fmt(f.get('prefill_s'), '.3f')} s")
+    counts = "  ".join(f"{k} {n}" for k, n in sorted(d["events"]["by_kind"].items()))
+    lines.append(f"events:     {d['events']['total']} in {d['events']['steps']} steps: {counts}")
+    text = src.get("text", "")
+    shown = json.dumps(text if len(text) <= 300 else text[:299] + "…", ensure_ascii=False)
+    lines.append(f"text:       {shown}")
+    for mm in d["footer_mismatch"]:
+        lines.append(f"warning:    footer disagrees with the events: {mm}")
+    typer.echo("\n".join(lines))
+
+
+@trace_app.command()
+def export(file: Path = typer.Argument(..., help="A trace file (.jsonl)."),
+           fmt: ExportFormat = typer.Option(..., "--format", "-f", help="Output format."),
+           out: Optional[Path] = typer.Option(None, "--out", "-o",
+                                              help="Output file (default: FILE with the format's suffix)."),
+           title: Optional[str] = typer.Option(None, "--title", help="HTML report title."),
+           allow_truncated: bool = _ALLOW_TRUNCATED) -> None:
+    """Export to parquet (one row per event), perfetto (Chrome trace JSON), html (offline report) or csv."""
+    from studio.traces.export import default_out
+    from studio.traces.export import export as do_export
+
+    t = _read(file, allow_truncated)
+    target = out if out is not None else default_out(file, fmt.value)
+    if target.resolve() == file.resolve():
+        raise BadInput(f"{target}: refusing to overwrite the trace itself")
+    path = do_export(t, fmt.value, target, title=title)
+    typer.echo(str(path))
+
+
+@trace_app.command()
+def replay(file: Path = typer.Argument(..., help="A trace file (.jsonl)."),
+           speed: float = typer.Option(1.0, "--speed", "-x", min=0.0,
+                                       help="Playback speed vs the recorded timing; 0 = no waiting."),
+           step_delay: Optional[float] = typer.Option(None, "--step-delay", min=0.0,
+                                                      help="Fixed seconds per step (overrides --speed)."),
+           allow_truncated: bool = _ALLOW_TRUNCATED) -> None:
+    """Re-render the run step by step in the terminal: grid rows, the text growing, metrics."""
+    from studio.traces.replay import replay as do_replay
+
+    t = _read(file, allow_truncated)
+    do_replay(t, speed=speed, step_delay=step_delay)

@@ -1,0 +1,338 @@
+"""Plotly figures of a trace: trajectory heatmap, TPF over steps, acceptance by draft slot, acceptance
+length histogram, and a comparison of several runs. Inputs are trace parts (header, events, footer)
+or `studio.events.Trace` objects only; nothing here imports the engine.
+"""
+from __future__ import annotations
+
+import html
+import math
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from studio.events import summarize
+from studio.viz.grid import Grid, TokenText, build_grid
+from studio.viz.palette import HELD_GLYPH, OKABE_ITO, PALETTE, RUN_COLORS, State, tint
+from studio.viz.stats import acceptance, progress, stalled_steps
+
+FONT = "Inter, 'Segoe UI', Roboto, 'Helvetica Neue', Arial, sans-serif"
+_BASE_LAYOUT = dict(template="plotly_white", font=dict(family=FONT, size=13, color="#222222"),
+                    margin=dict(l=70, r=30, t=60, b=50), hoverlabel=dict(font=dict(family="monospace", size=12)))
+
+# Heatmap levels: each (state, held) gets one discrete colour.
+_LEVELS: list[tuple[State, bool]] = [(State.PROPOSED, False), (State.ACCEPTED, False), (State.REJECTED, False),
+                                     (State.RESAMPLED, False), (State.BONUS, False), (State.UNMASKED, False),
+                                     (State.UNMASKED, True), (State.COMMITTED, False)]
+_LEVEL = {k: i for i, k in enumerate(_LEVELS)}
+_ROLE_COLORS = {"prefill": "#9E9E9E", "cold": OKABE_ITO["sky_blue"], "verify": OKABE_ITO["blue"],
+                "draft": OKABE_ITO["orange"], "target": OKABE_ITO["bluish_green"], "commit": "#616161",
+                "jacobi": OKABE_ITO["reddish_purple"], "extend": OKABE_ITO["vermillion"]}
+
+
+def _level_color(state: State, held: bool) -> str:
+    return tint(PALETTE[state][0], 0.55) if held else PALETTE[state][0]
+
+
+def short_token(text: str | None, tok: int | None = None, limit: int = 9) -> str:
+    """A token for an axis label: whitespace made visible (␣ ↵ ⇥), cut to `limit` characters."""
+    if text is None:
+        return f"#{tok}" if tok is not None else ""
+    s = text.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥").replace("\r", "␍") or "∅"
+    return html.escape(s if len(s) <= limit else s[: limit - 1] + "…")
+
+
+def run_label(header: Mapping[str, Any]) -> str:
+    model = header.get("model", {})
+    adapter = f" + {model.get('adapter')}" if model.get("adapter") else ""
+    return f"{header.get('strategy', '?')} · {model.get('name', '?')}{adapter}"
+
+
+def _title(text: str, header: Mapping[str, Any] | None) -> dict[str, Any]:
+    sub = f"<br><sup>{html.escape(run_label(header))}</sup>" if header else ""
+    return dict(text=f"{text}{sub}", x=0.01, xanchor="left")
+
+
+def _empty_note(fig: go.Figure, text: str) -> go.Figure:
+    fig.add_annotation(text=text, showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5,
+                       font=dict(size=14, color="#666666"))
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return fig
+
+
+# -- trajectory heatmap -----------------------------------------------------------------------------
+def trajectory_figure(header: Mapping[str, Any] | None, events: Sequence[Mapping[str, Any]],
+                      footer: Mapping[str, Any] | None = None, *, token_text: TokenText | None = None,
+                      grid: Grid | None = None, max_glyph_cells: int = 8000,
+                      max_hover_cells: int = 40_000) -> go.Figure:
+    """Steps (rows, top to bottom) × output positions (columns); each cell coloured by its state,
+    with the state's glyph in it and a hover with token, p, q, min(1, p/q), confidence."""
+    g = grid or build_grid(header, events, token_text)
+    fig = go.Figure()
+    fig.update_layout(**_BASE_LAYOUT, title=_title("Decoding trajectory: steps × output positions", header))
+    if not g.steps or not g.n_pos:
+        return _empty_note(fig, "no tokens in this trace")
+    n_rows, n_pos = len(g.steps), g.n_pos
+    row_px = 20 if n_rows <= 60 else max(4, min(20, 1300 // n_rows))
+    show_glyphs = n_rows * n_pos <= max_glyph_cells and row_px >= 12
+    # Two layers: committed cells carried over from earlier steps (the bulk of a long run: a plain grey
+    # background, hover only on small grids), and the cells where something happens (glyph + hover).
+    small = n_rows * n_pos <= max_hover_cells
+    xgap = 1 if n_pos <= 300 else 0     # gaps would eat sub-pixel cells of long runs
+    ygap = 1 if row_px >= 8 else 0
+    row_of = {s: i for i, s in enumerate(g.steps)}
+    heads = {s: f"<b>step {s}</b>" + (f" · {g.rows[s].role}" if g.rows[s].role else "") for s in g.steps}
+    bg_z = np.full((n_rows, n_pos), np.nan, dtype=np.float32)  # float32: half the size in the HTML
+    fg_z = np.full((n_rows, n_pos), np.nan, dtype=np.float32)
+    text = [[""] * n_pos for _ in range(n_rows)]
+    hover = [[""] * n_pos for _ in range(n_rows)]
+    bg_hover = [[""] * n_pos for _ in range(n_rows)] if small else None
+    described: dict[int, str] = {}
+    for (step, pos), c in g.cells.items():
+        i = row_of[step]
+        if c.state is State.COMMITTED and not c.emitted:
+            bg_z[i, pos] = 0
+            if bg_hover is not None:
+                d = described.get(id(c))
+                if d is None:
+                    d = described[id(c)] = "<br>".join(html.escape(line) for line in c.describe())
+                bg_hover[i][pos] = f"{heads[step]} · pos {pos}<br>{d}"
+            continue
+        fg_z[i, pos] = _LEVEL[(c.state, c.held and c.state is State.UNMASKED)]
+        if show_glyphs:
+            text[i][pos] = c.glyph
+        hover[i][pos] = f"{heads[step]} · pos {pos}<br>" + "<br>".join(html.escape(line) for line in c.describe())
+    committed = PALETTE[State.COMMITTED][0]
+    fig.add_trace(go.Heatmap(
+        z=bg_z, x=list(range(n_pos)), y=g.steps, colorscale=[[0, committed], [1, committed]], zmin=0, zmax=1,
+        showscale=False, xgap=xgap, ygap=ygap, hoverongaps=False, name="committed",
+        **(dict(hovertext=bg_hover, hovertemplate="%{hovertext}<extra></extra>") if small else dict(hoverinfo="skip"))))
+    n = len(_LEVELS)
+    scale = []
+    for i, (state, held) in enumerate(_LEVELS):
+        col = _level_color(state, held)
+        scale += [[i / n, col], [(i + 1) / n, col]]
+    fig.add_trace(go.Heatmap(
+        z=fg_z, x=list(range(n_pos)), y=g.steps,
+        **(dict(text=text, texttemplate="%{text}", textfont=dict(size=13 if row_px >= 16 else 9)) if show_glyphs else {}),
+        hovertext=hover, hovertemplate="%{hovertext}<extra></extra>",
+        colorscale=scale, zmin=-0.5, zmax=n - 0.5, showscale=False, xgap=xgap, ygap=ygap, hoverongaps=False,
+        name="cells"))
+    # a legend with the glyphs (colour is never the only cue)
+    present = {(c.state, c.held and c.state is State.UNMASKED) for c in g.cells.values()}
+    for state, held in _LEVELS:
+        if held and (state, held) not in present:
+            continue
+        col = _level_color(state, held)
+        glyph = HELD_GLYPH if held else PALETTE[state][1]
+        name = "unmasked, held in block" if held else PALETTE[state][2]
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=f"{glyph}  {name}",
+                                 marker=dict(symbol="square", size=15, color=col, line=dict(color="#555555", width=1)),
+                                 hoverinfo="skip", showlegend=True))
+    last = g.steps[-1]
+    for span in g.blocks:
+        y1 = span.close_step if span.close_step is not None else last
+        fig.add_shape(type="rect", x0=span.start - 0.5, x1=min(span.end, g.n_pos) - 0.5, y0=span.open_step - 0.5,
+                      y1=y1 + 0.5, line=dict(color="#333333", width=1.5, dash="dot"), fillcolor="rgba(0,0,0,0)")
+    if n_rows <= 60:
+        ticktext = [f"{s} {g.rows[s].role or ''}".rstrip() for s in g.steps]
+        fig.update_yaxes(tickmode="array", tickvals=g.steps, ticktext=ticktext)
+        for s in g.steps:
+            k = len(g.rows[s].emitted)
+            if k:
+                fig.add_annotation(x=1.0, xref="paper", xanchor="left", y=s, yref="y", text=f" +{k}",
+                                   showarrow=False, font=dict(size=11, color="#444444"))
+    fig.update_yaxes(title_text="step (forward)", autorange="reversed", showgrid=False, zeroline=False)
+    fig.update_xaxes(title_text="output position", showgrid=False, zeroline=False, side="bottom",
+                     range=[-0.5, g.n_pos - 0.5])
+    if g.n_pos <= 80 and g.final:
+        # each column labelled with its position and final token (whitespace made visible)
+        ticks = [f"{p} {short_token(g.final[p].text, g.final[p].tok)}" if p in g.final else str(p)
+                 for p in range(g.n_pos)]
+        fig.update_xaxes(tickmode="array", tickvals=list(range(g.n_pos)), ticktext=ticks, tickangle=-60,
+                         tickfont=dict(family="DejaVu Sans Mono, Menlo, Consolas, monospace", size=11),
+                         title_text="output position and final token")
+    fig.update_layout(height=max(340, row_px * n_rows + 240), plot_bgcolor="#FFFFFF",
+                      legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="left", x=0.0,
+                                  font=dict(size=13), itemsizing="constant"),
+                      margin=dict(l=90, r=45, t=130, b=110 if g.n_pos <= 80 and g.final else 50))
+    return fig
+
+
+# -- TPF over steps ---------------------------------------------------------------------------------
+def tpf_figure(header: Mapping[str, Any] | None, events: Sequence[Mapping[str, Any]],
+               footer: Mapping[str, Any] | None = None) -> go.Figure:
+    """Tokens emitted by each forward (bars, coloured by forward role) and the running TPF (line).
+    One y axis: both are tokens per forward (a step is one forward)."""
+    pts = progress(events)
+    fig = go.Figure()
+    fig.update_layout(**_BASE_LAYOUT, title=_title("Tokens per forward", header))
+    if not pts:
+        return _empty_note(fig, "no events")
+    roles = list(dict.fromkeys(p.role or "(none)" for p in pts))
+    for role in roles:
+        sel = [p for p in pts if (p.role or "(none)") == role]
+        if not any(p.emitted for p in sel):
+            continue  # e.g. diffusion draft forwards: their tokens show as "unmasked" below
+        fig.add_trace(go.Bar(
+            x=[p.step for p in sel], y=[p.emitted for p in sel], name=f"emitted by a {role} forward",
+            marker=dict(color=_ROLE_COLORS.get(role, "#888888"), line=dict(width=0)),
+            customdata=[[p.wall_ms or 0.0, p.tokens] for p in sel],
+            hovertemplate="step %{x}<br>%{y} token(s) emitted<br>forward %{customdata[0]:.1f} ms"
+                          "<br>total %{customdata[1]}<extra>" + role + "</extra>"))
+    if any(p.unmasked for p in pts):
+        fig.add_trace(go.Bar(
+            x=[p.step for p in pts], y=[p.unmasked for p in pts], name="◆ unmasked in a block (emitted later)",
+            marker=dict(color=tint(PALETTE[State.UNMASKED][0], 0.35), pattern=dict(shape="/", fgcolor="#FFFFFF"),
+                        line=dict(width=0)),
+            hovertemplate="step %{x}<br>%{y} token(s) unmasked, not yet emitted<extra></extra>"))
+    stalled = stalled_steps(pts)
+    if stalled:
+        fig.add_trace(go.Scatter(x=[p.step for p in stalled], y=[0] * len(stalled), mode="markers",
+                                 name="✗ forward with no progress", cliponaxis=False,
+                                 marker=dict(symbol="x", size=12, color=OKABE_ITO["vermillion"],
+                                             line=dict(width=1, color="#FFFFFF")),
+                                 hovertemplate="step %{x}: a forward that changed nothing<extra></extra>"))
+    run = [p for p in pts if p.tpf is not None]
+    fig.add_trace(go.Scatter(x=[p.step for p in run], y=[p.tpf for p in run], mode="lines",
+                             name="running TPF (tokens / forwards so far)", line=dict(color="#000000", width=2.5),
+                             hovertemplate="step %{x}<br>running TPF %{y:.3f}<extra></extra>"))
+    final = footer.get("tpf") if footer else (run[-1].tpf if run else None)
+    if final is not None:
+        fig.add_hline(y=final, line=dict(color="#000000", width=1, dash="dot"),
+                      annotation_text=f"final TPF {final:.3f}", annotation_position="top left",
+                      annotation_font=dict(size=12))
+    top = max([p.emitted + p.unmasked for p in pts] + [p.tpf for p in run] + [1])
+    fig.update_yaxes(title_text="tokens per forward", range=[0, top * 1.18], rangemode="tozero")
+    fig.update_xaxes(title_text="step (forward index)")
+    fig.update_layout(height=420, barmode="stack", bargap=0.15, margin=dict(l=70, r=30, t=60, b=110),
+                      legend=dict(orientation="h", yanchor="top", y=-0.2, xanchor="left", x=0.0))
+    return fig
+
+
+# -- acceptance -------------------------------------------------------------------------------------
+def acceptance_by_position_figure(header: Mapping[str, Any] | None, events: Sequence[Mapping[str, Any]],
+                                  footer: Mapping[str, Any] | None = None) -> go.Figure:
+    """Acceptance rate per draft slot (slot k = k-th verified draft of a verify step)."""
+    acc = acceptance(events)
+    fig = go.Figure()
+    fig.update_layout(**_BASE_LAYOUT, title=_title("Acceptance by draft position", header))
+    if not acc.verified:
+        return _empty_note(fig, "no drafts were verified in this run")
+    xs = [f"slot {k + 1}" for k in range(len(acc.by_pos))]
+    fig.add_trace(go.Bar(
+        x=xs, y=acc.by_pos, marker=dict(color=PALETTE[State.ACCEPTED][0], line=dict(color="#333333", width=1)),
+        text=[f"{a}/{v}" for a, v in zip(acc.accepted_by_pos, acc.verified_by_pos)], textposition="outside",
+        hovertemplate="%{x}<br>accepted %{text}<br>rate %{y:.1%}<extra></extra>", name="accept rate"))
+    fig.add_hline(y=acc.rate, line=dict(color="#000000", width=1, dash="dot"),
+                  annotation_text=f"overall {acc.rate:.1%}", annotation_position="top right")
+    fig.update_yaxes(title_text="accepted / verified", range=[0, 1.15], tickformat=".0%")
+    fig.update_xaxes(title_text="draft slot (in verification order)")
+    fig.update_layout(height=340, showlegend=False)
+    return fig
+
+
+def acceptance_length_figure(header: Mapping[str, Any] | None, events: Sequence[Mapping[str, Any]],
+                             footer: Mapping[str, Any] | None = None) -> go.Figure:
+    """Histogram over verify steps of the number of drafts accepted in that step."""
+    acc = acceptance(events)
+    fig = go.Figure()
+    al = acc.mean_acceptance_length
+    fig.update_layout(**_BASE_LAYOUT, title=_title("Accepted drafts per verify step", header))
+    if al is not None:
+        fig.add_annotation(text=f"mean acceptance length {al:.2f}<br>(accepted + 1 correction/bonus)",
+                           xref="paper", yref="paper", x=1.0, y=1.0, xanchor="right", yanchor="top",
+                           showarrow=False, align="right", font=dict(size=12, color="#333333"))
+    if not acc.verify_steps:
+        return _empty_note(fig, "no verify steps in this run")
+    hist = acc.histogram()
+    fig.add_trace(go.Bar(x=list(hist), y=list(hist.values()), text=list(hist.values()), textposition="outside",
+                         marker=dict(color=OKABE_ITO["blue"], line=dict(color="#333333", width=1)),
+                         hovertemplate="%{x} accepted<br>%{y} verify step(s)<extra></extra>"))
+    fig.update_xaxes(title_text="drafts accepted in one verify step", dtick=1)
+    top = max(hist.values())
+    fig.update_yaxes(title_text="verify steps", range=[0, top * 1.2 + 0.5], dtick=max(1, math.ceil(top / 6)))
+    fig.update_layout(height=340, showlegend=False)
+    return fig
+
+
+# -- several runs -----------------------------------------------------------------------------------
+def trace_metrics(trace: Any) -> dict[str, Any]:
+    """Footer metrics (computed from events when the trace is truncated) plus mean acceptance length."""
+    m = dict(summarize(trace.events))
+    if trace.footer:
+        m.update({k: v for k, v in trace.footer.items() if k != "kind"})
+    else:
+        m.update(stop_reason="truncated", wall_s=None, tok_s=None, prefill_s=None)
+    acc = acceptance(trace.events)
+    m["mean_acceptance_length"] = acc.mean_acceptance_length
+    m["verified"] = acc.verified
+    if not acc.verified:
+        m["accept_rate"] = None  # nothing was verified: a rate of 0 would read as "every draft rejected"
+    return m
+
+
+def unique_labels(traces: Sequence[Any]) -> list[str]:
+    labels = [t.header.get("strategy", "?") for t in traces]
+    seen: dict[str, int] = {}
+    out = []
+    for lab in labels:
+        if labels.count(lab) > 1:
+            seen[lab] = seen.get(lab, 0) + 1
+            lab = f"{lab} #{seen[lab]}"
+        out.append(lab)
+    return out
+
+
+def comparison_figure(traces: Sequence[Any]) -> go.Figure:
+    """TPF, acceptance and tok/s bars per run, and cumulative tokens vs forwards (one line per run)."""
+    labels = unique_labels(traces)
+    metrics = [trace_metrics(t) for t in traces]
+    colors = [RUN_COLORS[i % len(RUN_COLORS)] for i in range(len(traces))]
+    fig = make_subplots(rows=2, cols=2, vertical_spacing=0.16, horizontal_spacing=0.1,
+                        subplot_titles=("Tokens per forward (TPF)", "Draft acceptance rate",
+                                        "Decode speed (tok/s)", "Tokens vs forwards"))
+    fig.update_layout(**_BASE_LAYOUT)
+    fig.update_layout(title=dict(text="Comparison", x=0.01, xanchor="left"))
+
+    def bars(key: str, row: int, col: int, fmt: str) -> None:
+        ys = [m.get(key) for m in metrics]
+        fig.add_trace(go.Bar(x=labels, y=[y if y is not None else 0 for y in ys], marker_color=colors,
+                             text=["n/a" if y is None else format(y, fmt) for y in ys], textposition="outside",
+                             showlegend=False, hovertemplate="%{x}<br>%{text}<extra>" + key + "</extra>"),
+                      row=row, col=col)
+        top = max([y for y in ys if y is not None] + [1e-9])
+        fig.update_yaxes(range=[0, top * 1.25], row=row, col=col)
+
+    bars("tpf", 1, 1, ".2f")
+    bars("accept_rate", 1, 2, ".1%")
+    bars("tok_s", 2, 1, ".1f")
+    fig.update_yaxes(tickformat=".0%", row=1, col=2)
+    top = 1
+    for lab, t, c in zip(labels, traces, colors):
+        pts = progress(t.events)
+        xs = [0] + [p.forwards for p in pts]
+        ys = [pts[0].tokens - pts[0].emitted if pts else 0] + [p.tokens for p in pts]
+        top = max(top, xs[-1])
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=lab, line=dict(color=c, width=2.5), line_shape="hv",
+                                 hovertemplate=lab + "<br>%{x} forwards<br>%{y} tokens<extra></extra>"), row=2, col=2)
+    fig.add_trace(go.Scatter(x=[0, top], y=[0, top], mode="lines", name="1 token / forward",
+                             line=dict(color="#888888", dash="dot", width=1), hoverinfo="skip"), row=2, col=2)
+    fig.update_xaxes(title_text="forwards (prefill excluded)", row=2, col=2)
+    fig.update_yaxes(title_text="tokens emitted", row=2, col=2)
+    fig.update_layout(height=720, legend=dict(orientation="h", yanchor="top", y=-0.08, xanchor="right", x=1.0))
+    return fig
+
+
+def run_figures(header: Mapping[str, Any] | None, events: Sequence[Mapping[str, Any]],
+                footer: Mapping[str, Any] | None = None, *, token_text: TokenText | None = None,
+                grid: Grid | None = None) -> dict[str, go.Figure]:
+    """All single-run figures, by name."""
+    return {
+        "trajectory": trajectory_figure(header, events, footer, token_text=token_text, grid=grid),
+        "tpf": tpf_figure(header, events, footer),
+        "acceptance_by_position": acceptance_by_position_figure(header, events, footer),
+        "acceptance_length": acceptance_length_figure(header, events, footer),
+    }

@@ -1,0 +1,397 @@
+"""The trajectory grid: forward steps × output positions, built from trace events only.
+
+Rows are steps (forward index, 0 = prefill), columns are output positions (0 = first new token).
+A cell is the state of that position at that step: the strongest event that touched it at that step
+(resample > reject > bonus > accept > unmask > propose), or `committed` once the position was emitted
+(from its emit step on, unless an event at that step says more). An unmasked token still waiting in
+a block is carried over as `unmasked` with `held=True` until it is emitted (or a reject/resample at
+or before its position invalidates it).
+
+Every consumer (plotly figures, Rich/plain text, the TUI, HTML) renders this one structure.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Mapping
+
+from studio.viz.palette import PRIORITY, State, glyph, label
+
+TokenText = Callable[[int], str]
+
+
+@dataclass
+class Cell:
+    state: State
+    tok: int | None = None          # the token now at this position (draft, accepted, resampled, ...)
+    text: str | None = None         # its text (from emit text, else token_text, else None)
+    p: float | None = None          # target/verifier probability of the verified token
+    q: float | None = None          # draft/proposal probability
+    conf: float | None = None       # diffusion confidence (unmask)
+    draft_tok: int | None = None    # a rejected draft token (the resample replaced it)
+    draft_text: str | None = None
+    src: str | None = None          # proposal source (mask, draft_model, jacobi, ngram, diffusion)
+    kinds: tuple[str, ...] = ()     # event kinds that touched the position at this step, in order
+    emitted: bool = False           # emitted (became final output) at this very step
+    held: bool = False              # carried-over unmasked token (no event at this step)
+    committed_step: int | None = None  # the step it was emitted at (committed cells, final tokens)
+
+    @property
+    def ratio(self) -> float | None:
+        """Acceptance ratio min(1, p/q) of a verified draft (None when p or q is unknown)."""
+        if self.p is None or self.q is None or "accept" not in self.kinds and "reject" not in self.kinds:
+            return None
+        return 1.0 if self.q <= 0 else min(1.0, self.p / self.q)
+
+    @property
+    def glyph(self) -> str:
+        return glyph(self.state, self.held)
+
+    def describe(self) -> list[str]:
+        """Human-readable lines (hover text, TUI inspector)."""
+        lines = [f"{self.glyph} {label(self.state)}" + (" (held: not yet emitted)" if self.held else "")]
+        if self.tok is not None:
+            lines.append(f"token {self.tok}" + (f" {show_text(self.text)}" if self.text is not None else ""))
+        if self.draft_tok is not None:
+            lines.append(f"rejected draft {self.draft_tok}"
+                         + (f" {show_text(self.draft_text)}" if self.draft_text is not None else ""))
+        probs = [f"{k}={_fmt(v)}" for k, v in (("p", self.p), ("q", self.q)) if v is not None]
+        if self.ratio is not None:
+            probs.append(f"min(1,p/q)={_fmt(self.ratio)}")
+        if probs:
+            lines.append("  ".join(probs))
+        if self.conf is not None:
+            lines.append(f"confidence {_fmt(self.conf)}")
+        if self.src:
+            lines.append(f"proposed by {self.src}")
+        if self.emitted:
+            lines.append("emitted at this step")
+        elif self.committed_step is not None and self.state is State.COMMITTED:
+            lines.append(f"committed at step {self.committed_step}")
+        if len(self.kinds) > 1:
+            lines.append("events: " + ", ".join(self.kinds))
+        return lines
+
+
+@dataclass
+class Row:
+    """What happened at one step, besides the cells."""
+    step: int
+    role: str | None = None          # forward role ("prefill", "verify", ...); None: no forward event
+    n_tokens: int = 0                # rows in the forward
+    lora_rows: int = 0
+    wall_ms: float | None = None     # forward time (summed if a step has several forward events)
+    ms: float | None = None          # time of the step's last event, since run start
+    n_forwards: int = 0
+    emitted: list[int] = field(default_factory=list)  # token ids emitted at this step
+    text: str = ""                   # their text
+    route: dict[str, Any] | None = None
+    kv: list[dict[str, Any]] = field(default_factory=list)
+    blocks: list[dict[str, Any]] = field(default_factory=list)
+    n_events: int = 0
+
+
+@dataclass
+class BlockSpan:
+    start: int
+    end: int                 # exclusive
+    open_step: int
+    close_step: int | None   # None: still open at the end of the trace
+
+
+@dataclass
+class Segment:
+    """A piece of the final text with the provenance of its token(s), for per-token colouring."""
+    text: str
+    positions: tuple[int, ...]
+    state: State
+    step: int
+
+
+@dataclass
+class Grid:
+    steps: list[int]
+    n_pos: int
+    cells: dict[tuple[int, int], Cell]   # only non-empty cells
+    rows: dict[int, Row] = field(default_factory=dict)
+    blocks: list[BlockSpan] = field(default_factory=list)
+    final: dict[int, Cell] = field(default_factory=dict)   # emitted positions: token, text, provenance
+    segments: list[Segment] = field(default_factory=list)
+
+    def cell(self, step: int, pos: int) -> Cell:
+        return self.cells.get((step, pos)) or _EMPTY
+
+    def state(self, step: int, pos: int) -> State:
+        return self.cell(step, pos).state
+
+    def states(self) -> dict[tuple[int, int], State]:
+        return {k: c.state for k, c in self.cells.items()}
+
+    def row_cells(self, step: int) -> list[Cell]:
+        return [self.cell(step, p) for p in range(self.n_pos)]
+
+    @property
+    def text(self) -> str:
+        return "".join(s.text for s in self.segments)
+
+
+_EMPTY = Cell(State.EMPTY)
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.3g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"
+
+
+def show_text(text: str | None) -> str:
+    """A token's text with whitespace made visible (a JSON string literal), or '?' if unknown."""
+    return "?" if text is None else json.dumps(text, ensure_ascii=False)
+
+
+# -- token texts ------------------------------------------------------------------------------------
+def _token_texts(emits: list[Mapping[str, Any]]) -> tuple[dict[int, str], dict[int, str]]:
+    """Per-position and per-id texts from emit events.
+
+    An emit's `text` covers all its tokens; per-token texts are known when the emit carries
+    `pieces` (a list of str, one per token: an optional extra field), when it has one token, or by
+    elimination: a multi-token emit where all tokens but one have a known text (from elsewhere in the
+    trace) and the known ones match the text's prefix/suffix. Repeated to a fixpoint.
+    """
+    pos_text: dict[int, str] = {}
+    id_text: dict[int, str] = {}
+    pending: list[Mapping[str, Any]] = []
+    for e in emits:
+        pieces = e.get("pieces")
+        if isinstance(pieces, list) and len(pieces) == len(e["tok"]) and all(isinstance(x, str) for x in pieces):
+            pass
+        elif len(e["tok"]) == 1:
+            pieces = [e["text"]]
+        else:
+            pending.append(e)
+            continue
+        for p, t, s in zip(e["pos"], e["tok"], pieces):
+            pos_text[p] = s
+            id_text.setdefault(t, s)
+    progress = True
+    while pending and progress:
+        progress = False
+        rest = []
+        for e in pending:
+            toks, text = e["tok"], e["text"]
+            unknown = [i for i, t in enumerate(toks) if t not in id_text]
+            if len(unknown) > 1:
+                rest.append(e)
+                continue
+            if not unknown:
+                pieces = [id_text[t] for t in toks]
+                if "".join(pieces) != text:
+                    continue  # context-dependent decoding: leave these positions to the id table
+            else:
+                k = unknown[0]
+                pre = "".join(id_text[t] for t in toks[:k])
+                suf = "".join(id_text[t] for t in toks[k + 1:])
+                if not (text.startswith(pre) and text.endswith(suf) and len(pre) + len(suf) <= len(text)):
+                    continue
+                middle = text[len(pre):len(text) - len(suf)]
+                pieces = [id_text[t] if i != k else middle for i, t in enumerate(toks)]
+                id_text[toks[k]] = middle
+                progress = True
+            for p, s in zip(e["pos"], pieces):
+                pos_text[p] = s
+        pending = rest
+    return pos_text, id_text
+
+
+# -- the grid ---------------------------------------------------------------------------------------
+_EVENT_STATE = {"propose": State.PROPOSED, "accept": State.ACCEPTED, "reject": State.REJECTED,
+                "resample": State.RESAMPLED, "bonus": State.BONUS, "unmask": State.UNMASKED}
+_PROVENANCE = (State.ACCEPTED, State.RESAMPLED, State.BONUS, State.UNMASKED)
+
+
+def _as_list(v: Any) -> list:
+    return v if isinstance(v, list) else [v]
+
+
+def _at(values: Any, i: int) -> Any:
+    if isinstance(values, list):
+        return values[i] if i < len(values) else None
+    return values
+
+
+def build_grid(header: Mapping[str, Any] | None, events: Iterable[Mapping[str, Any]],
+               token_text: TokenText | None = None) -> Grid:
+    """Build the trajectory grid from a trace's events (header is accepted for symmetry and future
+    use; nothing in it is needed today). `token_text(id) -> str` decodes ids that no emit names."""
+    events = list(events)
+    by_step: dict[int, list[Mapping[str, Any]]] = {}
+    n_pos = 0
+    for e in events:
+        by_step.setdefault(e["step"], []).append(e)
+        if "pos" in e and e["t"] != "block":
+            ps = _as_list(e["pos"])
+            if ps:
+                n_pos = max(n_pos, max(ps) + 1)
+    steps = sorted(by_step)
+    pos_text, id_text = _token_texts([e for e in events if e["t"] == "emit"])
+    emitted_tok: dict[int, int] = {}
+    for e in events:
+        if e["t"] == "emit":
+            for p, t in zip(e["pos"], e["tok"]):
+                emitted_tok[p] = t
+
+    decode_cache: dict[int, str | None] = {}
+
+    def text_of(pos: int | None, tok: int | None) -> str | None:
+        if tok is None:
+            return None
+        if pos is not None and pos in pos_text and emitted_tok.get(pos) == tok:
+            return pos_text[pos]
+        if tok in id_text:
+            return id_text[tok]
+        if token_text is not None:
+            if tok not in decode_cache:
+                try:
+                    decode_cache[tok] = token_text(tok)
+                except Exception:  # a decoder that cannot handle an id must not break a viewer
+                    decode_cache[tok] = None
+            return decode_cache[tok]
+        return None
+
+    cells: dict[tuple[int, int], Cell] = {}
+    rows: dict[int, Row] = {}
+    blocks: list[BlockSpan] = []
+    open_blocks: list[BlockSpan] = []
+    committed: dict[int, Cell] = {}   # pos -> the shared committed cell shown after its emit step
+    held: dict[int, Cell] = {}        # pos -> unmasked, not yet emitted
+    final: dict[int, Cell] = {}
+    segments: list[Segment] = []
+
+    for step in steps:
+        row = rows[step] = Row(step)
+        touched: dict[int, dict[str, Any]] = {}
+        emitted_now: dict[int, int] = {}
+        emits_now: list[Mapping[str, Any]] = []
+
+        def touch(pos: int, kind: str, **info: Any) -> None:
+            st = _EVENT_STATE[kind]
+            c = touched.setdefault(pos, {"state": None, "kinds": []})
+            c["kinds"].append(kind)
+            if kind == "reject":
+                c["draft_tok"] = info.pop("tok")
+            if "tok" in info and (c["state"] is None or PRIORITY[st] >= PRIORITY[c["state"]]):
+                c["tok"] = info.pop("tok")
+            info.pop("tok", None)
+            c.update((k, v) for k, v in info.items() if v is not None)
+            if c["state"] is None or PRIORITY[st] > PRIORITY[c["state"]]:
+                c["state"] = st
+
+        for e in by_step[step]:
+            t = e["t"]
+            row.n_events += 1
+            row.ms = e["ms"] if row.ms is None or (e["ms"] is not None and e["ms"] > row.ms) else row.ms
+            if t == "forward":
+                row.n_forwards += 1
+                if row.role is None:
+                    row.role = e["role"]
+                row.n_tokens += e["n_tokens"]
+                row.lora_rows += e["lora_rows"]
+                if e["wall_ms"] is not None:
+                    row.wall_ms = (row.wall_ms or 0.0) + e["wall_ms"]
+            elif t == "propose":
+                for i, p in enumerate(e["pos"]):
+                    touch(p, t, tok=e["tok"][i], q=_at(e["q"], i), src=e["src"])
+            elif t == "accept":
+                for i, p in enumerate(e["pos"]):
+                    touch(p, t, tok=e["tok"][i], p=_at(e["p"], i), q=_at(e["q"], i))
+            elif t == "reject":
+                touch(e["pos"], t, tok=e["tok"], p=e["p"], q=e["q"])
+            elif t in ("resample", "bonus"):
+                touch(e["pos"], t, tok=e["tok"])
+            elif t == "unmask":
+                for i, p in enumerate(e["pos"]):
+                    touch(p, t, tok=e["tok"][i], conf=_at(e["conf"], i))
+            elif t == "emit":
+                emits_now.append(e)
+                for p, tok in zip(e["pos"], e["tok"]):
+                    emitted_now[p] = tok
+                row.emitted.extend(e["tok"])
+                row.text += e["text"]
+            elif t == "block":
+                row.blocks.append(dict(e))
+                if e["op"] == "open":
+                    span = BlockSpan(e["start"], e["end"], step, None)
+                    blocks.append(span)
+                    open_blocks.append(span)
+                else:
+                    for span in open_blocks:
+                        if span.start == e["start"] and span.end == e["end"]:
+                            span.close_step = step
+                            open_blocks.remove(span)
+                            break
+                    else:  # a close without a matching open: still show the span
+                        blocks.append(BlockSpan(e["start"], e["end"], step, step))
+            elif t == "route":
+                row.route = {"verify": e["verify"], "score": e["score"], "policy": e["policy"]}
+            elif t == "kv":
+                row.kv.append({"op": e["op"], "from_len": e["from_len"], "to_len": e["to_len"]})
+            # unknown kinds (a future minor version) are ignored here
+
+        # cells touched at this step
+        for pos, c in touched.items():
+            state = c["state"]
+            tok = c.get("tok", emitted_now.get(pos))
+            emitted = pos in emitted_now
+            if emitted and state is State.PROPOSED:
+                state = State.COMMITTED
+            if emitted:
+                tok = emitted_now[pos]
+            draft = c.get("draft_tok")
+            cell = Cell(state, tok=tok, text=text_of(pos, tok), p=c.get("p"), q=c.get("q"), conf=c.get("conf"),
+                        draft_tok=draft, draft_text=text_of(None, draft), src=c.get("src"),
+                        kinds=tuple(c["kinds"]) + (("emit",) if emitted else ()), emitted=emitted,
+                        committed_step=step if emitted else None)
+            cells[(step, pos)] = cell
+            if state is State.UNMASKED and not emitted:
+                held[pos] = cell
+            elif state in (State.REJECTED, State.RESAMPLED):
+                # a rejection invalidates this position and every held token after it
+                for p in [p for p in held if p >= pos]:
+                    del held[p]
+        # emitted without another event at this step
+        for pos, tok in emitted_now.items():
+            if pos not in touched:
+                cells[(step, pos)] = Cell(State.COMMITTED, tok=tok, text=text_of(pos, tok), kinds=("emit",),
+                                          emitted=True, committed_step=step)
+        # provenance of what became final at this step
+        for pos, tok in emitted_now.items():
+            here = cells[(step, pos)]
+            if here.state in _PROVENANCE:
+                prov, src = here.state, here
+            elif pos in held and held[pos].tok == tok:
+                prov, src = State.UNMASKED, held[pos]
+            else:
+                prov, src = State.COMMITTED, here
+            final[pos] = replace(src, state=prov, tok=tok, text=text_of(pos, tok), emitted=True, held=False,
+                                 committed_step=step)
+            held.pop(pos, None)
+            committed[pos] = Cell(State.COMMITTED, tok=tok, text=text_of(pos, tok), committed_step=step)
+        # carried-over cells: committed positions and held unmasked tokens not touched this step
+        for pos, cell in committed.items():
+            if (step, pos) not in cells:
+                cells[(step, pos)] = cell
+        for pos, cell in held.items():
+            if (step, pos) not in cells:
+                cells[(step, pos)] = replace(cell, held=True, kinds=(), emitted=False)
+        # text segments, one per token when the token's text is known, else one per emit event
+        for e in emits_now:
+            toks, ps = e["tok"], e["pos"]
+            if all(p in pos_text for p in ps) and "".join(pos_text[p] for p in ps) == e["text"]:
+                for p in ps:
+                    segments.append(Segment(pos_text[p], (p,), final[p].state, step))
+            elif ps:
+                counts = Counter(final[p].state for p in ps)
+                top = max(counts.items(), key=lambda kv: (kv[1], PRIORITY[kv[0]]))[0]
+                segments.append(Segment(e["text"], tuple(ps), top, step))
+            elif e["text"]:
+                segments.append(Segment(e["text"], (), State.COMMITTED, step))
+    return Grid(steps=steps, n_pos=n_pos, cells=cells, rows=rows, blocks=blocks, final=final, segments=segments)

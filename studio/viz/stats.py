@@ -1,0 +1,169 @@
+"""Per-step series derived from events (DESIGN §2.3 definitions, the same as `studio.events.summarize`).
+
+No plotly here: the figures, the HTML report, Perfetto counters and the TUI all use these series.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+
+@dataclass
+class StepPoint:
+    step: int
+    role: str | None          # the step's forward role (None: no forward event at this step)
+    ms: float | None          # the step's last event time
+    wall_ms: float | None     # forward time
+    emitted: int              # tokens emitted at this step
+    unmasked: int             # tokens unmasked at this step and not emitted at it (emitted later)
+    progressed: bool          # the step emitted, unmasked, proposed or verified something
+    tokens: int               # cumulative emitted tokens
+    forwards: int             # cumulative forwards (prefill excluded, as in summarize)
+    tpf: float | None         # running TPF = tokens / forwards (None before the first forward)
+    accepted: int             # cumulative accepted drafts
+    verified: int             # cumulative verified drafts
+    accept_rate: float | None  # running acceptance (None before anything was verified)
+    kv_len: int | None        # KV length after the step's last kv event
+
+
+@dataclass
+class Acceptance:
+    verified_by_pos: list[int] = field(default_factory=list)
+    accepted_by_pos: list[int] = field(default_factory=list)
+    per_verify_step: dict[int, int] = field(default_factory=dict)   # step -> accepted drafts in it
+    drafted_per_verify_step: dict[int, int] = field(default_factory=dict)  # step -> verified drafts
+
+    @property
+    def accepted(self) -> int:
+        return sum(self.accepted_by_pos)
+
+    @property
+    def verified(self) -> int:
+        return sum(self.verified_by_pos)
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.verified if self.verified else 0.0
+
+    @property
+    def by_pos(self) -> list[float]:
+        return [a / v for a, v in zip(self.accepted_by_pos, self.verified_by_pos)]
+
+    @property
+    def verify_steps(self) -> int:
+        return len(self.per_verify_step)
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """1 + accepted / verify steps (the bonus/correction token counted, vLLM convention)."""
+        return 1 + self.accepted / self.verify_steps if self.verify_steps else None
+
+    def histogram(self) -> dict[int, int]:
+        """{accepted drafts in one verify step: number of verify steps} (AIPerf style), dense from 0."""
+        counts = Counter(self.per_verify_step.values())
+        top = max(counts, default=-1)
+        return {k: counts.get(k, 0) for k in range(top + 1)}
+
+
+def acceptance(events: Iterable[Mapping[str, Any]]) -> Acceptance:
+    """Acceptance counts; a chain is one step's accepted + rejected positions, slot = rank by pos."""
+    chains: dict[int, list[tuple[int, bool]]] = {}
+    for e in events:
+        if e["t"] == "accept":
+            chains.setdefault(e["step"], []).extend((p, True) for p in e["pos"])
+        elif e["t"] == "reject":
+            chains.setdefault(e["step"], []).append((e["pos"], False))
+    out = Acceptance()
+    for step in sorted(chains):
+        chain = sorted(chains[step])
+        for k, (_, ok) in enumerate(chain):
+            if k == len(out.verified_by_pos):
+                out.verified_by_pos.append(0)
+                out.accepted_by_pos.append(0)
+            out.verified_by_pos[k] += 1
+            out.accepted_by_pos[k] += ok
+        out.per_verify_step[step] = sum(ok for _, ok in chain)
+        out.drafted_per_verify_step[step] = len(chain)
+    return out
+
+
+def progress(events: Iterable[Mapping[str, Any]]) -> list[StepPoint]:
+    """One point per step present in the events, in step order (events are in step order in a trace)."""
+    by_step: dict[int, list[Mapping[str, Any]]] = {}
+    for e in events:
+        by_step.setdefault(e["step"], []).append(e)
+    out: list[StepPoint] = []
+    tokens = forwards = accepted = verified = 0
+    kv_len: int | None = None
+    for step in sorted(by_step):
+        role = None
+        wall = None
+        ms = None
+        emitted = 0
+        unmasked: set[int] = set()
+        emitted_pos: set[int] = set()
+        progressed = False
+        for e in by_step[step]:
+            t = e["t"]
+            if e["ms"] is not None and (ms is None or e["ms"] > ms):
+                ms = e["ms"]
+            if t == "forward":
+                role = role or e["role"]
+                forwards += e["role"] != "prefill"
+                if e["wall_ms"] is not None:
+                    wall = (wall or 0.0) + e["wall_ms"]
+            elif t == "emit":
+                emitted += len(e["tok"])
+                emitted_pos.update(e["pos"])
+                progressed = progressed or bool(e["tok"])
+            elif t == "accept":
+                accepted += len(e["pos"])
+                verified += len(e["pos"])
+                progressed = True
+            elif t == "reject":
+                verified += 1
+                progressed = True
+            elif t == "unmask":
+                unmasked.update(e["pos"])
+                progressed = progressed or bool(e["pos"])
+            elif t in ("propose", "resample", "bonus"):
+                progressed = True
+            elif t == "kv":
+                kv_len = e["to_len"]
+        tokens += emitted
+        out.append(StepPoint(step, role, ms, wall, emitted, len(unmasked - emitted_pos), progressed, tokens, forwards,
+                             tokens / forwards if forwards else None, accepted, verified,
+                             accepted / verified if verified else None, kv_len))
+    return out
+
+
+def stalled_steps(points: list[StepPoint]) -> list[StepPoint]:
+    """Forward steps (prefill excluded) that made no progress at all (Fast-dLLM #42-style stalls)."""
+    return [p for p in points if p.role not in (None, "prefill") and not p.progressed]
+
+
+def kind_counts(events: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    return dict(Counter(e["t"] for e in events))
+
+
+def diagnostics(events: list[Mapping[str, Any]], strategy: str | None = None) -> list[str]:
+    """Plain-language flags a user would want to see (anchors §8.7): stalls, no parallelism, drop-off.
+    `strategy` (the header's) silences the TPF ≈ 1 flag for plain AR, where it is expected."""
+    notes: list[str] = []
+    pts = progress(events)
+    stalled = [p.step for p in stalled_steps(pts)]
+    if stalled:
+        shown = ", ".join(map(str, stalled[:12])) + (" …" if len(stalled) > 12 else "")
+        notes.append(f"{len(stalled)} forward(s) made no progress: nothing emitted, unmasked, proposed or "
+                     f"verified (steps {shown}).")
+    if strategy != "ar" and pts and pts[-1].forwards >= 4 and pts[-1].tpf is not None and pts[-1].tpf < 1.1:
+        notes.append(f"Parallelism collapsed: TPF {pts[-1].tpf:.2f} ≈ 1 token per forward "
+                     "(plain AR speed at best).")
+    acc = acceptance(events)
+    if acc.verified and acc.accepted == 0:
+        notes.append(f"No draft was accepted ({acc.verified} verified): the drafter and target disagree.")
+    by = acc.by_pos
+    if len(by) >= 2 and acc.verified_by_pos[0] >= 5 and by[0] > 0.2 and by[-1] < by[0] / 2:
+        notes.append(f"Acceptance falls off by draft slot: {by[0]:.0%} at slot 0, {by[-1]:.0%} at slot {len(by) - 1}.")
+    return notes

@@ -1,0 +1,121 @@
+"""Terminal renderers of the trajectory grid: plain text (pipes, logs, NO_COLOR) and Rich.
+
+One line per step: step number, forward role, one glyph per output position, tokens emitted:
+
+       3 verify   ■■■✓✓↻○○○·  +3 " apple, b"
+
+Glyphs (see `studio.viz.palette`) carry the state on their own; Rich adds the palette colours.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from studio.viz.grid import Grid, show_text
+from studio.viz.palette import PALETTE, RICH_FG, RICH_STYLE, RICH_TEXT, TEXT_CUE, State, legend_text
+
+if TYPE_CHECKING:
+    from rich.text import Text
+
+ELLIPSIS = "…"
+
+
+def _window(grid: Grid, step: int, width: int | None) -> tuple[int, int]:
+    """Columns [lo, hi) to show for one step: everything when it fits, else around the step's activity."""
+    n = grid.n_pos
+    if width is None or n <= width:
+        return 0, n
+    width = max(width, 4)
+    active = [p for p in range(n)
+              if grid.cell(step, p).state not in (State.EMPTY, State.COMMITTED) or grid.cell(step, p).emitted]
+    if active:
+        lo = max(0, min(active) - 2)
+    else:
+        lo = n - width
+    lo = min(lo, n - width)
+    return lo, lo + width
+
+
+def _head(grid: Grid, step: int) -> str:
+    role = grid.rows[step].role or "-"
+    return f"{step:>4} {role:<8} "
+
+
+def _tail(grid: Grid, step: int, max_text: int) -> str:
+    row = grid.rows[step]
+    if not row.emitted:
+        return ""
+    text = show_text(row.text)
+    if len(text) > max_text:
+        text = text[: max_text - 1] + ELLIPSIS
+    return f"  +{len(row.emitted)} {text}"
+
+
+def step_line(grid: Grid, step: int, width: int | None = None, max_text: int = 40) -> str:
+    """One plain-text line for `step`; `width` caps the number of position columns."""
+    lo, hi = _window(grid, step, width)
+    glyphs = "".join(grid.cell(step, p).glyph for p in range(lo, hi))
+    if lo > 0:
+        glyphs = ELLIPSIS + glyphs[1:]
+    return _head(grid, step) + glyphs + _tail(grid, step, max_text)
+
+
+def render_plain(grid: Grid, width: int | None = None, legend: bool = True) -> str:
+    lines = [step_line(grid, s, width) for s in grid.steps]
+    if legend:
+        lines.append("legend: " + legend_text())
+    return "\n".join(lines)
+
+
+def rich_step_line(grid: Grid, step: int, width: int | None = None, max_text: int = 40) -> "Text":
+    from rich.text import Text
+
+    lo, hi = _window(grid, step, width)
+    out = Text(_head(grid, step), style="bold" if grid.rows[step].role else "dim")
+    if lo > 0:
+        out.append(ELLIPSIS, style="dim")
+        lo += 1
+    for p in range(lo, hi):
+        c = grid.cell(step, p)
+        style = RICH_STYLE[c.state] + (" underline" if c.emitted and c.state is not State.COMMITTED else "")
+        if c.held:
+            style = RICH_FG[State.UNMASKED]
+        out.append(c.glyph, style=style)
+    tail = _tail(grid, step, max_text)
+    if tail:
+        out.append(tail, style="default")
+    return out
+
+
+def rich_text(grid: Grid, upto_step: int | None = None) -> "Text":
+    """The generated text, each token coloured by how it was produced (provenance), up to a step."""
+    from rich.text import Text
+
+    out = Text()
+    for seg in grid.segments:
+        if upto_step is not None and seg.step > upto_step:
+            break
+        out.append(seg.text, style=RICH_TEXT[seg.state])
+    return out
+
+
+def rich_text_legend() -> "Text":
+    """How `rich_text` marks provenance: style and colour."""
+    from rich.text import Text
+
+    out = Text("text: ", style="dim")
+    for s, cue in TEXT_CUE.items():
+        out.append(cue, style=RICH_TEXT[s])
+        out.append("  ")
+    return out
+
+
+def rich_legend() -> "Text":
+    from rich.text import Text
+
+    out = Text()
+    for s in State:
+        if s is State.EMPTY:
+            continue
+        out.append(PALETTE[s][1], style=RICH_STYLE[s])
+        out.append(f" {PALETTE[s][2]}  ", style="default")
+    return out
