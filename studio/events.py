@@ -62,6 +62,9 @@ EVENT_FIELDS: dict[str, dict[str, Any]] = {
     "kv": {"op": Literal["commit", "rollback"], "from_len": int, "to_len": int},
     "emit": {"pos": list[int], "tok": list[int], "text": str},
 }
+# Optional fields (added in 1.x, so readers must not require them). emit.pieces: the text of each
+# token on its own, for per-token displays (`text` alone cannot always be split back into tokens).
+OPTIONAL_FIELDS: dict[str, dict[str, Any]] = {"emit": {"pieces": list[str]}}
 ROLES: tuple[str, ...] = get_args(EVENT_FIELDS["forward"]["role"])
 SOURCES: tuple[str, ...] = get_args(EVENT_FIELDS["propose"]["src"])
 
@@ -156,6 +159,7 @@ _LIST_FIELDS = {kind: tuple(n for n, s in fields.items() if get_origin(s) is lis
 _HEADER_CHECKS = _compile(HEADER_FIELDS)
 _FOOTER_CHECKS = _compile(FOOTER_FIELDS)
 _REQUIRED = {kind: frozenset(fields) for kind, fields in EVENT_FIELDS.items()}
+_ALLOWED = {kind: _REQUIRED[kind] | frozenset(OPTIONAL_FIELDS.get(kind, {})) for kind in EVENT_FIELDS}
 
 
 def validate_event(event: Any, where: str = "event") -> None:
@@ -173,6 +177,10 @@ def validate_event(event: Any, where: str = "event") -> None:
             raise _bad(f"{where}: event has no 't' (kind) field")
         raise _bad(f"{where}: unknown event kind {_short(kind)} (known: {', '.join(EVENT_FIELDS)})")
     if problem := _problem(event, compiled):
+        raise _bad(f"{where}: {kind} event: {problem}")
+    optional = OPTIONAL_FIELDS.get(kind, {})
+    present = {k: spec for k, spec in optional.items() if k in event}
+    if present and (problem := _problem(event, _compile(present))):
         raise _bad(f"{where}: {kind} event: {problem}")
     if event["step"] < 0:
         raise _bad(f"{where}: {kind} event: field 'step' must be >= 0, got {event['step']}")
@@ -192,8 +200,8 @@ def make(kind: str, step: int, ms: float, **fields: Any) -> Event:
     required = _REQUIRED.get(kind)
     if required is None:
         raise ValueError(f"unknown event kind {kind!r}")
-    if fields.keys() != required:
-        missing, extra = sorted(required - fields.keys()), sorted(fields.keys() - required)
+    if not required <= fields.keys() <= _ALLOWED[kind]:
+        missing, extra = sorted(required - fields.keys()), sorted(fields.keys() - _ALLOWED[kind])
         raise TypeError(f"{kind} event: missing fields {missing}, unexpected fields {extra}")
     return {"t": kind, "step": step, "ms": ms, **fields}
 

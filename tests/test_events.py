@@ -393,3 +393,16 @@ def test_concurrent_publishers_lose_nothing():
             assert [e["pos"] for e in got if e["tok"] == k] == list(range(n_each))
     # Publishes are serialised: every consumer saw the same total order.
     assert results[0] == results[1] == sync_seen
+
+
+def test_emit_pieces_is_optional_and_type_checked():
+    from studio import events as ev
+    from studio.errors import BadInput
+    base = ev.make("emit", 1, 2.0, pos=[0, 1], tok=[5, 6], text="ab")
+    with_pieces = ev.make("emit", 1, 2.0, pos=[0, 1], tok=[5, 6], text="ab", pieces=["a", "b"])
+    ev.validate_event(base)
+    ev.validate_event(with_pieces)
+    with pytest.raises(BadInput, match="pieces"):
+        ev.validate_event(dict(with_pieces, pieces=[1, 2]))
+    with pytest.raises(TypeError):
+        ev.make("emit", 1, 2.0, pos=[0], tok=[5], text="a", colour="red")

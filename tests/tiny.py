@@ -68,6 +68,9 @@ class TinyTokenizer:
     def decode(self, ids) -> str:
         return "".join(chr(97 + i) for i in ids)
 
+    def token_text(self, i: int) -> str:
+        return chr(97 + i)
+
 
 def tiny_engine(family: str = "llama", vocab: int = 16, seed: int = 0, mask_id: int | None = None,
                 eos_ids=(), **kw):

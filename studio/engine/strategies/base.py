@@ -137,7 +137,8 @@ class DecodeContext:
         start = self.n_out
         taken, text = self.out.append(tokens)
         if taken:
-            self.event("emit", pos=list(range(start, start + len(taken))), tok=taken, text=text)
+            pieces = [self.tokenizer.token_text(t) for t in taken]
+            self.event("emit", pos=list(range(start, start + len(taken))), tok=taken, text=text, pieces=pieces)
         return taken
 
 
