@@ -4,9 +4,10 @@ from __future__ import annotations
 from studio.engine.strategies.ar import AR
 from studio.engine.strategies.base import DecodeContext, Output, Strategy
 from studio.engine.strategies.isd import ISD, RISD
+from studio.engine.strategies.jacobi import Jacobi, JacobiMR
 from studio.errors import BadInput
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (AR, ISD, RISD)}
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (AR, ISD, RISD, Jacobi, JacobiMR)}
 
 
 def make_strategy(name: str, params: dict | None = None) -> Strategy:

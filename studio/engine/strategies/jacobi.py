@@ -1,0 +1,428 @@
+"""Jacobi decoding and Jacobi MR (multi-block decoding + rejection recycling) on a causal AR model.
+
+Both are exact: every committed token is checked against the model's own distribution at that position
+with the deterministic-draft rule (DESIGN §4): temperature 0 accepts a draft iff it is the argmax (so the
+output equals greedy AR token for token); temperature > 0 accepts draft d with probability p(d), else draws
+the correction from p with d removed, and after a fully accepted chain draws a bonus token from p. The
+output is then distributed exactly as plain AR sampling with the same temperature/top-k/top-p.
+
+Layout (logit shift: the row of the token at output position j predicts position j + 1). The token
+committed last (`pending`, at output position n_out - 1) is not in the KV cache yet; every forward starts
+with it, so all forwards are "extend" shapes over the committed KV.
+
+Jacobi (`jacobi`), papers/004 §2.1 / references/jacobi_dinfer.md A.1, a running window of n drafts:
+    forward  [pending, d_1 .. d_n]          strictly causal, one forward per iteration
+    row i    verifies d_{i+1}; row n gives the bonus token
+    accept   the longest verified prefix d_1..d_a, plus the correction (a < n) or the bonus (a = n):
+             at least one new token per forward. The KV of pending + d_1..d_a was computed from exactly
+             the tokens now committed, so it is kept (`commit(1 + a)`); the rows after the first
+             mismatch are dropped.
+    update   the standard Jacobi step: the new guess for every still-open position is this forward's
+             prediction for it (rows a+1..n, argmax of the raw logits, also when sampling); the a
+             positions that open at the end of the window get fresh init tokens.
+
+Draft initialisation (`init`). The reference (JacobiForcing) fills a new block with tokens drawn uniformly,
+with replacement, from the context ids (prompt + generated so far) and folds a first Jacobi iteration into
+the prefill: `prompt + n context tokens` in one causal forward, whose argmax rows become the first drafts.
+We do the same (`init = "context"`, default; the prefill is not counted as a forward, like the
+reference's). `init = "repeat-last"` fills with the last known token instead. The init randomness has its
+own generator (seeded from the session seed), so it never shifts the sampler's random stream.
+
+Jacobi MR (`jacobi-mr`), papers/004 §3.2 and App. A Algorithm 1, with the defaults of the paper's grid
+search (n = 64, K = 2, r = 0.85, pool 4):
+  * Blocks of n output positions. The real-active block (RA) is the one whose accepted tokens are the
+    committed output; its open positions are verified every forward as above. When the newest block has
+    >= ceil(r n) accepted tokens and fewer than K blocks are open, a pseudo-active block is spawned over
+    the next n positions (first guess: the model's prediction for that position; the rest: init tokens;
+    the reference clones the RA's draft tail and pads with PAD, which is misaligned by construction).
+    Pseudo blocks ride in the same causal forward behind the RA's drafts, so their predictions are
+    conditioned on the RA's current guesses. They follow Algorithm 1: a pseudo block's "pseudo-accepted"
+    prefix (the leading tokens that match this forward's prediction, plus the prediction right after
+    them) is frozen and fed without logits; its tail gets the Jacobi update. Nothing of a pseudo block is
+    ever committed: its KV is dropped every forward.
+  * When the RA is complete, the first pseudo block is promoted: its tokens (pseudo-accepted prefix and
+    tail) become the new RA's drafts and are verified again, now against the true prefix, in the same
+    decoding loop (`mode = "intended"`). `mode = "reference"` reproduces the reference code
+    (references/jacobi_dinfer.md A.2, "bookkeeping issue"): with K = 2 its generation call ends when the
+    RA completes, so the promoted block's progress is thrown away and the next block restarts from
+    `next_token + random context tokens`; its n-gram pool, created per call, is dropped too.
+  * Rejection recycling: when the RA's drafts are rejected at some position, the rejected noisy tail
+    (the RA's remaining drafts followed by the pseudo blocks' guesses, up to n tokens) goes into an n-gram
+    pool (a deque of `pool_size` entries), keyed by the token preceding it, i.e. the entry is
+    `[up to n known tokens ending with the key] + tail`. Like the reference, which pools each block's
+    `accepted + draft`, the known tokens ride along: they let a repeated phrase of the recent text be
+    recycled too. At every iteration each pool entry (newest first) that contains the last accepted token
+    (`pending`) gives one candidate: the tokens after its first occurrence, cut to the RA's open length;
+    duplicates and prefixes of the RA's own drafts are skipped. (The paper matches an n-gram's first
+    token; the reference's `build_candidates` searches the whole entry, which covers the paper's rule.)
+  * Candidates are verified IN THE SAME FORWARD as extra rows over the shared prefix: each candidate's
+    tokens attend to the committed KV, the pending row and their own earlier rows (custom mask), at the
+    RoPE positions they would have as the continuation of `pending` (explicit `positions`). We chose this
+    over the reference's batch dimension because the reference tiles the whole KV cache once per
+    candidate (a real copy, and B times the attention over the prefix), while our static cache is one
+    batch row with explicit slots: extra rows read the prefix KV once, cost what extra draft tokens cost,
+    keep the forward count at one per iteration (DESIGN §2.3), and the winner's KV (which was computed
+    from exactly the committed tokens) is kept with `ctx.keep(rows)` instead of being recomputed.
+  * Choosing the chain. One chain decides the committed tokens of an iteration: the RA's own drafts or
+    one candidate. The choice is made BEFORE any verification randomness is drawn, from the model's
+    (processed) distributions alone: the chain with the largest expected accepted length
+    sum_k prod_{i<=k} p_i(d_i) (ties: the RA's drafts first, then the newest candidate). Greedy, p is
+    one-hot and this is exactly "the chain with the longest accepted prefix" of the paper. Sampling, the
+    choice is a deterministic function of the prefix, so verifying that one chain with the exact rule
+    keeps the output distribution exact; picking the best chain *after* seeing which drafts the random
+    test accepted would bias it. The other chains' KV is dropped.
+
+Events (DESIGN §2.2): per iteration `forward{role: jacobi}`; `propose{src: jacobi}` for the RA/window
+drafts verified in that forward and `propose{src: ngram}` per candidate (emitted right after the forward,
+with the same step as the verdict; q = 1.0, deterministic drafts); `accept`/`reject`+`resample`/`bonus`
+only for the chain that decided the step (accept_by_pos stays right); `kv{commit}`; `emit`. Jacobi MR also
+emits `block{open|close, start, end}` (output positions, end exclusive) when a pseudo-active block is
+spawned and when it is promoted (or dropped in reference mode), and `unmask{pos, tok, conf}` for tokens a
+pseudo block newly pseudo-accepts (conf: the model's softmax probability of that token).
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from studio.engine.sampling import Proposal, process_logits, sample_token, verify_chain
+from studio.engine.strategies.base import DecodeContext, Strategy
+from studio.errors import BadInput
+
+INITS = ("context", "repeat-last")
+MODES = ("intended", "reference")
+
+
+class _JacobiBase(Strategy):
+    """Shared by Jacobi and Jacobi MR: draft initialisation and the exact verification of one chain."""
+
+    def _setup(self, ctx: DecodeContext, prompt: list[int]) -> None:
+        cfg = getattr(ctx.model, "config", None)
+        if cfg is not None and not getattr(cfg, "logit_shift", True):
+            raise BadInput(f"strategy {self.name!r} needs a causal model with logit shift (hidden i predicts "
+                           "token i+1); this model is position-aligned")
+        self.prompt = list(prompt)
+        self.rng = random.Random(ctx.gen.initial_seed())   # draft init only, never the sampler's stream
+
+    def _init_tokens(self, ctx: DecodeContext, k: int) -> list[int]:
+        """k fresh draft tokens by the `init` rule."""
+        if k <= 0:
+            return []
+        out = ctx.out.token_ids
+        if self.params.init == "repeat-last":
+            return [out[-1] if out else self.prompt[-1]] * k
+        P, n_ctx = len(self.prompt), len(self.prompt) + len(out)
+        idx = [self.rng.randrange(n_ctx) for _ in range(k)]
+        return [self.prompt[i] if i < P else out[i - P] for i in idx]
+
+    @staticmethod
+    def _decide(ctx: DecodeContext, drafts: list[int], p: torch.Tensor, bonus_logits: torch.Tensor,
+                base: int) -> tuple[int, list[int]]:
+        """Verify deterministic drafts at output positions base.. against p (one row per draft); emit the
+        verdict events. Returns (accepted count, the new tokens: accepted drafts + correction or bonus)."""
+        res = verify_chain(drafts, p, None, Proposal.DETERMINISTIC, ctx.sampling, ctx.gen)
+        a, k = res.n_accepted, len(drafts)
+        if a:
+            ctx.event("accept", pos=list(range(base, base + a)), tok=drafts[:a], p=res.p_draft[:a], q=[1.0] * a)
+        if a < k:
+            ctx.event("reject", pos=base + a, tok=drafts[a], p=res.p_draft[a], q=1.0)
+            ctx.event("resample", pos=base + a, tok=res.correction)
+            return a, drafts[:a] + [res.correction]
+        bonus, _ = sample_token(bonus_logits, ctx.sampling, ctx.gen)
+        ctx.event("bonus", pos=base + k, tok=bonus)
+        return a, drafts + [bonus]
+
+
+def _check_common(name: str, p) -> None:
+    if p.block_size < 1:
+        raise BadInput(f"{name} block_size must be >= 1, got {p.block_size}")
+    if p.init not in INITS:
+        raise BadInput(f"{name} init must be one of {', '.join(INITS)}, got {p.init!r}")
+    if p.max_iters < 1:
+        raise BadInput(f"{name} max_iters must be >= 1, got {p.max_iters}")
+
+
+class Jacobi(_JacobiBase):
+    """Greedy fixed-point (Jacobi) iteration on a running window of n drafts; exact (see module doc)."""
+    name = "jacobi"
+
+    @dataclass
+    class Params:
+        block_size: int = 16        # n: drafts verified per forward
+        init: str = "context"       # context (reference: tokens drawn from prompt + output) | repeat-last
+        max_iters: int = 128        # safety cap: iterations without a fully accepted window before the
+                                    # drafts are re-initialised (each iteration commits >= 1 token anyway)
+
+    @staticmethod
+    def validate(p) -> None:
+        _check_common("jacobi", p)
+
+    def kv_headroom(self) -> int:
+        return self.params.block_size + 1
+
+    def start(self, ctx: DecodeContext, prompt: list[int]) -> None:
+        self._setup(ctx, prompt)
+        n, P = self.params.block_size, len(prompt)
+        init = self._init_tokens(ctx, n)
+        logits = ctx.forward("prefill", prompt + init, logits_rows=list(range(P - 1, P + n)))
+        ctx.commit(P)
+        first, _ = sample_token(logits[0], ctx.sampling, ctx.gen)
+        self.drafts = logits[1:].argmax(-1).tolist()   # init token at position i predicts position i + 1
+        self.pending, self.iters = first, 0
+        ctx.emit([first])
+
+    def step(self, ctx: DecodeContext) -> None:
+        d, base = self.drafts, ctx.n_out
+        k = len(d)
+        logits = ctx.forward("jacobi", [self.pending] + d)
+        ctx.event("propose", pos=list(range(base, base + k)), tok=d, q=[1.0] * k, src="jacobi")
+        a, new = self._decide(ctx, d, process_logits(logits[:k], ctx.sampling), logits[k], base)
+        ctx.commit(1 + a)
+        self.pending = new[-1]
+        ctx.emit(new)
+        self.iters += 1
+        if a == k or self.iters >= self.params.max_iters:
+            self.drafts, self.iters = self._init_tokens(ctx, k), 0
+        else:
+            # rows a+1..k predict the positions after the new pending token (the Jacobi update)
+            self.drafts = logits[a + 1:].argmax(-1).tolist() + self._init_tokens(ctx, a)
+
+
+@dataclass
+class _Block:
+    start: int        # first output position; the block covers [start, start + n)
+    acc: int = 0      # pseudo-accepted (frozen) leading tokens
+
+
+class JacobiMR(_JacobiBase):
+    """Multi-block Jacobi decoding with rejection recycling (papers/004 App. A, Alg. 1); exact."""
+    name = "jacobi-mr"
+
+    @dataclass
+    class Params:
+        block_size: int = 64        # n
+        blocks: int = 2             # K: real-active + up to K-1 pseudo-active blocks
+        spawn_ratio: float = 0.85   # r: spawn a pseudo block when the newest block has ceil(r n) accepted
+        pool_size: int = 4          # n-gram pool entries kept = most candidates verified per forward (0 = off)
+        init: str = "context"       # context | repeat-last (see module doc)
+        mode: str = "intended"      # intended | reference (drop the promoted block's progress and the pool)
+        max_iters: int = 128        # safety cap: iterations on one real-active block before its open drafts
+                                    # are re-initialised
+
+    @staticmethod
+    def validate(p) -> None:
+        _check_common("jacobi-mr", p)
+        if p.blocks < 1:
+            raise BadInput(f"jacobi-mr blocks (K) must be >= 1, got {p.blocks}")
+        if not (0.0 < p.spawn_ratio <= 1.0) or math.isnan(p.spawn_ratio):
+            raise BadInput(f"jacobi-mr spawn_ratio (r) must be in (0, 1], got {p.spawn_ratio}")
+        if p.pool_size < 0:
+            raise BadInput(f"jacobi-mr pool_size must be >= 0, got {p.pool_size}")
+        if p.mode not in MODES:
+            raise BadInput(f"jacobi-mr mode must be one of {', '.join(MODES)}, got {p.mode!r}")
+
+    def kv_headroom(self) -> int:
+        p = self.params
+        return 1 + p.block_size * (p.blocks + p.pool_size)
+
+    # -- state ----------------------------------------------------------------------------
+    # guess: output position -> current draft token, for every open position in [n_out, horizon);
+    # ra_end: end of the real-active block; pseudo: the pseudo-active blocks, contiguous after ra_end.
+
+    def _horizon(self) -> int:
+        return self.ra_end + self.params.block_size * len(self.pseudo)
+
+    def _frozen(self, pos: int) -> bool:
+        return any(b.start <= pos < b.start + b.acc for b in self.pseudo)
+
+    def start(self, ctx: DecodeContext, prompt: list[int]) -> None:
+        self._setup(ctx, prompt)
+        n, P = self.params.block_size, len(prompt)
+        self.pool: deque[tuple[int, ...]] = deque(maxlen=self.params.pool_size)
+        self.pseudo: list[_Block] = []
+        self.ra_end, self.iters = n, 0
+        init = self._init_tokens(ctx, n - 1)
+        logits = ctx.forward("prefill", prompt + init, logits_rows=list(range(P - 1, P + n - 1)))
+        ctx.commit(P)
+        first, _ = sample_token(logits[0], ctx.sampling, ctx.gen)
+        self.guess = dict(enumerate(logits[1:].argmax(-1).tolist(), start=1))   # positions 1..n-1
+        self.pending = first
+        ctx.emit([first])
+        if not ctx.out.finished:
+            self._settle(ctx, {})
+
+    def step(self, ctx: DecodeContext) -> None:
+        n, n_out, L = self.params.block_size, ctx.n_out, ctx.kv.length
+        horizon = self._horizon()
+        window = [self.guess[j] for j in range(n_out, horizon)]
+        m = self.ra_end - n_out                       # open RA positions (>= 1 after _settle)
+        cands = self._candidates(self.pending, window[:m])
+
+        # one forward: [pending | window (RA drafts + pseudo blocks), causal] + candidate rows
+        t_main = 1 + len(window)
+        tokens = [self.pending] + window
+        positions = list(range(L, L + t_main))
+        offsets = []
+        for c in cands:
+            offsets.append(len(tokens))
+            tokens += c
+            positions += range(L + 1, L + 1 + len(c))
+        rows = [r for r in range(t_main) if r <= m or not self._frozen(n_out + r)] + list(range(t_main, len(tokens)))
+        mask = self._mask(ctx, L, t_main, [len(c) for c in cands]) if cands else None
+        logits = ctx.forward("jacobi", tokens, positions=positions if cands else None, mask=mask,
+                             logits_rows=None if len(rows) == len(tokens) else rows)
+        at = {r: i for i, r in enumerate(rows)}
+        pred = logits.argmax(-1).tolist()
+        ctx.event("propose", pos=list(range(n_out, n_out + m)), tok=window[:m], q=[1.0] * m, src="jacobi")
+        for c in cands:
+            ctx.event("propose", pos=list(range(n_out, n_out + len(c))), tok=c, q=[1.0] * len(c), src="ngram")
+
+        # chains: (drafts, verify rows, bonus row, KV rows of the drafts)
+        chains = [(window[:m], list(range(m)), m, list(range(1, m + 1)))]
+        for c, o in zip(cands, offsets):
+            chains.append((c, [0] + list(range(o, o + len(c) - 1)), o + len(c) - 1, list(range(o, o + len(c)))))
+        verify_rows = sorted({r for ch in chains for r in ch[1]})
+        p_all = process_logits(logits[[at[r] for r in verify_rows]], ctx.sampling)
+        p_at = {r: i for i, r in enumerate(verify_rows)}
+
+        def p_of(ch):
+            return p_all[[p_at[r] for r in ch[1]]]
+
+        def expected_len(ch) -> float:
+            if not ch[0]:
+                return 0.0
+            pd = p_of(ch).gather(1, torch.tensor(ch[0], device=p_all.device)[:, None])[:, 0].double()
+            return float(torch.cumprod(pd, 0).sum())
+
+        best = 0 if len(chains) == 1 else max(range(len(chains)), key=lambda i: expected_len(chains[i]))
+        drafts, _, bonus_row, kv_rows = chains[best]
+        a, new = self._decide(ctx, drafts, p_of(chains[best]), logits[at[bonus_row]], n_out)
+        ctx.keep([0] + kv_rows[:a])
+        self.pending = new[-1]
+        ctx.emit(new)
+        if ctx.out.finished:
+            return
+        new_n_out = ctx.n_out
+
+        # rejection recycling: the rejected noisy tail (RA drafts, then pseudo guesses) after the (up to n)
+        # known tokens that precede it; the last of those is the key
+        if self.params.pool_size:
+            j = next((i for i in range(min(m, len(new))) if window[i] != new[i]), None)
+            if j is not None:
+                out = ctx.out.token_ids
+                self._push((*out[max(0, n_out + j - n):n_out + j], *window[j:j + n]))
+
+        def main_pred(pos: int) -> int | None:
+            r = pos - n_out
+            return pred[at[r]] if 0 <= r < t_main and r in at else None
+
+        def next_guess(pos: int) -> int:
+            if best and pos <= n_out + len(drafts):   # a candidate won: its rows predict the RA positions
+                o = offsets[best - 1]
+                return pred[at[0 if pos == n_out else o + pos - n_out - 1]]
+            return main_pred(pos)
+
+        # pseudo blocks: grow the frozen prefix by the leading matches + the prediction after them
+        old_frozen = {pos for b in self.pseudo for pos in range(b.start, b.start + b.acc)}
+        unmasked: list[int] = []
+        for b in self.pseudo:
+            old = b.acc
+            while b.acc < n and self.guess[b.start + b.acc] == main_pred(b.start + b.acc):
+                b.acc += 1
+            if b.acc < n:
+                b.acc += 1
+            unmasked += range(b.start + old, b.start + b.acc)
+        # the Jacobi update of every open position that was not frozen: RA positions take the winning
+        # chain's predictions, pseudo positions the main chain's (they were conditioned on it)
+        self.guess = {pos: self.guess[pos] if pos in old_frozen else
+                      main_pred(pos) if pos >= self.ra_end else next_guess(pos)
+                      for pos in range(new_n_out, horizon)}
+        unmasked = [pos for pos in unmasked if pos >= new_n_out]
+        if unmasked:
+            conf = torch.softmax(logits[[at[pos - n_out] for pos in unmasked]].float(), -1)
+            toks = [main_pred(pos) for pos in unmasked]
+            ctx.event("unmask", pos=unmasked, tok=toks,
+                      conf=conf.gather(1, torch.tensor(toks, device=conf.device)[:, None])[:, 0].tolist())
+
+        self.iters += 1
+        if self.iters >= self.params.max_iters:
+            self.iters = 0
+            fresh = self._init_tokens(ctx, self.ra_end - new_n_out)
+            self.guess.update(zip(range(new_n_out, self.ra_end), fresh))
+        self._settle(ctx, {horizon: main_pred(horizon)})
+
+    # -- pieces ---------------------------------------------------------------------------
+    def _settle(self, ctx: DecodeContext, known: dict[int, int | None]) -> None:
+        """Promote while the RA is complete, then spawn a pseudo block if the newest one is far enough.
+        `known`: model predictions for positions past the horizon (the last row's)."""
+        n, n_out, reference = self.params.block_size, ctx.n_out, self.params.mode == "reference"
+        while n_out >= self.ra_end:
+            self.iters = 0
+            if self.pseudo and not reference:
+                b = self.pseudo.pop(0)
+                ctx.event("block", op="close", start=b.start, end=b.start + n)
+                self.ra_end = b.start + n          # its guesses stay: they are the new RA's drafts
+                continue
+            for b in self.pseudo:                  # reference: the call ends, everything else is dropped
+                ctx.event("block", op="close", start=b.start, end=b.start + n)
+                for pos in range(b.start, b.start + n):
+                    self.guess.pop(pos, None)
+            if reference:
+                self.pool.clear()
+            self.pseudo = []
+            old_end, self.ra_end = self.ra_end, self.ra_end + n
+            fresh = iter(self._init_tokens(ctx, self.ra_end - max(n_out, old_end)))
+            for pos in range(max(n_out, old_end), self.ra_end):
+                k = None if reference else known.get(pos)
+                self.guess[pos] = k if k is not None else next(fresh)
+        newest = self.pseudo[-1].acc if self.pseudo else min(n_out, self.ra_end) - (self.ra_end - n)
+        if len(self.pseudo) + 1 < self.params.blocks and newest >= math.ceil(self.params.spawn_ratio * n):
+            start = self._horizon()
+            first = known.get(start)
+            fresh = self._init_tokens(ctx, n if first is None else n - 1)
+            toks = ([] if first is None else [first]) + fresh
+            self.guess.update(zip(range(start, start + n), toks))
+            self.pseudo.append(_Block(start, acc=0))
+            ctx.event("block", op="open", start=start, end=start + n)
+
+    def _push(self, entry: tuple[int, ...]) -> None:
+        if len(entry) < 2:
+            return
+        if entry in self.pool:
+            self.pool.remove(entry)
+        self.pool.append(entry)
+
+    def _candidates(self, pending: int, ra_drafts: list[int]) -> list[list[int]]:
+        """One candidate per pool entry (newest first) that contains `pending`: the tokens after its first
+        occurrence, cut to the RA's open length; duplicates and prefixes of the RA's drafts are skipped."""
+        m, out = len(ra_drafts), []
+        if not m:
+            return out
+        for entry in reversed(self.pool):
+            try:
+                i = entry.index(pending, 0, len(entry) - 1)
+            except ValueError:
+                continue
+            c = list(entry[i + 1:i + 1 + m])
+            if c != ra_drafts[:len(c)] and c not in out:
+                out.append(c)
+        return out
+
+    @staticmethod
+    def _mask(ctx: DecodeContext, L: int, t_main: int, lens: list[int]) -> torch.Tensor:
+        """bool [T, L + T]: the main rows are causal; each candidate's rows see the committed KV, the
+        pending row (the first new row) and their own earlier rows, nothing else."""
+        T = t_main + sum(lens)
+        mask = torch.zeros(T, L + T, dtype=torch.bool, device=ctx.device)
+        mask[:, :L] = True
+        mask[:t_main, L:L + t_main] = torch.ones(t_main, t_main, dtype=torch.bool, device=ctx.device).tril()
+        o = t_main
+        for l in lens:
+            mask[o:o + l, L] = True
+            mask[o:o + l, L + o:L + o + l] = torch.ones(l, l, dtype=torch.bool, device=ctx.device).tril()
+            o += l
+        return mask
