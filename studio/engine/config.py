@@ -12,6 +12,20 @@ _HF_FAMILY = {
     "Qwen2ForCausalLM": "qwen2", "qwen2": "qwen2",
     "Qwen3ForCausalLM": "qwen3", "qwen3": "qwen3",
 }
+# Block-diffusion checkpoints read natively (their remote code is never run; references/s2d2_simsd.md
+# A.7/B.3, references/idlm.md §5): HF name -> (family, logit_shift, default MASK id, block-size keys, default block).
+_DLM = {
+    # SDAR (JetLM/SDAR-*-Chat): Qwen3 geometry, position-aligned (a MASK at i predicts token i);
+    # config.json carries block_size 4 and mask_token_id 151669 (<|MASK|>).
+    "SDARForCausalLM": ("qwen3", False, 151669, ("block_size",), 4),
+    "sdar": ("qwen3", False, 151669, ("block_size",), 4),
+    # Fast-dLLM v2 (Efficient-Large-Model/Fast_dLLM_v2_*): Qwen2.5 geometry, right-shifted (hidden t-1
+    # predicts t); config.json carries bd_size (32); the MASK |<MASK>| = 151665 lives only in the tokenizer.
+    "Fast_dLLM_QwenForCausalLM": ("qwen2", True, 151665, ("bd_size", "block_size"), 32),
+    "Fast_dLLM_V2_QwenForCausalLM": ("qwen2", True, 151665, ("bd_size", "block_size"), 32),
+    "Fast_dLLM_Qwen": ("qwen2", True, 151665, ("bd_size", "block_size"), 32),
+    "fast_dllm_qwen": ("qwen2", True, 151665, ("bd_size", "block_size"), 32),
+}
 
 
 @dataclass
@@ -51,9 +65,19 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict, name: str = "") -> "ModelConfig":
         archs = cfg.get("architectures") or []
-        family = _HF_FAMILY.get(archs[0] if archs else "") or _HF_FAMILY.get(cfg.get("model_type", ""))
+        arch0, model_type = archs[0] if archs else "", cfg.get("model_type", "")
+        dlm = _DLM.get(arch0) or (None if arch0 in _HF_FAMILY else _DLM.get(model_type))
+        family = dlm[0] if dlm else _HF_FAMILY.get(arch0) or _HF_FAMILY.get(model_type)
         if family is None:
-            raise BadInput(f"unsupported model: architectures={archs} model_type={cfg.get('model_type')!r}")
+            raise BadInput(f"unsupported model: architectures={archs} model_type={model_type!r}")
+        logit_shift, mask_id, block_size = True, cfg.get("mask_token_id"), cfg.get("block_size")
+        if dlm:
+            _, logit_shift, default_mask, block_keys, default_block = dlm
+            if cfg.get("use_regular_causal") is True and family == "qwen3":
+                logit_shift = True  # an I-DLM checkpoint (SDARForCausalLM class, but trained with the AR shift)
+            if mask_id is None and default_mask < cfg.get("vocab_size", 0):
+                mask_id = default_mask
+            block_size = next((cfg[k] for k in block_keys if cfg.get(k) is not None), default_block)
         try:
             n_heads = cfg["num_attention_heads"]
             eos = cfg.get("eos_token_id")
@@ -75,8 +99,9 @@ class ModelConfig:
                 max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
                 bos_id=cfg.get("bos_token_id"),
                 eos_ids=[] if eos is None else (list(eos) if isinstance(eos, list) else [eos]),
-                mask_token_id=cfg.get("mask_token_id"),
-                block_size=cfg.get("block_size"),
+                logit_shift=logit_shift,
+                mask_token_id=mask_id,
+                block_size=block_size,
                 name=name,
             )
         except KeyError as e:
