@@ -29,3 +29,16 @@ def default_engine():
     from studio.engine.engine import Engine
     default_gguf_file()
     return Engine.load("default")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_for_tiny_models(request):
+    """Tiny-model forwards are dominated by thread overhead: one thread is several times faster.
+    Tests marked slow (the embedded model) keep every core."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
