@@ -4,7 +4,6 @@ and turns every forward, KV move and emitted token into an event.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -14,6 +13,7 @@ import torch
 from studio import events as ev
 from studio.engine.sampling import SamplingParams
 from studio.errors import BadInput
+from studio.params import parse_params
 
 
 @dataclass
@@ -156,19 +156,7 @@ class Strategy:
 
     @classmethod
     def parse(cls, params: dict):
-        known = {f.name: f for f in dataclasses.fields(cls.Params)}
-        unknown = sorted(set(params) - set(known))
-        if unknown:
-            raise BadInput(f"strategy {cls.name!r} has no parameter {unknown[0]!r} "
-                           f"(parameters: {', '.join(known) or 'none'})")
-        p = cls.Params(**params)
-        for f in known.values():
-            value = getattr(p, f.name)
-            expected = type(f.default)
-            if expected is float and isinstance(value, int) and not isinstance(value, bool):
-                setattr(p, f.name, float(value))
-            elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-                raise BadInput(f"{cls.name} parameter {f.name!r} must be {expected.__name__}, got {value!r}")
+        p = parse_params(f"strategy {cls.name!r}", cls.Params, params)
         cls.validate(p)
         return p
 

@@ -24,7 +24,6 @@ the default and the code's is a named option (hysteresis `strict_on`).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -32,6 +31,7 @@ from typing import ClassVar
 import torch
 
 from studio.errors import BadInput
+from studio.params import parse_params
 
 
 # -- the protocol ---------------------------------------------------------------------------------
@@ -64,22 +64,7 @@ class RoutingPolicy:
     # -- parameters ---------------------------------------------------------------------------
     @classmethod
     def parse(cls, params: dict):
-        known = {f.name: f for f in dataclasses.fields(cls.Params)}
-        unknown = sorted(set(params) - set(known))
-        if unknown:
-            raise BadInput(f"routing policy {cls.name!r} has no parameter {unknown[0]!r} "
-                           f"(parameters: {', '.join(known) or 'none'})")
-        p = cls.Params(**params)
-        for f in known.values():
-            value = getattr(p, f.name)
-            expected = type(f.default)
-            if expected is float and isinstance(value, int) and not isinstance(value, bool):
-                setattr(p, f.name, float(value))
-            elif not isinstance(value, expected) or (expected is not bool and isinstance(value, bool)):
-                raise BadInput(f"routing policy {cls.name} parameter {f.name!r} must be "
-                               f"{expected.__name__}, got {value!r}")
-            if expected is float and not math.isfinite(getattr(p, f.name)):
-                raise BadInput(f"routing policy {cls.name} parameter {f.name!r} must be finite, got {value!r}")
+        p = parse_params(f"routing policy {cls.name!r}", cls.Params, params)
         cls.validate(p)
         return p
 
