@@ -16,7 +16,8 @@ def parse_params(owner: str, params_cls, params: dict):
         raise BadInput(f"{owner} has no parameter {unknown[0]!r} (parameters: {', '.join(known) or 'none'})")
     p = params_cls(**params)
     for f in known.values():
-        value, expected = getattr(p, f.name), type(f.default)
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        value, expected = getattr(p, f.name), type(default)
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             setattr(p, f.name, float(value))
         elif not isinstance(value, expected) or (expected is not bool and isinstance(value, bool)):

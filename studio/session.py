@@ -54,7 +54,7 @@ class Session:
 
     def header(self, prompt_text: str, prompt_ids: list[int]) -> dict:
         s = self.settings
-        params = dict(vars(self.strategy.params), temperature=s.sampling.temperature, top_k=s.sampling.top_k,
+        params = dict(self.strategy.header_params(), temperature=s.sampling.temperature, top_k=s.sampling.top_k,
                       top_p=s.sampling.top_p, max_new_tokens=s.max_new_tokens)
         return {"strategy": self.strategy.name, "params": params, "model": self.engine.model_meta(),
                 "tokenizer": self.engine.tokenizer_meta(), "prompt": {"text": prompt_text, "token_ids": prompt_ids},
@@ -67,7 +67,7 @@ class Session:
         if self.strategy.needs_mask and cfg.mask_token_id is None:
             raise BadInput(f"strategy {self.strategy.name!r} needs a MASK token and model {self.engine.name!r} has "
                            "none: give an adapter that adds one or a model preset with mask_token_id")
-        kv_len = len(prompt_ids) + s.max_new_tokens + self.strategy.kv_headroom()
+        kv_len = len(prompt_ids) + s.max_new_tokens + self.strategy.kv_headroom(cfg)
         if len(prompt_ids) >= cfg.max_seq_len:
             raise BadInput(f"the prompt is {len(prompt_ids)} tokens, longer than the model's context "
                            f"of {cfg.max_seq_len}")

@@ -82,3 +82,12 @@ def tiny_engine(family: str = "llama", vocab: int = 16, seed: int = 0, mask_id: 
                                        eos_ids=list(eos_ids))
     return Engine(model=model, tokenizer=TinyTokenizer(vocab, eos_ids), config=model.config, name=f"tiny-{family}",
                   source="test", load_s=0.0, from_cache=False)
+
+
+def tiny_dlm(family: str = "qwen3", shift: bool = False, block: int = 4, vocab: int = 16, seed: int = 0, **kw):
+    """A tiny block-diffusion engine: position-aligned (SDAR-like, shift=False) or right-shifted
+    (Fast-dLLM-v2-like); MASK = the last vocab entry."""
+    import dataclasses
+    engine = tiny_engine(family, vocab=vocab, seed=seed, **kw)
+    engine.model.config = engine.config = dataclasses.replace(engine.config, logit_shift=shift, block_size=block)
+    return engine

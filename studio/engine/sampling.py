@@ -178,18 +178,29 @@ def _uniform(gen: torch.Generator) -> float:
     return float(torch.rand(1, generator=gen).item())
 
 
+def _accepts(u: float, p_d: float, q_d: float, tau: float, gamma: float) -> bool:
+    if gamma == 1.0:
+        # u < min(1, (1+tau) p/q) written without a division; u < 1 makes the min implicit. Python floats are
+        # float64, so u * q_d (two float32 values) is exact. For deterministic drafts q_d = 1.
+        return u * q_d < (1.0 + tau) * p_d
+    return q_d > 0 and u < min(1.0, ((1.0 + tau) * p_d / q_d) ** gamma)
+
+
 def verify_chain(drafts: list[int], p: Tensor, q: Tensor | None, proposal: Proposal, params: SamplingParams,
-                 gen: torch.Generator, tau: float = 0.0, reference: bool = False) -> ChainResult:
+                 gen: torch.Generator, tau: float = 0.0, reference: bool = False, gamma: float = 1.0) -> ChainResult:
     """Verify drafts d_0..d_{k-1} left to right; stop at the first rejection.
 
     p[i] is the processed target distribution at draft i and q[i] the processed distribution draft i was drawn
     from (ignored for deterministic drafts unless reference=True). p and q may have more rows than there are
     drafts (e.g. a bonus position); the extra rows are ignored. See the module docstring for the rules.
+    gamma != 1 is S2D2's lossy tempering: accept iff u < min(1, ((1+tau) p(d)/q(d))^gamma).
     """
     drafts = [int(d) for d in drafts]
     k = len(drafts)
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or math.isnan(tau) or tau < 0:
         raise BadInput(f"tau must be a number >= 0, got {tau!r}")
+    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not gamma > 0 or math.isinf(gamma):
+        raise BadInput(f"gamma must be a finite number > 0, got {gamma!r}")
     if p.dim() != 2 or p.shape[0] < k:
         raise ValueError(f"p must be [>= {k}, V], got shape {tuple(p.shape)}")
     vocab = p.shape[1]
@@ -224,9 +235,7 @@ def verify_chain(drafts: list[int], p: Tensor, q: Tensor | None, proposal: Propo
             return result
 
         u = _uniform(gen)
-        # u < min(1, (1+tau) p/q) written without a division; u < 1 makes the min implicit. Python floats are
-        # float64, so u * q_d (two float32 values) is exact. For deterministic drafts q_d = 1.
-        if u * q_d < (1.0 + tau) * p_d:
+        if _accepts(u, p_d, q_d, tau, gamma):
             result.n_accepted += 1
             continue
 

@@ -77,7 +77,7 @@ class DecodeContext:
         self.out = output
         self.mask_id = mask_id
         self.kv = model.new_cache(kv_len)
-        self.has_adapter = any(getattr(m, "lora_A", None) is not None for m in model.modules())
+        self._adapters: dict[int, bool] = {}   # id(model) -> has a LoRA adapter attached
         self.device = model.lm_head.weight.device
         self.step = 0          # index of the last forward (0 = prefill)
         self._t0 = time.perf_counter()
@@ -96,24 +96,31 @@ class DecodeContext:
 
     # -- model ----------------------------------------------------------------------------
     def forward(self, role: str, tokens: list[int], positions: list[int] | None = None,
-                mask=None, lora_gate: list[bool] | None = None, logits_rows=None) -> torch.Tensor:
-        """One model forward over new tokens written after the committed KV. Returns logits [R, V]."""
+                mask=None, lora_gate: list[bool] | None = None, logits_rows=None, model=None, kv=None) -> torch.Tensor:
+        """One model forward over new tokens written after the committed KV. Returns logits [R, V].
+        `model`/`kv` default to the run's own; a second model (SimSD's drafter) passes its own pair."""
+        model, kv = model or self.model, kv or self.kv
         if role != "prefill":
             self.step += 1
-        L = self.kv.length
-        pos = list(range(L, L + len(tokens))) if positions is None else positions
+        L = kv.length
+        pos = list(range(L, L + len(tokens))) if positions is None else list(positions)
         gate = None
-        if lora_gate is not None and self.has_adapter:
+        if lora_gate is not None and self._has_adapter(model):
             gate = torch.tensor(lora_gate, dtype=torch.bool, device=self.device)
         t = time.perf_counter()
         with torch.inference_mode():
-            logits = self.model(torch.tensor(tokens, device=self.device), torch.tensor(pos, device=self.device),
-                                self.kv, mask=mask, lora_gate=gate, logits_rows=logits_rows)[0]
+            logits = model(torch.tensor(tokens, device=self.device), torch.tensor(pos, device=self.device),
+                           kv, mask=mask, lora_gate=gate, logits_rows=logits_rows)[0]
         if torch.isnan(logits).any():
             raise BadInput(f"model produced NaN logits at forward {self.step} ({role})")
         self.event("forward", role=role, n_tokens=len(tokens), lora_rows=0 if gate is None else int(gate.sum()),
                    wall_ms=(time.perf_counter() - t) * 1000.0)
         return logits
+
+    def _has_adapter(self, model) -> bool:
+        if id(model) not in self._adapters:
+            self._adapters[id(model)] = any(getattr(m, "lora_A", None) is not None for m in model.modules())
+        return self._adapters[id(model)]
 
     def commit(self, n: int) -> None:
         frm, to = self.kv.commit(n)
@@ -172,6 +179,10 @@ class Strategy:
         """One decoding iteration: at least one forward, at least one emitted token."""
         raise NotImplementedError
 
-    def kv_headroom(self) -> int:
-        """Slots a single forward may need beyond the committed length."""
+    def header_params(self) -> dict:
+        """The parameters a trace header records."""
+        return dict(vars(self.params))
+
+    def kv_headroom(self, config=None) -> int:
+        """Slots a single forward may need beyond the committed length (`config`: the model's ModelConfig)."""
         return 1

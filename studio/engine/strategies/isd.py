@@ -42,7 +42,7 @@ class ISD(Strategy):
         if p.mode not in ("exact", "reference"):
             raise BadInput(f"isd mode must be 'exact' or 'reference', got {p.mode!r}")
 
-    def kv_headroom(self) -> int:
+    def kv_headroom(self, config=None) -> int:
         return 2 * self.params.stride - 1
 
     # -- rounds ---------------------------------------------------------------------------

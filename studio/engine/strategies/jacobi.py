@@ -161,7 +161,7 @@ class Jacobi(_JacobiBase):
     def validate(p) -> None:
         _check_common("jacobi", p)
 
-    def kv_headroom(self) -> int:
+    def kv_headroom(self, config=None) -> int:
         return self.params.block_size + 1
 
     def start(self, ctx: DecodeContext, prompt: list[int]) -> None:
@@ -225,7 +225,7 @@ class JacobiMR(_JacobiBase):
         if p.mode not in MODES:
             raise BadInput(f"jacobi-mr mode must be one of {', '.join(MODES)}, got {p.mode!r}")
 
-    def kv_headroom(self) -> int:
+    def kv_headroom(self, config=None) -> int:
         p = self.params
         return 1 + p.block_size * (p.blocks + p.pool_size)
 

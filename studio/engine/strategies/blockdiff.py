@@ -1,0 +1,308 @@
+"""Block diffusion with confidence-threshold unmasking: the baseline S2D2 and SimSD are measured against
+(dInfer / Fast-dLLM / SDAR; DESIGN §4; references/jacobi_dinfer.md B.2, references/s2d2_simsd.md A.1, A.5).
+
+Blocks of B slots sit at absolute positions that are multiples of B. The prompt's whole blocks are
+prefilled; its tail stays in the first open block as filled slots. Each step is one forward of the open
+block (bidirectional inside, over the committed KV); an unmasking rule fills some masked slots; when none
+is left, a commit forward writes the block's KV (intra-block bidirectional, or token-causal with
+`causal_cache`, S2D2's `cache_ver`).
+
+Two kinds of model (ModelConfig.logit_shift):
+  position-aligned (SDAR): row j of the block predicts slot j.
+  right-shifted (Fast-dLLM v2, an AR model + adapter): row j-1 predicts slot j, so slot 0 of a block is
+    never masked: it is the prompt tail or the token the previous block's commit forward predicted from
+    its last row (Fast-dLLM v2's one AR token per block).
+
+Unmasking rules over the masked slots, with confidence = probability of the chosen token (the plain
+softmax of the argmax when greedy, as the references do), and a per-step quota = the block's masks
+spread over `steps` steps (remainder first):
+  dynamic       every slot with confidence > threshold, or the top-quota when fewer pass (Fast-dLLM, SDAR)
+  static        the top-quota
+  hierarchical  per contiguous masked run its best slot if > low_threshold, any slot > threshold, and the
+                global best (dInfer HierarchyDecoder)
+  credit        the dynamic rule on logits + alpha·log(1 + C), C an exponentially decayed credit of each
+                slot's repeated top-1 (dInfer CreditThresholdParallelDecoder)
+The MASK token is never a valid output: its logit is removed before any rule sees it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from studio.engine.masks import block_causal, causal, partially_causal_draft
+from studio.engine.sampling import SamplingParams, process_logits, sample, sample_token
+from studio.engine.strategies.base import DecodeContext, Strategy
+from studio.errors import BadInput
+
+DEFAULT_BLOCK = 4   # SDAR's training block size; used when neither the params nor the model give one
+SCHEDULES = ("dynamic", "static")
+DECODERS = ("threshold", "hierarchical", "credit")
+ADAPTER_ROWS = ("mask", "all")
+
+
+@dataclass
+class OpenBlock:
+    start: int              # absolute position of slot 0 (= the committed KV length while it is open)
+    tokens: list[int]       # the MASK id at masked slots
+    masked: list[bool]
+    n_masked_at_open: int
+    step: int = 0           # denoising steps taken in this block
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+    def masked_slots(self) -> list[int]:
+        return [j for j, m in enumerate(self.masked) if m]
+
+    def fill(self, slot: int, tok: int) -> None:
+        self.tokens[slot], self.masked[slot] = tok, False
+
+
+@dataclass
+class Draft:
+    """The drafter's view of the masked slots after one forward, in slot order."""
+    slots: list[int]
+    tokens: list[int]            # chosen token per slot (argmax when greedy, else drawn from q)
+    conf: list[float]            # its probability: softmax when greedy, q otherwise
+    q: torch.Tensor | None       # [n, V] the processed distributions the tokens were drawn from (None: greedy)
+    dist: torch.Tensor           # [n, V] the drafter distribution routing reads (softmax when greedy, else q)
+
+    @classmethod
+    def from_logits(cls, slots: list[int], logits: torch.Tensor, sampling: SamplingParams,
+                    gen: torch.Generator) -> "Draft":
+        if sampling.greedy:
+            dist = torch.softmax(logits.float(), dim=-1)
+            conf, tokens = dist.max(dim=-1)
+            return cls(slots, tokens.tolist(), conf.tolist(), None, dist)
+        q = process_logits(logits, sampling)
+        tokens = sample(q, gen)
+        return cls(slots, tokens.tolist(), q.gather(1, tokens[:, None])[:, 0].tolist(), q, q)
+
+    def subset(self, idx: list[int]) -> "Draft":
+        pick = torch.tensor(idx, dtype=torch.long)
+        return Draft([self.slots[i] for i in idx], [self.tokens[i] for i in idx], [self.conf[i] for i in idx],
+                     None if self.q is None else self.q[pick], self.dist[pick])
+
+
+# -- unmasking rules (pure functions of confidences) ------------------------------------------------------
+def transfer_counts(n_masked: int, steps: int) -> list[int]:
+    """Tokens to unmask per step: n spread over `steps`, the remainder on the first steps (SDAR/LLaDA)."""
+    base, rem = divmod(n_masked, steps)
+    return [base + 1] * rem + [base] * (steps - rem)
+
+
+def top_k(conf: list[float], k: int) -> list[int]:
+    order = sorted(range(len(conf)), key=lambda i: -conf[i])   # stable: ties go to the left slot
+    return sorted(order[:k])
+
+
+def select_dynamic(conf: list[float], quota: int, threshold: float) -> list[int]:
+    hi = [i for i, c in enumerate(conf) if c > threshold]
+    return hi if len(hi) >= quota else top_k(conf, quota)
+
+
+def select_hierarchical(conf: list[float], slots: list[int], threshold: float, low: float) -> list[int]:
+    chosen = {i for i, c in enumerate(conf) if c > threshold}
+    run: list[int] = []
+    for i in range(len(slots) + 1):
+        if run and (i == len(slots) or slots[i] != slots[run[-1]] + 1):
+            best = max(run, key=lambda r: conf[r])
+            if conf[best] > low:
+                chosen.add(best)
+            run = []
+        if i < len(slots):
+            run.append(i)
+    chosen.update(top_k(conf, 1))
+    return sorted(chosen)
+
+
+class BlockDiffusion(Strategy):
+    name = "blockdiff"
+    needs_mask = True
+
+    @dataclass
+    class Params:
+        block_size: int = 0            # B; 0 = the model's block_size (SDAR 4, Fast-dLLM v2 32), else 4
+        steps: int = 0                 # S denoising steps per block; 0 = B (one token per step at least)
+        schedule: str = "dynamic"      # dynamic (threshold + quota) | static (quota only)
+        threshold: float = 0.9         # τ: Fast-dLLM / dInfer serving default (S2D2's SDAR configs use 0.85)
+        decoder: str = "threshold"     # threshold | hierarchical | credit (dInfer)
+        low_threshold: float = 0.62    # hierarchical: dInfer eval guide (with threshold 0.92)
+        credit_alpha: float = 0.7      # credit decoder defaults (dInfer)
+        credit_gamma: float = 0.2
+        credit_beta: float = 0.8
+        causal_cache: bool = False     # token-causal prefill/commit (S2D2 cache_ver, "AR-like caching")
+        causal_prefix: bool = False    # partially causal drafting: decoded prefix rows causal (S2D2 draft_ver)
+        adapter_rows: str = "mask"     # where an adapter applies: MASK rows only (R-ISD style) | all rows
+
+    @classmethod
+    def validate(cls, p) -> None:
+        if p.block_size < 0 or p.steps < 0:
+            raise BadInput(f"{cls.name} block_size and steps must be >= 0 (0 = default)")
+        if p.adapter_rows not in ADAPTER_ROWS:
+            raise BadInput(f"{cls.name} adapter_rows must be one of {', '.join(ADAPTER_ROWS)}, got {p.adapter_rows!r}")
+        if p.schedule not in SCHEDULES:
+            raise BadInput(f"{cls.name} schedule must be one of {', '.join(SCHEDULES)}, got {p.schedule!r}")
+        if p.decoder not in DECODERS:
+            raise BadInput(f"{cls.name} decoder must be one of {', '.join(DECODERS)}, got {p.decoder!r}")
+        for f in ("threshold", "low_threshold", "credit_beta"):
+            if not 0.0 <= getattr(p, f) <= 1.0:
+                raise BadInput(f"{cls.name} {f} must be in [0, 1], got {getattr(p, f)}")
+        if p.credit_alpha < 0 or p.credit_gamma < 0:
+            raise BadInput(f"{cls.name} credit_alpha and credit_gamma must be >= 0")
+
+    def kv_headroom(self, config=None) -> int:
+        B = self.params.block_size or (config and config.block_size) or DEFAULT_BLOCK
+        return 3 * B   # a block past the last token + a 2B-row verifier
+
+    # -- blocks -----------------------------------------------------------------------------------
+    def start(self, ctx: DecodeContext, prompt: list[int]) -> None:
+        cfg = ctx.model.config
+        self.B = self.params.block_size or cfg.block_size or DEFAULT_BLOCK
+        self.S = self.params.steps or self.B
+        self.shift = cfg.logit_shift
+        self.prompt_len = P = len(prompt)
+        self.emitted_upto = P     # absolute position of the next token to emit
+        aligned = P // self.B * self.B
+        pending = []
+        if aligned:
+            logits = self._prefill(ctx, prompt[:aligned])
+            if self.shift and aligned == P:
+                pending = [self._next_token(ctx, logits[-1])]
+        self._open(ctx, aligned, prompt[aligned:] + pending)
+
+    def _prefill(self, ctx: DecodeContext, tokens: list[int]) -> torch.Tensor:
+        n = len(tokens)
+        logits = ctx.forward("prefill", tokens, mask=self._commit_mask(n, 0), lora_gate=self.gate(tokens, ctx.mask_id),
+                             logits_rows=[n - 1])
+        ctx.commit(n)
+        return logits
+
+    def _commit_mask(self, n: int, n_past: int) -> torch.Tensor:
+        return causal(n, n_past) if self.params.causal_cache else block_causal(n, n_past, self.B, offset=0)
+
+    def _open(self, ctx: DecodeContext, start: int, filled: list[int]) -> None:
+        n_mask = self.B - len(filled)
+        self.block = OpenBlock(start, filled + [ctx.mask_id] * n_mask, [False] * len(filled) + [True] * n_mask,
+                               n_mask)
+        self.credit = None
+        ctx.event("block", op="open", start=max(0, start - self.prompt_len), end=start + self.B - self.prompt_len)
+        self._emit_ready(ctx)
+
+    def _close(self, ctx: DecodeContext) -> None:
+        """Commit forward: write the finished block's KV (and, right-shifted, predict the next block's slot 0)."""
+        b = self.block
+        logits = ctx.forward("commit", b.tokens, mask=self._commit_mask(b.size, b.start),
+                             lora_gate=self.gate(b.tokens, ctx.mask_id), logits_rows=[b.size - 1])
+        ctx.commit(b.size)
+        self._commit_draft_model(ctx)
+        ctx.event("block", op="close", start=max(0, b.start - self.prompt_len), end=b.start + b.size - self.prompt_len)
+        self._open(ctx, b.start + b.size, [self._next_token(ctx, logits[0])] if self.shift else [])
+
+    def _commit_draft_model(self, ctx: DecodeContext) -> None:
+        """Hook for strategies that keep a second model's cache in step (SimSD)."""
+
+    def _next_token(self, ctx: DecodeContext, row: torch.Tensor) -> int:
+        tok, _ = sample_token(self._no_mask(ctx, row[None])[0], ctx.sampling, ctx.gen)
+        return tok
+
+    def _emit_ready(self, ctx: DecodeContext) -> None:
+        """Emit the filled slots that continue the output without a gap."""
+        b, toks = self.block, []
+        j = self.emitted_upto - b.start
+        while 0 <= j < b.size and not b.masked[j]:
+            toks.append(b.tokens[j])
+            j += 1
+        if toks:
+            self.emitted_upto += len(toks)
+            ctx.emit(toks)
+
+    def out_pos(self, slot: int) -> int:
+        return self.block.start + slot - self.prompt_len
+
+    # -- one denoising step -------------------------------------------------------------------------
+    def step(self, ctx: DecodeContext) -> None:
+        if not any(self.block.masked):
+            self._close(ctx)
+            return
+        self._denoise(ctx, role="draft")
+
+    def _denoise(self, ctx: DecodeContext, role: str) -> None:
+        """One forward of the open block and the unmasking rule (the whole blockdiff step)."""
+        d = self._draft(ctx, role)
+        self._unmask(ctx, d, self._select(d, self._quota()))
+        self.block.step += 1
+
+    def _draft(self, ctx: DecodeContext, role: str = "draft", model=None, kv=None, tokens: list[int] | None = None,
+               slots: list[int] | None = None, mask_id: int | None = None, credit: bool = True) -> Draft:
+        """Forward the open block (bidirectional) and read the distributions at `slots` (default: the
+        masked ones). `tokens` overrides the block's tokens (SimSD's drafter fills its own copy, with its
+        own `mask_id`)."""
+        b = self.block
+        tokens = b.tokens if tokens is None else tokens
+        slots = b.masked_slots() if slots is None else slots
+        rows = [j - 1 for j in slots] if self.shift else slots
+        gate = self.gate(tokens, ctx.mask_id if mask_id is None else mask_id)
+        logits = ctx.forward(role, tokens, mask=self._draft_mask(slots), lora_gate=gate,
+                             logits_rows=rows, model=model, kv=kv)
+        logits = self._no_mask(ctx, logits)
+        if credit and self.params.decoder == "credit":
+            logits = self._with_credit(slots, logits)
+        return Draft.from_logits(slots, logits, ctx.sampling, ctx.gen)
+
+    def gate(self, tokens: list[int], mask_id: int | None) -> list[bool]:
+        """LoRA gate per row. With `adapter_rows = "mask"` the model is the base on clean tokens and
+        base + adapter on MASK tokens (the R-ISD convention for an AR model + adapter), so committed KV and
+        right-shifted verification stay base-only; "all" is for adapters that are the whole dLLM."""
+        if self.params.adapter_rows == "all":
+            return [True] * len(tokens)
+        return [t == mask_id for t in tokens]
+
+    def _draft_mask(self, slots: list[int]) -> torch.Tensor:
+        b = self.block
+        if self.params.causal_prefix:
+            return partially_causal_draft(b.size, b.start, slots[0] if slots else b.size)
+        return block_causal(b.size, b.start, b.size)
+
+    @staticmethod
+    def _no_mask(ctx: DecodeContext, logits: torch.Tensor) -> torch.Tensor:
+        if ctx.mask_id is not None and ctx.mask_id < logits.shape[-1]:
+            logits = logits.clone()
+            logits[..., ctx.mask_id] = float("-inf")
+        return logits
+
+    def _with_credit(self, slots: list[int], logits: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        if self.credit is None:
+            self.credit = torch.zeros(self.B, logits.shape[-1])
+        else:
+            self.credit *= p.credit_beta
+        top_p, top_v = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+        rows = torch.tensor(slots, dtype=torch.long)
+        self.credit[rows, top_v] += top_p ** p.credit_gamma
+        return logits + p.credit_alpha * torch.log1p(self.credit[rows])
+
+    def _quota(self) -> int:
+        b = self.block
+        counts = transfer_counts(b.n_masked_at_open, self.S)
+        return max(1, min(counts[min(b.step, self.S - 1)], len(b.masked_slots())))
+
+    def _select(self, d: Draft, quota: int) -> list[int]:
+        """Indices into `d` of the slots to unmask this step."""
+        p = self.params
+        if p.decoder == "hierarchical":
+            return select_hierarchical(d.conf, d.slots, p.threshold, p.low_threshold)
+        if p.schedule == "static":
+            return top_k(d.conf, quota)
+        return select_dynamic(d.conf, quota, p.threshold)
+
+    def _unmask(self, ctx: DecodeContext, d: Draft, chosen: list[int]) -> None:
+        if not chosen:
+            return
+        for i in chosen:
+            self.block.fill(d.slots[i], d.tokens[i])
+        ctx.event("unmask", pos=[self.out_pos(d.slots[i]) for i in chosen], tok=[d.tokens[i] for i in chosen],
+                  conf=[d.conf[i] for i in chosen])
+        self._emit_ready(ctx)

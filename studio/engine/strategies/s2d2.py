@@ -1,0 +1,128 @@
+"""S2D2: block diffusion drafting + self-verification in block-size-1 mode (papers/002 §4, App. A;
+references/s2d2_simsd.md A.1-A.4).
+
+Each step drafts the open block like `blockdiff`, then a routing policy (routing.py) decides whether to
+verify the first contiguous masked span C_t with the same model as an autoregressive verifier:
+  position-aligned models: the "2L trick", one forward of [draft-filled block | B MASKs] where MASK row
+    B+r sees the committed KV and the filled tokens left of r only (masks.s2d2_verifier);
+  right-shifted models: one plain causal forward of the draft-filled block up to the span's end.
+Acceptance over the span, left to right, with the exact rule of DESIGN §4 (p = verifier, q = drafter;
+greedy: accept iff the draft is the verifier's argmax); `gamma` != 1 is the paper's lossy tempering
+min(1, (p/q)^γ). The first rejected slot gets a token from the residual; no bonus token after a fully
+accepted span. Verification replaces the threshold rule on the steps that verify (the reference's
+behaviour) unless `verify_replaces` is off, in which case confident slots outside the span are unmasked
+as well. The verifier never writes the KV cache; the commit forward does.
+
+LoRA gate: BlockDiffusion.gate (by default on at MASK rows only, so an AR model + adapter verifies a
+right-shifted span with the plain base model).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from studio.engine.masks import s2d2_verifier
+from studio.engine.sampling import Proposal, process_logits, verify_chain
+from studio.engine.strategies.base import DecodeContext
+from studio.engine.strategies.blockdiff import BlockDiffusion, Draft
+from studio.engine.strategies.routing import RouteInput, make_policy
+from studio.errors import BadInput
+
+
+class S2D2(BlockDiffusion):
+    name = "s2d2"
+
+    @dataclass
+    class Params(BlockDiffusion.Params):
+        policy: str = "min-span"       # min-span | score | hysteresis | ucb | always | never (routing.py)
+        route: dict = field(default_factory=dict)   # the policy's parameters (CLI: -p route.c=1)
+        gamma: float = 1.0             # acceptance tempering (lossy when != 1)
+        verify_replaces: bool = True   # verifying steps skip the threshold rule (reference behaviour)
+
+    def __init__(self, params: dict | None = None):
+        params = dict(params or {})
+        route = dict(params.pop("route", None) or {})
+        route.update({k.split(".", 1)[1]: params.pop(k) for k in list(params) if k.startswith("route.")})
+        super().__init__(dict(params, route=route))
+        self.policy = make_policy(self.params.policy, **route)   # validates the policy and its parameters
+
+    @classmethod
+    def validate(cls, p) -> None:
+        super().validate(p)
+        if not p.gamma > 0:
+            raise BadInput(f"s2d2 gamma must be > 0, got {p.gamma}")
+
+    def start(self, ctx: DecodeContext, prompt: list[int]) -> None:
+        self.policy.reset()
+        super().start(ctx, prompt)
+
+    def _denoise(self, ctx: DecodeContext, role: str) -> None:
+        b, p = self.block, self.params
+        d = self._draft(ctx, role)
+        span = first_run(d.slots)
+        n_hi = sum(c > p.threshold for c in d.conf)
+        x = RouteInput(span_len=span, n_masked=len(d.slots), block_size=b.size, probs=d.dist[:span],
+                       step=b.step, n_hi=n_hi)
+        verify, score = self.policy.decide(x)
+        ctx.event("route", verify=verify, score=score if math.isfinite(score) else None, policy=self.policy.name)
+        decided = self._verify(ctx, d, span) if verify else []
+        quota = self._quota()
+        rest = [i for i in range(len(d.slots)) if b.masked[d.slots[i]]]
+        chosen: list[int] = []
+        if rest and (len(decided) < quota or not p.verify_replaces):
+            sub = d.subset(rest)
+            chosen = [rest[i] for i in self._select(sub, max(0, quota - len(decided)))]
+        self._unmask(ctx, d, chosen)
+        self.policy.feedback(len(decided) + len(chosen), verify)
+        b.step += 1
+
+    def _verify(self, ctx: DecodeContext, d: Draft, span: int) -> list[int]:
+        """Verify the first `span` drafted slots; fill the accepted ones and the correction. Returns the
+        indices into `d` that were filled."""
+        b = self.block
+        slots, drafts = d.slots[:span], d.tokens[:span]
+        filled = list(b.tokens)
+        for j, t in zip(d.slots, d.tokens):
+            filled[j] = t
+        logits = self._no_mask(ctx, self.verifier_logits(ctx, filled, slots))
+        p = process_logits(logits, ctx.sampling)
+        q = None if d.q is None else d.q[:span]
+        res = verify_chain(drafts, p, q, Proposal.SAMPLED, ctx.sampling, ctx.gen, gamma=self.params.gamma)
+        pos = [self.out_pos(j) for j in slots]
+        q_of = [1.0] * span if q is None else q.gather(1, torch.tensor(drafts)[:, None])[:, 0].tolist()
+        ctx.event("propose", pos=pos, tok=drafts, q=q_of, src="diffusion")
+        a = res.n_accepted
+        if a:
+            ctx.event("accept", pos=pos[:a], tok=drafts[:a], p=res.p_draft[:a], q=res.q_draft[:a])
+        for i in range(a):
+            b.fill(slots[i], drafts[i])
+        if res.correction is None:
+            self._emit_ready(ctx)
+            return list(range(a))
+        ctx.event("reject", pos=pos[a], tok=drafts[a], p=res.p_draft[a], q=res.q_draft[a])
+        ctx.event("resample", pos=pos[a], tok=res.correction)
+        b.fill(slots[a], res.correction)
+        self._emit_ready(ctx)
+        return list(range(a + 1))
+
+    def verifier_logits(self, ctx: DecodeContext, filled: list[int], slots: list[int]) -> torch.Tensor:
+        """The model in block-size-1 mode at `slots` of the draft-filled block: logits [len(slots), V]."""
+        b = self.block
+        if self.shift:   # row j-1 predicts slot j; slot 0 is never masked, so j >= 1
+            n = slots[-1]
+            return ctx.forward("verify", filled[:n], lora_gate=self.gate(filled[:n], ctx.mask_id),
+                               logits_rows=[j - 1 for j in slots])
+        mask, positions = s2d2_verifier(b.size, b.start)
+        tokens = filled + [ctx.mask_id] * b.size
+        return ctx.forward("verify", tokens, positions=positions.tolist(), mask=mask,
+                           lora_gate=self.gate(tokens, ctx.mask_id), logits_rows=[b.size + j for j in slots])
+
+
+def first_run(slots: list[int]) -> int:
+    """Length of the first contiguous run of (sorted) masked slots: |C_t|."""
+    n = 1 if slots else 0
+    while n < len(slots) and slots[n] == slots[n - 1] + 1:
+        n += 1
+    return n
