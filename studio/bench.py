@@ -35,9 +35,12 @@ def load_prompts(path: Path | None) -> list[str]:
     for i, ln in enumerate(lines, 1):
         if ln.lstrip().startswith("{"):
             try:
-                prompts.append(json.loads(ln)["prompt"])
+                prompt = json.loads(ln)["prompt"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise BadInput(f"{path}:{i}: expected a JSON object with a 'prompt' field") from None
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise BadInput(f"{path}:{i}: 'prompt' must be a non-empty string")
+            prompts.append(prompt)
         else:
             prompts.append(ln)
     if not prompts:
@@ -47,31 +50,44 @@ def load_prompts(path: Path | None) -> list[str]:
 
 @dataclass
 class Samples:
+    """One strategy on one prompt, one entry per repeat."""
     tok_s: list[float] = field(default_factory=list)
     tpf: list[float] = field(default_factory=list)
-    accept: list[float] = field(default_factory=list)
+    accept: list[float | None] = field(default_factory=list)   # None: the run verified no drafts
     same_as_ar: list[bool] = field(default_factory=list)
 
 
-def spread(xs: list[float]) -> dict:
+def spread(xs: list[float]) -> dict | None:
+    """median, min, max and the number of samples; None when there are none."""
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def hf_generate(engine, prompt_ids: list[int], n_new: int, exact_length: bool = False) -> list[int]:
+    """Greedy `transformers` generate on our weights; the new token ids. The attention mask is explicit:
+    transformers would otherwise take prompt tokens equal to its pad id for padding."""
+    import torch
+    x = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = _hf_model(engine).generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n_new,
+                                         min_new_tokens=n_new if exact_length else None, do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
 
 
 def hf_generate_tok_s(engine, prompt_ids: list[int], n_new: int) -> float | None:
     """`transformers` generate on the same weights (greedy, decode only), or None when not installed."""
-    import torch
     try:
-        model = _hf_model(engine)
+        _hf_model(engine)
     except ImportError:
         return None
-    x = torch.tensor([prompt_ids])
-    with torch.inference_mode():
-        t = time.perf_counter()
-        model.generate(x, max_new_tokens=1, do_sample=False)
-        prefill = time.perf_counter() - t
-        t = time.perf_counter()
-        model.generate(x, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
-        total = time.perf_counter() - t
+    t = time.perf_counter()
+    hf_generate(engine, prompt_ids, 1)
+    prefill = time.perf_counter() - t
+    t = time.perf_counter()
+    hf_generate(engine, prompt_ids, n_new, exact_length=True)
+    total = time.perf_counter() - t
     return (n_new - 1) / max(total - prefill, 1e-9)
 
 
@@ -90,7 +106,7 @@ def _hf_model(engine):
                   num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
                   max_position_embeddings=c.max_seq_len, rms_norm_eps=c.rms_eps, rope_theta=c.rope_theta,
                   rope_scaling=c.rope_scaling, tie_word_embeddings=c.tie_embeddings,
-                  eos_token_id=engine.eos_ids(), **extra)
+                  eos_token_id=engine.eos_ids() or None, pad_token_id=(engine.eos_ids() or [0])[0], **extra)
         model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
         model.load_state_dict(engine.model.state_dict(), strict=False)
         _HF_CACHE[key] = model
@@ -99,7 +115,18 @@ def _hf_model(engine):
 
 def run_bench(engine, prompts: list[str], specs: list[RunSpec], make_run, repeats: int = 3, warmup: int = 1,
               with_transformers: bool = True, progress=None) -> dict:
-    """Returns the --json report: per strategy tok/s, TPF, acceptance, speedups vs ar and vs transformers."""
+    """Returns the --json report:
+
+    `model, prompts, repeats, warmup`; `transformers_tok_s` (spread over every transformers sample, None when
+    skipped or not installed) and `transformers_per_prompt` (the samples); `strategies`: one object per run
+    with `label, strategy, params`, spreads (`median, min, max, n`) of `tok_s`, `tpf`, `accept_rate` (None
+    when the strategy verifies nothing) over every sample, `speedup_vs_ar` and `speedup_vs_transformers`
+    (spreads over prompts of median(strategy tok/s) / median(baseline tok/s) on that prompt),
+    `exact_match_vs_ar` (share of runs whose tokens equal ar's on the same prompt and repeat) and
+    `per_prompt` (the raw samples, one entry per repeat)."""
+    specs = sorted(specs, key=lambda s: s.strategy != "ar")  # ar first on every prompt: the others compare to it
+    if not specs or specs[0].label != "ar":
+        raise BadInput("bench needs the ar baseline (parse_specs adds it)")
     runs = {s.label: make_run(s) for s in specs}
     n_new = max(settings.max_new_tokens for _, settings in runs.values())
     ids = [encode_prompt(engine, p) for p in prompts]
@@ -110,6 +137,8 @@ def run_bench(engine, prompts: list[str], specs: list[RunSpec], make_run, repeat
             Session(engine, strategy, settings).run(prompts[0], ids[0])
             if progress:
                 progress("warm-up", label)
+        if with_transformers:
+            hf_generate_tok_s(engine, ids[0], n_new)
     for rep in range(repeats):
         for i, prompt in enumerate(prompts):
             ar_ids = None
@@ -118,7 +147,8 @@ def run_bench(engine, prompts: list[str], specs: list[RunSpec], make_run, repeat
                 s = samples[label][i]
                 s.tok_s.append(r.footer["tok_s"])
                 s.tpf.append(r.footer["tpf"])
-                s.accept.append(r.footer["accept_rate"])
+                verified = any(e["t"] in ("accept", "reject") for e in r.events)
+                s.accept.append(r.footer["accept_rate"] if verified else None)
                 if label == "ar":
                     ar_ids = r.token_ids
                 s.same_as_ar.append(first_difference(ar_ids, r.token_ids) is None)
@@ -137,19 +167,54 @@ def _report(engine, prompts, runs, samples, hf, repeats, warmup) -> dict:
     ar_med = [statistics.median(s.tok_s) for s in samples["ar"]]
     hf_med = [statistics.median(x) for x in hf] if all(hf) else None
     out = {"model": engine.model_meta(), "prompts": prompts, "repeats": repeats, "warmup": warmup,
-           "transformers_tok_s": spread(hf_med) if hf_med else None, "strategies": []}
+           "transformers_tok_s": spread([x for xs in hf for x in xs]) if hf_med else None,
+           "transformers_per_prompt": hf if hf_med else None, "strategies": []}
     for label, (strategy, settings) in runs.items():
         per_prompt = samples[label]
         med = [statistics.median(s.tok_s) for s in per_prompt]
         out["strategies"].append({
             "label": label, "strategy": strategy.name,
-            "params": dict(vars(strategy.params), temperature=settings.sampling.temperature,
+            "params": dict(strategy.header_params(), temperature=settings.sampling.temperature,
                            max_new_tokens=settings.max_new_tokens),
             "tok_s": spread([x for s in per_prompt for x in s.tok_s]),
             "tpf": spread([x for s in per_prompt for x in s.tpf]),
             "accept_rate": spread([x for s in per_prompt for x in s.accept]),
-            "speedup_vs_ar": spread([m / a for m, a in zip(med, ar_med)]),
-            "speedup_vs_transformers": spread([m / h for m, h in zip(med, hf_med)]) if hf_med else None,
+            "speedup_vs_ar": spread([m / a if a else None for m, a in zip(med, ar_med)]),
+            "speedup_vs_transformers": spread([m / h if h else None for m, h in zip(med, hf_med)]) if hf_med else None,
             "exact_match_vs_ar": sum(x for s in per_prompt for x in s.same_as_ar) / (len(prompts) * repeats),
+            # the raw samples the numbers above come from: per prompt, one entry per repeat
+            "per_prompt": [{"tok_s": s.tok_s, "tpf": s.tpf, "accept_rate": s.accept, "same_as_ar": s.same_as_ar}
+                           for s in per_prompt],
         })
     return out
+
+
+def write_bench_html(report: dict, path) -> Path:
+    """A self-contained HTML page (plotly.js inlined, opens offline): the bench table and its figure."""
+    import html as _html
+    import plotly.io as pio
+    from studio.viz.figures import bench_figure
+
+    def cell(s, digits=2):
+        return "—" if not s else f"{s['median']:.{digits}f} [{s['min']:.{digits}f}–{s['max']:.{digits}f}]"
+
+    hf = report["transformers_tok_s"]
+    head = ["strategy", "tok/s", "TPF", "accept", "× ar", "× transformers", "= ar"]
+    rows = [[r["label"], cell(r["tok_s"], 1), cell(r["tpf"]), cell(r["accept_rate"]), cell(r["speedup_vs_ar"]),
+             cell(r["speedup_vs_transformers"]), f"{r['exact_match_vs_ar']:.0%}"] for r in report["strategies"]]
+    table = ("<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"
+             + "".join("<tr>" + "".join(f"<td>{_html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+             + "</table>")
+    title = f"dlm-studio bench: {len(report['prompts'])} prompts × {report['repeats']} repeats"
+    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{_html.escape(title)}</title><style>"
+            "body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse}"
+            "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}td:first-child,th:first-child{text-align:left}"
+            f"</style></head><body><h1>{_html.escape(title)}</h1>"
+            f"<p>model {_html.escape(report['model']['name'])} · median [min–max] over prompts and repeats · "
+            f"transformers generate: {cell(hf, 1)} tok/s</p>{table}"
+            + pio.to_html(bench_figure(report), full_html=False, include_plotlyjs=True, config={"displaylogo": False})
+            + "<h2>Prompts</h2><ol>" + "".join(f"<li>{_html.escape(p)}</li>" for p in report["prompts"])
+            + "</ol></body></html>")
+    path = Path(path)
+    path.write_text(page)
+    return path

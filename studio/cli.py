@@ -19,9 +19,6 @@ models_app = typer.Typer(no_args_is_help=True, help="List and inspect models.")
 app.add_typer(models_app, name="models")
 app.add_typer(trace_app, name="trace")
 
-DEMO_PROMPT = "Write a numbered list of five fruits."
-
-
 # -- options shared by the generation commands -----------------------------------------------
 def _parse_param(text: str) -> tuple[str, object]:
     if "=" not in text:
@@ -56,6 +53,20 @@ def build_run(strategy: Optional[str], preset: Optional[str], params: list[str],
     mnt = max_new_tokens or (base.max_new_tokens if base else None) or 128
     return make_strategy(name, merged), Settings(max_new_tokens=mnt, sampling=SamplingParams(**sampling),
                                                  seed=seed, stop=tuple(stop))
+
+
+def attach_draft(strategies, engine, model: str, draft_model: Optional[str], draft_adapter: Optional[str]) -> None:
+    """Give SimSD runs their drafter: `--draft-model` (default: the target model) with `--draft-adapter`.
+    Without either flag SimSD drafts with the target itself (self draft)."""
+    if draft_model is None and draft_adapter is None:
+        return
+    takers = [s for s in strategies if hasattr(s, "use_draft")]
+    if not takers:
+        raise BadInput("--draft-model/--draft-adapter apply to simsd runs only")
+    from studio.engine.engine import Engine
+    draft = Engine.load(draft_model or model, adapter=draft_adapter)
+    for s in takers:
+        s.use_draft(draft, engine.config)
 
 
 def _metrics_line(f: dict, strategy: str, events: list[dict]) -> str:
@@ -97,6 +108,8 @@ def run(
     preset: Optional[str] = typer.Option(None, "--preset", help="A strategy preset name or TOML file."),
     model: str = typer.Option("default", "--model", help="'default', a model preset, a HF directory or a .gguf."),
     adapter: Optional[str] = typer.Option(None, "--adapter", help="A PEFT LoRA adapter directory."),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="simsd: the draft dLLM (default: self draft)."),
+    draft_adapter: Optional[str] = typer.Option(None, "--draft-adapter", help="simsd: an adapter for the draft model."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens"),
     temperature: Optional[float] = typer.Option(None, "--temperature", help="0 = greedy (the default)."),
     top_k: Optional[int] = typer.Option(None, "--top-k"),
@@ -114,6 +127,7 @@ def run(
 
     strat, settings = build_run(strategy, preset, param, max_new_tokens, temperature, top_k, top_p, seed, stop)
     engine = Engine.load(model, adapter=adapter)
+    attach_draft([strat], engine, model, draft_model, draft_adapter)
     ids = encode_prompt(engine, prompt, chat=not raw)
     sinks = []
     live = LiveMetrics(strat.name) if sys.stderr.isatty() and not as_json else None
@@ -146,6 +160,8 @@ def compare(
     preset: Optional[str] = typer.Option(None, "--preset", help="Add a strategy preset to the runs."),
     model: str = typer.Option("default", "--model"),
     adapter: Optional[str] = typer.Option(None, "--adapter"),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="simsd: the draft dLLM."),
+    draft_adapter: Optional[str] = typer.Option(None, "--draft-adapter", help="simsd: an adapter for the draft."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens"),
     temperature: Optional[float] = typer.Option(None, "--temperature"),
     top_k: Optional[int] = typer.Option(None, "--top-k"),
@@ -159,8 +175,7 @@ def compare(
 ):
     """Run several strategies on the same prompt, seed and sampling settings; compare against ar."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-    from studio.compare import parse_specs, render_table, rows, run_compare
+    from studio.compare import parse_specs, progress_display, render_table, rows, run_compare, write_html
     from studio.engine.engine import Engine
     from studio.session import encode_prompt
 
@@ -169,25 +184,17 @@ def compare(
         return build_run(spec.strategy, spec.preset, [], max_new_tokens, temperature, top_k, top_p, seed, stop)
     runs = {spec.label: make_run(spec) for spec in specs}  # validate everything before loading the model
     engine = Engine.load(model, adapter=adapter)
+    attach_draft([strat for strat, _ in runs.values()], engine, model, draft_model, draft_adapter)
     ids = encode_prompt(engine, prompt, chat=not raw)
     if trace_dir:
         trace_dir.mkdir(parents=True, exist_ok=True)
-    err = Console(stderr=True)
-    with Progress(TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                  console=err, transient=True, disable=as_json or not err.is_terminal) as bar:
-        tasks = {label: bar.add_task(label, total=settings.max_new_tokens, info="")
-                 for label, (_, settings) in runs.items()}
-        def progress(label, e):
-            if e["t"] == "emit":
-                bar.advance(tasks[label], len(e["tok"]))
-            elif e["t"] == "forward" and e["role"] != "prefill":
-                bar.update(tasks[label], info=f"forward {e['step']}")
+    totals = {label: settings.max_new_tokens for label, (_, settings) in runs.items()}
+    with progress_display(totals, enabled=not as_json) as progress:
         results = run_compare(engine, prompt, ids, specs, lambda spec: runs[spec.label], trace_dir, progress)
     table = rows(results)
     sampled = any(r.header["params"]["temperature"] > 0 for r in results.values())
     if html:
-        from studio.traces.export import html_report
-        html_report([_as_trace(r) for r in results.values()], html, title=f"compare: {prompt[:60]}")
+        write_html(results, html, title=f"compare: {prompt[:60]}", trace_dir=trace_dir)
     if as_json:
         print(json.dumps(table))
         return
@@ -198,11 +205,6 @@ def compare(
         typer.echo(f"traces: {trace_dir}/", err=True)
     if html:
         typer.echo(f"report: {html}", err=True)
-
-
-def _as_trace(result):
-    from studio.events import Trace
-    return Trace(header=result.header, events=result.events, footer=result.footer)
 
 
 @app.command()
@@ -217,6 +219,7 @@ def bench(
     repeats: int = typer.Option(3, "--repeats"),
     warmup: int = typer.Option(1, "--warmup"),
     no_transformers: bool = typer.Option(False, "--no-transformers", help="Skip the transformers baseline."),
+    html: Optional[Path] = typer.Option(None, "--html", help="Write a self-contained HTML report."),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Speed and agreement of strategies against ar (and transformers generate), measured in one run."""
@@ -243,6 +246,9 @@ def bench(
         def progress(phase, label):
             bar.update(task, advance=1, description=f"{phase}: {label}")
         report = run_bench(engine, texts, specs, make_run, repeats, warmup, not no_transformers, progress)
+    if html:
+        from studio.bench import write_bench_html
+        typer.echo(f"report: {write_bench_html(report, html)}", err=True)
     if as_json:
         print(json.dumps(report))
         return
@@ -268,37 +274,17 @@ def _bench_table(report: dict):
 
 @app.command()
 def demo(
-    prompt: str = typer.Option(DEMO_PROMPT, "--prompt"),
-    strategies: str = typer.Option("ar,isd", "--strategies", "-s"),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="Default: a numbered list from 1 to 20."),
+    strategies: Optional[str] = typer.Option(None, "--strategies", "-s",
+                                             help="Comma-separated strategies or presets (default: every strategy, "
+                                                  "CPU-sized presets where they exist)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
-    trace_dir: Path = typer.Option(Path("traces"), "--trace-dir"),
+    trace_dir: Path = typer.Option(Path("traces"), "--trace-dir", help="Traces and the HTML report go here."),
+    html: bool = typer.Option(True, "--html/--no-html", help="Write TRACE_DIR/demo-report.html."),
 ):
-    """The studio's main job on the embedded model: one prompt through each strategy, greedy, with traces."""
-    from studio.engine.engine import Engine
-    from studio.session import Session, encode_prompt
-
-    engine = Engine.load("default")
-    typer.echo(f"model: {engine.name} ({engine.config.arch}, {engine.source}; loaded in {engine.load_s:.1f}s"
-               f"{' from cache' if engine.from_cache else ''})", err=True)
-    ids = encode_prompt(engine, prompt)
-    trace_dir.mkdir(parents=True, exist_ok=True)
-    typer.echo(f"prompt: {prompt}\n")
-    results = {}
-    for name in strategies.split(","):
-        strat, settings = build_run(name.strip(), None, [], max_new_tokens, 0.0, None, None, 0, [])
-        path = trace_dir / f"demo-{strat.name}.jsonl"
-        res = Session(engine, strat, settings).run(prompt, ids, trace_path=str(path))
-        results[strat.name] = res
-        typer.echo(f"── {strat.name} " + "─" * 40)
-        typer.echo(res.footer["text"].strip())
-        typer.echo(_metrics_line(res.footer, strat.name, res.events))
-        typer.echo(f"trace: {path}\n")
-    if "ar" in results:
-        ref = results["ar"].token_ids
-        for name, res in results.items():
-            if name != "ar":
-                same = "identical to" if res.token_ids == ref else "differs from"
-                typer.echo(f"{name}: output {same} ar (greedy)")
+    """The compare demo on the embedded model: the prompt through every strategy, greedy, with traces and a report."""
+    from studio.demo import DEMO_PROMPT as default_prompt, demo_command
+    demo_command(prompt or default_prompt, strategies, max_new_tokens, trace_dir, html)
 
 
 @models_app.command("list")
@@ -314,6 +300,14 @@ def models_list():
 def models_info(spec: str = typer.Argument("default", help="'default', a model preset, a directory or a .gguf")):
     """Architecture, size and capabilities of a model."""
     from studio.engine.engine import Engine
+    from studio.presets import load_model_preset
+    preset = load_model_preset(spec)
+    if preset and preset.source != "default" and not Path(preset.source).expanduser().exists():
+        typer.echo(f"name:          {preset.name}\nabout:         {preset.description}\n"
+                   f"source:        {preset.source} (not found: the weights are not installed)")
+        typer.echo(f"overrides:     {', '.join(f'{k}={v}' for k, v in preset.overrides.items()) or 'none'}")
+        typer.echo(f"how to get it: {preset.note}")
+        return
     engine = Engine.load(spec)
     cfg = engine.config
     n_params = sum(p.numel() for p in {id(p): p for p in engine.model.parameters()}.values())

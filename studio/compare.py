@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,8 +33,10 @@ def parse_specs(items: str, preset: str | None = None) -> list[RunSpec]:
         else:
             raise BadInput(f"unknown strategy or preset {item!r} (strategies: {', '.join(STRATEGIES)}; "
                            f"presets: {', '.join(sorted(presets))})")
+    # ar runs first, always: it is the baseline every later run is measured against
     if not any(s.strategy == "ar" for s in specs):
         specs.insert(0, RunSpec("ar", "ar", None))
+    specs.sort(key=lambda s: s.strategy != "ar")  # stable: ar first, the rest in the order given
     labels = [s.label for s in specs]
     if len(set(labels)) != len(labels):
         raise BadInput(f"a strategy is listed twice: {','.join(labels)}")
@@ -61,7 +64,8 @@ def rows(results: dict[str, RunResult]) -> list[dict]:
         f = r.footer
         verified = any(e["t"] in ("accept", "reject") for e in r.events)
         out.append({"label": label, "strategy": r.header["strategy"], "params": r.header["params"],
-                    "n_tokens": f["n_tokens"], "forwards": f["forwards"], "tpf": f["tpf"],
+                    "n_tokens": f["n_tokens"], "token_ids": list(r.token_ids), "forwards": f["forwards"],
+                    "tpf": f["tpf"],
                     "accept_rate": f["accept_rate"] if verified else None, "tok_s": f["tok_s"],
                     "speed_vs_ar": f["tok_s"] / base.footer["tok_s"] if base.footer["tok_s"] else None,
                     "identical_to_ar": first_difference(base.token_ids, r.token_ids) is None,
@@ -73,8 +77,11 @@ def rows(results: dict[str, RunResult]) -> list[dict]:
 def render_table(table_rows: list[dict], sampled: bool):
     from rich.table import Table
     t = Table(title="compare", title_justify="left")
+    label_width = max([len(r["label"]) for r in table_rows] + [8])
     for col in ("strategy", "tokens", "forwards", "TPF", "accept", "tok/s", "× ar", "same as ar"):
-        t.add_column(col, justify="left" if col in ("strategy", "same as ar") else "right")
+        # labels are never cut (a narrow terminal wraps "same as ar" instead)
+        extra = {"no_wrap": True, "min_width": label_width} if col == "strategy" else {}
+        t.add_column(col, justify="left" if col in ("strategy", "same as ar") else "right", **extra)
     for r in table_rows:
         same = "yes" if r["identical_to_ar"] else f"no (token {r['first_difference']})"
         acc = "—" if r["accept_rate"] is None else f"{r['accept_rate']:.2f}"
@@ -87,13 +94,56 @@ def render_table(table_rows: list[dict], sampled: bool):
 
 
 def run_compare(engine, prompt: str, prompt_ids: list[int], specs: list[RunSpec], make_run, trace_dir=None,
-                progress=None) -> dict[str, RunResult]:
-    """Run each spec one after another. `make_run(spec) -> (Strategy, Settings)`; `progress(label, event)`."""
+                progress=None, *, trace_prefix: str = "", on_done=None) -> dict[str, RunResult]:
+    """Run each spec one after another. `make_run(spec) -> (Strategy, Settings)`; `progress(label, event)`
+    for every event; `on_done(label, result)` after each run. Traces go to `trace_dir/{trace_prefix}{label}.jsonl`."""
     results = {}
     for spec in specs:
         strategy, settings = make_run(spec)
-        path = str(Path(trace_dir) / f"{spec.label}.jsonl") if trace_dir else None
+        path = str(trace_path(trace_dir, spec.label, trace_prefix)) if trace_dir else None
         sinks = [lambda e, label=spec.label: progress(label, e)] if progress else []
         results[spec.label] = Session(engine, strategy, settings).run(prompt, prompt_ids, sinks=sinks,
                                                                       trace_path=path)
+        if on_done:
+            on_done(spec.label, results[spec.label])
     return results
+
+
+def trace_path(trace_dir, label: str, prefix: str = "") -> Path:
+    return Path(trace_dir) / f"{prefix}{label}.jsonl"
+
+
+def as_trace(result: RunResult):
+    """A finished run as a `studio.events.Trace` (what every exporter and figure consumes)."""
+    from studio.events import Trace
+    return Trace(header=result.header, events=result.events, footer=result.footer)
+
+
+def write_html(results: dict[str, RunResult], path, title: str, trace_dir=None, trace_prefix: str = "") -> Path:
+    """The self-contained HTML report of a comparison, runs labelled as in the table. With `trace_dir` (where
+    `run_compare` wrote the traces) the report is built from the trace files, so it shows their run ids."""
+    from studio.events import read_trace
+    from studio.traces.export import html_report
+    traces = [read_trace(trace_path(trace_dir, label, trace_prefix)) if trace_dir else as_trace(r)
+              for label, r in results.items()]
+    return html_report(traces, path, title=title, labels=list(results))
+
+
+@contextmanager
+def progress_display(totals: dict[str, int], console=None, enabled: bool = True):
+    """One Rich progress bar per run on stderr (advanced by emit events); yields `progress(label, event)`
+    for `run_compare`. When stderr is not a terminal the bars are off and nothing is drawn."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    console = console or Console(stderr=True)
+    with Progress(TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[info]}"), console=console, transient=True,
+                  disable=not enabled or not console.is_terminal) as bar:
+        tasks = {label: bar.add_task(label, total=total, info="") for label, total in totals.items()}
+
+        def progress(label: str, e: dict) -> None:
+            if e["t"] == "emit":
+                bar.advance(tasks[label], len(e["tok"]))
+            elif e["t"] == "forward" and e["role"] != "prefill":
+                bar.update(tasks[label], info=f"forward {e['step']}")
+        yield progress

@@ -344,3 +344,154 @@ def test_footer_metrics_roundtrip_all_formats(tmp_path):
                {k: t.footer[k] for k in ("tpf", "accept_rate", "n_tokens", "forwards")}
         assert m["text"] == t.footer["text"]
         assert not any(isinstance(v, float) and math.isnan(v) for e in back for v in e.values())
+
+
+# -- real traces from every registered strategy (tiny engine), and the real `dlm-studio` entry point -------
+def _strategy_names():
+    from studio.engine.strategies import STRATEGIES
+    # jacobi-mr through its CPU preset: its default blocks do not fit the tiny model's 128-token context
+    return [s if s != "jacobi-mr" else "jacobi-mr-cpu" for s in STRATEGIES]
+
+
+@pytest.fixture(scope="module")
+def strategy_traces(tmp_path_factory):
+    """One real trace per registered strategy: greedy on a tiny engine, written by the Session."""
+    import torch
+
+    from studio.cli import build_run
+    from studio.compare import parse_specs, run_compare
+    from studio.session import encode_prompt
+    from tests.tiny import tiny_engine
+
+    d = tmp_path_factory.mktemp("strategy_traces")
+    engine = tiny_engine("llama", vocab=16)
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_compare(engine, "abcab", encode_prompt(engine, "abcab"), parse_specs(",".join(_strategy_names())),
+                    lambda s: build_run(s.strategy, s.preset, [], 10, 0.0, None, None, 0, []), d)
+    finally:
+        torch.set_num_threads(old)
+    return {name: d / f"{name}.jsonl" for name in _strategy_names()}
+
+
+_STRING_FIELDS = {"t", "role", "src", "op", "policy", "text", "run_id", "strategy"}
+
+
+def _events_from_csv(path: Path) -> list[dict]:
+    """Read an exported CSV back into events (empty cell = absent; string fields as-is; the rest JSON)."""
+    out = []
+    for row in csv.DictReader(path.open(encoding="utf-8")):
+        e = {}
+        for k, v in row.items():
+            if k in ("run_id", "strategy", "extra"):
+                continue
+            if v == "" and not (k == "text" and row["t"] == "emit"):
+                continue
+            e[k] = v if k in _STRING_FIELDS else json.loads(v)
+        out.append(e)
+    return out
+
+
+def test_every_format_from_every_strategy_roundtrips_metrics(tmp_path, strategy_traces):
+    """Parquet (one row per event), CSV and Perfetto exports of a real trace of each strategy read back to
+    the footer's numbers; the Perfetto file is valid JSON with a forward slice per forward; HTML exists."""
+    import pyarrow.parquet as pq
+
+    for name, src in strategy_traces.items():
+        t = read_trace(src)
+        want = {k: t.footer[k] for k in METRICS}
+        pq_out = export(src, "parquet", tmp_path / f"{name}.parquet")
+        assert pq.read_table(pq_out).num_rows == len(t.events)
+        back = read_parquet_events(pq_out)
+        assert back == t.events
+        assert {k: summarize(back)[k] for k in METRICS} == want, name
+        csv_out = export(src, "csv", tmp_path / f"{name}.csv")
+        from_csv = _events_from_csv(csv_out)
+        assert len(from_csv) == len(t.events) and [e["t"] for e in from_csv] == [e["t"] for e in t.events]
+        assert {k: summarize(from_csv)[k] for k in METRICS} == want, name
+        doc = json.loads(export(src, "perfetto", tmp_path / f"{name}.json").read_text(),
+                         parse_constant=lambda c: pytest.fail(f"{name}: {c} in the Perfetto JSON"))
+        te = doc["traceEvents"]
+        assert len([x for x in te if x["ph"] == "X"]) == len([e for e in t.events if e["t"] == "forward"])
+        assert doc["metadata"]["footer"] == t.footer
+        tpf = [x["args"]["TPF"] for x in te if x["name"] == "TPF (running)"]
+        assert tpf and tpf[-1] == pytest.approx(t.footer["tpf"], abs=1e-6)  # counters keep 6 decimals
+        html_out = export(src, "html", tmp_path / f"{name}.html")
+        assert html_out.stat().st_size > 1_000_000 and t.header["run_id"] in html_out.read_text(encoding="utf-8")
+
+
+def test_replay_a_trace_of_every_strategy_without_a_model(strategy_traces):
+    """`dlm-studio trace replay` through the real entry point, on each strategy's trace; the process never
+    imports torch (so no model can have been loaded) and ends with the footer's text."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom studio.cli import main\nsys.argv = ['dlm-studio', 'trace', 'replay', sys.argv[1], "
+            "'--speed', '0']\ntry:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('TORCH-LOADED' if 'torch' in sys.modules else 'NO-TORCH')\n")
+    for name, src in strategy_traces.items():
+        t = read_trace(src)
+        r = subprocess.run([sys.executable, "-c", code, str(src)], capture_output=True, text=True, timeout=120,
+                           cwd=Path(__file__).parent.parent)
+        assert r.returncode == 0, (name, r.stderr[-2000:])
+        assert r.stdout.strip().endswith("NO-TORCH"), (name, r.stdout[-500:])
+        n_steps = len({e["step"] for e in t.events})
+        assert f"{n_steps} steps" in r.stdout and f"\n{n_steps - 1:>4} " in r.stdout   # a grid row per step
+        done = f"done · {t.footer['stop_reason']} · {t.footer['n_tokens']} tokens · {t.footer['forwards']} forwards"
+        assert done in r.stdout, (name, r.stdout[-400:])
+        assert t.footer["text"] in r.stdout, name
+
+
+@pytest.mark.parametrize("cmd", [["info"], ["info", "--json"], ["export", "-f", "parquet"],
+                                 ["export", "-f", "perfetto"], ["export", "-f", "csv"], ["export", "-f", "html"],
+                                 ["replay", "--speed", "0"]])
+def test_every_trace_command_bad_traces_exit_2_via_main(tmp_path, monkeypatch, capsys, cmd):
+    """studio.cli.main itself (what `dlm-studio` runs): exit 2 and exactly one line on stderr, no traceback."""
+    from studio.cli import main
+
+    for name, path in _bad_traces(tmp_path).items():
+        monkeypatch.setattr("sys.argv", ["dlm-studio", "trace", cmd[0], str(path), *cmd[1:]])
+        with pytest.raises(SystemExit) as e:
+            main()
+        err = capsys.readouterr().err
+        assert e.value.code == 2, (name, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("dlm-studio: error: "), (name, err)
+        assert "Traceback" not in err
+        assert not list(tmp_path.glob("*.parquet")) + list(tmp_path.glob("*.csv")) + list(tmp_path.glob("*.html"))
+
+
+def test_trace_commands_bad_trace_exit_2_subprocess(tmp_path):
+    """The installed command line, once per command, on a truncated trace."""
+    import subprocess
+    import sys
+
+    path = _bad_traces(tmp_path)["truncated"]
+    for cmd in (["info"], ["export", "-f", "csv"], ["replay", "--speed", "0"]):
+        r = subprocess.run([sys.executable, "-m", "studio", "trace", cmd[0], str(path), *cmd[1:]],
+                           capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "truncated" in r.stderr, (cmd, r.stderr)
+
+
+def test_diagnostics_slot_numbers_match_the_figure():
+    """The drop-off note numbers draft slots from 1 like the acceptance-by-position figure, and ignores
+    slots verified fewer than 5 times."""
+    from studio.viz.stats import acceptance, diagnostics
+
+    def run(chains):
+        E = [ev.forward(0, 1.0, role="prefill", n_tokens=4, lora_rows=0, wall_ms=1.0)]
+        for step, (acc, rej) in enumerate(chains, 1):
+            E.append(ev.forward(step, step + 1.0, role="verify", n_tokens=4, lora_rows=0, wall_ms=1.0))
+            if acc:
+                E.append(ev.accept(step, step + 1.1, pos=list(range(acc)), tok=[5] * acc, p=[0.9] * acc,
+                                   q=[1.0] * acc))
+            if rej is not None:
+                E.append(ev.reject(step, step + 1.2, pos=rej, tok=6, p=0.1, q=1.0))
+        return E
+    # slot 1: 9 of 11 accepted; slot 2: 2 of 9; slot 3: verified once (accepted): too few to count
+    E = run([(2, None)] + [(1, 1)] * 7 + [(3, None)] + [(0, 0)] * 2)
+    acc = acceptance(E)
+    assert acc.verified_by_pos == [11, 9, 1] and acc.by_pos[2] == 1.0
+    notes = [n for n in diagnostics(E, "isd") if "falls off" in n]
+    assert notes == ["Acceptance falls off by draft slot: 82% at slot 1, 22% at slot 2."]

@@ -5,6 +5,7 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -41,6 +42,8 @@ class Engine:
         _init_torch()
         t0 = time.perf_counter()
         preset = load_model_preset(spec)
+        if preset and preset.source != "default" and not Path(preset.source).expanduser().exists():
+            raise BadInput(f"model preset {preset.name!r}: no weights at {preset.source}. {preset.note}".strip())
         files = load_model_files(preset.source if preset else spec, progress=progress)
         cfg = files.config
         if preset:

@@ -542,8 +542,9 @@ def _header_table(h: Mapping[str, Any]) -> str:
         ("params", params or "—"),
         ("prompt", f'<div class="prompt mono">{_esc(prompt.get("text"))}</div>'
                    f'<span class="sub">{len(prompt.get("token_ids") or [])} tokens</span>'),
-        ("run", f'<span class="mono">{_esc(h.get("run_id"))}</span> · {_esc(h.get("created"))} · '
-                f'{_esc(h.get("schema"))}'),
+        ("run", " · ".join(x for x in (f'<span class="mono">{_esc(h["run_id"])}</span>' if h.get("run_id") else "",
+                                       _esc(h.get("created")), _esc(h.get("schema"))) if x)
+         or '<span class="sub">not saved as a trace file</span>'),
     ]
     return "<table>" + "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in rows) + "</table>"
 
@@ -591,10 +592,11 @@ def _comparison_table(traces: Sequence[Trace], labels: Sequence[str], metrics: S
 
 
 def html_report(traces: Sequence[Trace] | Trace, path: str | os.PathLike, title: str | None = None, *,
-                token_text: Any = None) -> Path:
+                token_text: Any = None, labels: Sequence[str] | None = None) -> Path:
     """A self-contained HTML report (plotly.js inlined once, so it opens offline): for several runs a
     comparison table and figure first, then for each run its header, metrics, diagnostics, the
-    generated text coloured by provenance, and its figures."""
+    generated text coloured by provenance, and its figures. `labels` names the runs (default: the
+    strategy names, numbered when one repeats), e.g. the preset names a comparison ran."""
     import plotly.io as pio
 
     from studio.viz.figures import comparison_figure, run_figures, trace_metrics, unique_labels
@@ -607,7 +609,11 @@ def html_report(traces: Sequence[Trace] | Trace, path: str | os.PathLike, title:
     traces = list(traces)
     path = Path(path)
     _check_writable(path)
-    labels = unique_labels(traces)
+    if labels is None:
+        labels = unique_labels(traces)
+    elif len(labels) != len(traces):
+        raise ValueError(f"{len(labels)} labels for {len(traces)} traces")
+    labels = list(labels)
     if title is None:
         title = ("dlm-studio trace: " + labels[0]) if len(traces) == 1 else f"dlm-studio comparison: {', '.join(labels)}"
     first_js = [True]
@@ -625,7 +631,7 @@ def html_report(traces: Sequence[Trace] | Trace, path: str | os.PathLike, title:
                        f"{_esc(legend_text())}</div>"]
     if len(traces) > 1:
         body += ["<h2>Comparison</h2>", '<div class="card">', _comparison_table(traces, labels, metrics), "</div>",
-                 fig_html(comparison_figure(traces))]
+                 fig_html(comparison_figure(traces, labels))]
     for lab, t, m in zip(labels, traces, metrics):
         grid = build_grid(t.header, t.events, token_text)
         body.append(f"<h2>{_esc(lab)}</h2>" if len(traces) > 1 else "")

@@ -286,9 +286,10 @@ def unique_labels(traces: Sequence[Any]) -> list[str]:
     return out
 
 
-def comparison_figure(traces: Sequence[Any]) -> go.Figure:
-    """TPF, acceptance and tok/s bars per run, and cumulative tokens vs forwards (one line per run)."""
-    labels = unique_labels(traces)
+def comparison_figure(traces: Sequence[Any], labels: Sequence[str] | None = None) -> go.Figure:
+    """TPF, acceptance and tok/s bars per run, and cumulative tokens vs forwards (one line per run).
+    `labels` names the runs (default: the strategy names, numbered when one repeats)."""
+    labels = list(labels) if labels is not None else unique_labels(traces)
     metrics = [trace_metrics(t) for t in traces]
     colors = [RUN_COLORS[i % len(RUN_COLORS)] for i in range(len(traces))]
     fig = make_subplots(rows=2, cols=2, vertical_spacing=0.16, horizontal_spacing=0.1,
@@ -336,3 +337,24 @@ def run_figures(header: Mapping[str, Any] | None, events: Sequence[Mapping[str, 
         "acceptance_by_position": acceptance_by_position_figure(header, events, footer),
         "acceptance_length": acceptance_length_figure(header, events, footer),
     }
+
+
+def bench_figure(report: dict) -> go.Figure:
+    """`dlm-studio bench` at a glance: speed vs ar and TPF per strategy, bars at the median with
+    min–max whiskers (the spread over prompts and repeats)."""
+    runs = report["strategies"]
+    labels = [r["label"] for r in runs]
+    colors = [RUN_COLORS[i % len(RUN_COLORS)] for i in range(len(runs))]
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
+                        subplot_titles=("Speed vs ar (× , median and min–max)", "Tokens per forward"))
+    fig.update_layout(**_BASE_LAYOUT)
+    for col, key in ((1, "speedup_vs_ar"), (2, "tpf")):
+        spreads = [r.get(key) or {"median": 0, "min": 0, "max": 0} for r in runs]
+        med = [s["median"] for s in spreads]
+        fig.add_trace(go.Bar(x=labels, y=med, marker_color=colors, showlegend=False,
+                             text=[f"{m:.2f}" for m in med], textposition="outside",
+                             error_y=dict(type="data", symmetric=False, array=[s["max"] - s["median"] for s in spreads],
+                                          arrayminus=[s["median"] - s["min"] for s in spreads]),
+                             hovertemplate="%{x}<br>%{text}<extra>" + key + "</extra>"), row=1, col=col)
+    fig.add_hline(y=1.0, line_dash="dot", line_color="#555555", row=1, col=1)
+    return fig

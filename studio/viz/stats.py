@@ -163,7 +163,10 @@ def diagnostics(events: list[Mapping[str, Any]], strategy: str | None = None) ->
     acc = acceptance(events)
     if acc.verified and acc.accepted == 0:
         notes.append(f"No draft was accepted ({acc.verified} verified): the drafter and target disagree.")
-    by = acc.by_pos
-    if len(by) >= 2 and acc.verified_by_pos[0] >= 5 and by[0] > 0.2 and by[-1] < by[0] / 2:
-        notes.append(f"Acceptance falls off by draft slot: {by[0]:.0%} at slot 0, {by[-1]:.0%} at slot {len(by) - 1}.")
+    # slots numbered from 1 as in the acceptance-by-position figure; a slot verified fewer than 5 times
+    # says nothing about a drop-off
+    by = [(k, r) for k, (r, n) in enumerate(zip(acc.by_pos, acc.verified_by_pos), 1) if n >= 5]
+    if len(by) >= 2 and by[0][0] == 1 and by[0][1] > 0.2 and by[-1][1] < by[0][1] / 2:
+        notes.append(f"Acceptance falls off by draft slot: {by[0][1]:.0%} at slot 1, "
+                     f"{by[-1][1]:.0%} at slot {by[-1][0]}.")
     return notes
