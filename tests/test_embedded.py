@@ -1,10 +1,14 @@
-"""Integration on the embedded SmolLM2-135M: parity with transformers, greedy exactness of ISD vs AR."""
+"""Integration on the embedded SmolLM2-135M: parity with transformers, greedy exactness of ISD, R-ISD (random
+adapter), Jacobi and Jacobi MR vs AR."""
 import pytest
 import torch
 
+from studio.engine.engine import Engine
 from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import make_strategy
+from studio.presets import load_strategy_preset
 from studio.session import Session, Settings, encode_prompt
+from tests.adapters import random_mask_adapter
 from tests.prompts import PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -55,3 +59,57 @@ def test_greedy_isd_equals_greedy_ar_on_ten_prompts(default_engine, stride):
         isd = _run(default_engine, "isd", ids, {"stride": stride})
         assert_same_or_near_tie(default_engine, ids, ar.token_ids, isd.token_ids, f"isd {prompt!r}")
         assert isd.footer["forwards"] > 0 and ar.footer["n_tokens"] > 0
+
+
+# -------------------------------------------------------------------------------------------------
+# the exact strategies on a causal model: greedy r-isd (random adapter), jacobi and jacobi-mr == greedy ar
+# -------------------------------------------------------------------------------------------------
+N_EXACT = 128
+
+
+@pytest.fixture(scope="module")
+def ar_refs(default_engine):
+    """Greedy ar on the ten prompts x 128 new tokens: (prompt ids, tokens), computed once for every strategy."""
+    refs = []
+    for prompt in PROMPTS:
+        ids = encode_prompt(default_engine, prompt)
+        refs.append((prompt, ids, _run(default_engine, "ar", ids, n=N_EXACT).token_ids))
+    return refs
+
+
+@pytest.fixture(scope="module")
+def adapted_engine(tmp_path_factory, default_engine):
+    """A second engine on the embedded model with a random adapter (LoRA on q/k/v/o/gate/up/down + a MASK row),
+    so the session-wide default_engine never carries one."""
+    path = random_mask_adapter(tmp_path_factory.mktemp("adapter") / "random", default_engine.model, seed=0)
+    engine = Engine.load("default", adapter=str(path))
+    assert default_engine.adapter is None
+    assert engine.config.mask_token_id == default_engine.config.vocab_size   # the adapter's own MASK row
+    return engine
+
+
+def _preset_params(name):
+    preset = load_strategy_preset(name)
+    assert preset.sampling == {"temperature": 0.0}
+    return preset.params
+
+
+@pytest.mark.parametrize("name", ["r-isd", "jacobi", "jacobi-mr"])
+def test_greedy_exact_strategies_equal_greedy_ar_on_ten_prompts(request, default_engine, ar_refs, name):
+    """r-isd: stride 4 with the random adapter gated on at MASK rows only (the clean rows and their KV are
+    base-only); jacobi: the jacobi-n16 preset (n = 16, the default); jacobi-mr: the jacobi-mr-cpu preset."""
+    if name == "r-isd":
+        engine, params = request.getfixturevalue("adapted_engine"), {"stride": 4}
+    else:
+        engine, params = default_engine, _preset_params({"jacobi": "jacobi-n16", "jacobi-mr": "jacobi-mr-cpu"}[name])
+    for prompt, ids, ar in ar_refs:
+        got = _run(engine, name, ids, params, n=N_EXACT)
+        # near-ties are judged on the base model: that is the law every one of these strategies follows
+        assert_same_or_near_tie(default_engine, ids, ar, got.token_ids, f"{name} {prompt!r}")
+        forwards = [e for e in got.events if e["t"] == "forward" and e["role"] != "prefill"]
+        assert len(forwards) == got.footer["forwards"] > 0
+        if name == "r-isd":
+            assert engine.adapter and got.header["model"]["adapter"] == engine.adapter
+            assert all(f["lora_rows"] == 3 for f in forwards)   # the N-1 MASK rows, never a clean row
+        else:
+            assert all(f["role"] == "jacobi" and f["lora_rows"] == 0 for f in forwards)

@@ -213,6 +213,21 @@ def _dora(path, model):
     _edit_config(path, use_dora=True)
 
 
+def _nan_alpha(path, model):
+    random_adapter(path, model)
+    _edit_config(path, lora_alpha=float("nan"))
+
+
+def _targets_not_strings(path, model):
+    random_adapter(path, model)
+    _edit_config(path, target_modules=[5])
+
+
+def _modules_to_save_string(path, model):
+    random_adapter(path, model)
+    _edit_config(path, modules_to_save="classifier")
+
+
 def _only_a(path, model):
     save_adapter(random_lora(model), path, r=4, alpha=4.0, targets="all-linear")
     f = path / "adapter_model.safetensors"
@@ -244,6 +259,9 @@ def _missing_dir(path, model):
     (_bad_json, "invalid .*adapter_config.json"),
     (_fan_in_fan_out, "fan_in_fan_out"),
     (_dora, "use_dora"),
+    (_nan_alpha, "lora_alpha must be a positive number"),
+    (_targets_not_strings, "target_modules must be a string or a list of strings"),
+    (_modules_to_save_string, "modules_to_save 'classifier'"),
     (_only_a, "lora_A but no lora_B"),
     (_mask_row_wrong_id, "base vocab size 24"),
     (_mask_row_wrong_dim, "dim 7"),

@@ -125,7 +125,8 @@ def _read_config(root: Path) -> dict:
         raise BadInput(f"{f}: peft_type {cfg['peft_type']!r} is not supported (only LORA)")
     for key in ("r", "lora_alpha"):
         v = cfg.get(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 or (key == "r" and not isinstance(v, int)):
+        if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0
+                or (key == "r" and not isinstance(v, int))):
             raise BadInput(f"{f}: {key} must be a positive {'integer' if key == 'r' else 'number'}, got {v!r}")
     # Each of these changes what the weights mean; applying the adapter without them would be silently wrong.
     for key, ok in (("fan_in_fan_out", False), ("use_dora", False), ("bias", "none")):
@@ -135,6 +136,8 @@ def _read_config(root: Path) -> dict:
         if cfg.get(key):
             raise BadInput(f"{f}: {key} is not supported (one r and lora_alpha for every module)")
     saved = cfg.get("modules_to_save") or []
+    if isinstance(saved, str):
+        saved = [saved]
     bad = [m for m in saved if str(m).rsplit(".", 1)[-1] not in ("embed_tokens", "lm_head")]
     if bad:
         raise BadInput(f"{f}: modules_to_save {bad[0]!r} is not supported (only embed_tokens / lm_head for a MASK row)")
@@ -184,6 +187,8 @@ def _check_targets(targets, lora: dict) -> None:
         return
     if isinstance(targets, str):
         return  # a PEFT regex: the tensor names (checked in _split_lora) decide
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise BadInput(f"{CONFIG_FILE}: target_modules must be a string or a list of strings, got {targets!r}")
     short = [t.rsplit(".", 1)[-1] for t in targets]
     unknown = [t for t in short if t not in TARGETS]
     if unknown:
