@@ -346,7 +346,7 @@ def bench_figure(report: dict) -> go.Figure:
     labels = [r["label"] for r in runs]
     colors = [RUN_COLORS[i % len(RUN_COLORS)] for i in range(len(runs))]
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
-                        subplot_titles=("Speed vs ar (× , median and min–max)", "Tokens per forward"))
+                        subplot_titles=("Speed vs ar (×, median with min–max whiskers)", "Tokens per forward"))
     fig.update_layout(**_BASE_LAYOUT)
     for col, key in ((1, "speedup_vs_ar"), (2, "tpf")):
         spreads = [r.get(key) or {"median": 0, "min": 0, "max": 0} for r in runs]
