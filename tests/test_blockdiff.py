@@ -60,7 +60,7 @@ def test_bad_params_are_clear_errors(params):
 @pytest.mark.parametrize("shift", [False, True])
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("params", [{}, {"schedule": "static", "steps": 2}, {"decoder": "hierarchical"},
-                                    {"decoder": "credit"}, {"causal_cache": True, "causal_prefix": True}])
+                                    {"decoder": "credit"}, {"cache": "causal", "causal_prefix": True}])
 def test_runs_end_to_end_with_consistent_events(tmp_path, family, shift, params):
     engine = tiny_dlm(family, shift)
     trace = tmp_path / "t.jsonl"
@@ -108,7 +108,7 @@ def test_block_size_one_is_autoregressive():
     assert bd.token_ids == ar.token_ids
     # position-aligned, B = 1 with a causal cache: the model in block-size-1 mode
     engine = tiny_dlm("qwen3", False, vocab=24, seed=4)
-    bd = generate(engine, "blockdiff", {"block_size": 1, "causal_cache": True}, n=20)
+    bd = generate(engine, "blockdiff", {"block_size": 1, "cache": "causal"}, n=20)
     assert bd.token_ids == block_size_one_greedy(engine, [1, 2, 3, 4, 5], 20)
 
 

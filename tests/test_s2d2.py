@@ -25,7 +25,7 @@ def test_first_run():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_verifier_equals_separate_block_size_one_forwards(family, shift):
     engine = tiny_dlm(family, shift, block=8, vocab=32, seed=2)
-    strat = make_strategy("s2d2", {"causal_cache": True})
+    strat = make_strategy("s2d2", {"cache": "causal"})
     prompt = list(range(1, 11))                  # 8 prefilled, [9, 10] in the open block
     ctx = opened(engine, strat, prompt)
     b = strat.block
@@ -45,7 +45,7 @@ def test_always_verify_with_causal_cache_is_the_block_size_one_model(family, shi
     """Every token is committed by the verifier, so greedy S2D2 = the model decoding token by token
     (right-shifted: plain greedy AR)."""
     engine = tiny_dlm(family, shift, vocab=24, seed=7)
-    r = generate(engine, "s2d2", {"policy": "always", "causal_cache": True}, n=30)
+    r = generate(engine, "s2d2", {"policy": "always", "cache": "causal"}, n=30)
     assert r.token_ids == block_size_one_greedy(engine, [1, 2, 3, 4, 5], 30)
     if shift:
         assert r.token_ids == generate(engine, "ar", n=30).token_ids
@@ -71,7 +71,7 @@ def _first_token_samples(engine, params, n, prompt):
 def test_verify_step_commits_the_verifier_distribution():
     """The 2L verifier path (position-aligned); the right-shifted path is covered by whole sequences below."""
     engine = tiny_dlm("qwen3", False, vocab=6, seed=11, dim=16, layers=1)
-    samples, prefix = _first_token_samples(engine, {"policy": "always", "causal_cache": True}, 20_000, [1, 2, 3, 4, 1, 2])
+    samples, prefix = _first_token_samples(engine, {"policy": "always", "cache": "causal"}, 20_000, [1, 2, 3, 4, 1, 2])
     p = block_size_one_probs(engine, prefix, SamplingParams(1.0))
     law = {(v,): float(p[v]) for v in range(6)}
     assert chi_square_pvalue(samples, law) > 0.01
@@ -79,7 +79,7 @@ def test_verify_step_commits_the_verifier_distribution():
 
 def test_tempering_gamma_is_lossy():
     engine = tiny_dlm("qwen3", False, vocab=6, seed=11, dim=16, layers=1)
-    params = {"policy": "always", "causal_cache": True, "gamma": 0.2}
+    params = {"policy": "always", "cache": "causal", "gamma": 0.2}
     samples, prefix = _first_token_samples(engine, params, 5_000, [1, 2, 3, 4, 1, 2])
     p = block_size_one_probs(engine, prefix, SamplingParams(1.0))
     assert chi_square_pvalue(samples, {(v,): float(p[v]) for v in range(6)}) < 1e-4
@@ -91,7 +91,7 @@ def test_sampled_always_verify_right_shifted_matches_the_ar_law():
     engine = tiny_dlm("llama", True, vocab=6, seed=11, dim=16, layers=1)
     prompt = [1, 2, 3, 4, 5]
     law = block_size_one_law(engine, prompt, 3, SamplingParams(1.0))
-    samples = [tuple(generate(engine, "s2d2", {"policy": "always", "causal_cache": True, "block_size": 2},
+    samples = [tuple(generate(engine, "s2d2", {"policy": "always", "cache": "causal", "block_size": 2},
                               prompt=prompt, n=3, temperature=1.0, seed=seed).token_ids) for seed in range(20_000)]
     assert chi_square_pvalue(samples, law) > 0.01
 
@@ -155,10 +155,24 @@ def test_an_adapter_works_at_mask_rows_only(tmp_path):
     engine = tiny_dlm("llama", True, vocab=24, seed=7)
     ar = generate(engine, "ar", n=24).token_ids
     attach_adapter(engine, random_adapter(tmp_path / "a", engine.model, seed=3))
-    r = generate(engine, "s2d2", {"policy": "always", "causal_cache": True}, n=24)
+    r = generate(engine, "s2d2", {"policy": "always", "cache": "causal"}, n=24)
     assert r.token_ids == ar
     drafts = [e for e in r.events if e["t"] == "forward" and e["role"] == "draft"]
     others = [e for e in r.events if e["t"] == "forward" and e["role"] != "draft"]
     assert all(e["lora_rows"] > 0 for e in drafts) and all(e["lora_rows"] == 0 for e in others)
-    everywhere = generate(engine, "s2d2", {"policy": "always", "causal_cache": True, "adapter_rows": "all"}, n=24)
+    everywhere = generate(engine, "s2d2", {"policy": "always", "cache": "causal", "adapter_rows": "all"}, n=24)
     assert all(e["lora_rows"] == e["n_tokens"] for e in everywhere.events if e["t"] == "forward")
+
+
+def test_an_ar_model_gets_a_causal_cache_by_default(tmp_path):
+    """A plain AR model (no native block size) + adapter: `cache=auto` keeps prefill and commits token-causal, so
+    S2D2's default policy (min-span 1: always verify) reproduces greedy AR; a block cache would not."""
+    from studio.engine.lora import attach_adapter
+    from tests.test_lora import random_adapter
+    from tests.tiny import tiny_engine
+    engine = tiny_engine("qwen2", vocab=24, seed=7)
+    assert engine.config.block_size is None
+    ar = generate(engine, "ar", n=24).token_ids
+    attach_adapter(engine, random_adapter(tmp_path / "a", engine.model, seed=3))
+    assert generate(engine, "s2d2", {}, n=24).token_ids == ar
+    assert generate(engine, "s2d2", {"cache": "block"}, n=24).token_ids != ar

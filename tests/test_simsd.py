@@ -14,7 +14,7 @@ from tests.tiny import FAMILIES, tiny_dlm
 @pytest.mark.parametrize("family", FAMILIES)
 def test_self_draft_right_shifted_greedy_is_ar(family):
     engine = tiny_dlm(family, True, vocab=24, seed=7)
-    for params in ({"causal_cache": True}, {"causal_cache": True, "draft_steps": 1}):
+    for params in ({"cache": "causal"}, {"cache": "causal", "draft_steps": 1}):
         r = generate(engine, "simsd", params, n=30)
         assert r.token_ids == generate(engine, "ar", n=30).token_ids
         assert any(e["t"] == "propose" and e["src"] == "draft_model" for e in r.events)
@@ -24,7 +24,7 @@ def test_self_draft_right_shifted_sampled_matches_the_ar_law():
     engine = tiny_dlm("llama", True, vocab=6, seed=11, dim=16, layers=1)
     prompt = [1, 2, 3, 4, 5]
     law = block_size_one_law(engine, prompt, 3, SamplingParams(1.0))
-    samples = [tuple(generate(engine, "simsd", {"causal_cache": True, "block_size": 4}, prompt=prompt, n=3,
+    samples = [tuple(generate(engine, "simsd", {"cache": "causal", "block_size": 4}, prompt=prompt, n=3,
                               temperature=1.0, seed=seed).token_ids) for seed in range(8_000)]
     assert chi_square_pvalue(samples, law) > 0.01
 

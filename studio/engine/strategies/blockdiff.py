@@ -5,7 +5,8 @@ Blocks of B slots sit at absolute positions that are multiples of B. The prompt'
 prefilled; its tail stays in the first open block as filled slots. Each step is one forward of the open
 block (bidirectional inside, over the committed KV); an unmasking rule fills some masked slots; when none
 is left, a commit forward writes the block's KV (intra-block bidirectional, or token-causal with
-`causal_cache`, S2D2's `cache_ver`).
+`cache = "causal"`, S2D2's `cache_ver`; the default for an AR model + adapter, whose clean rows were only ever
+trained causal).
 
 Two kinds of model (ModelConfig.logit_shift):
   position-aligned (SDAR): row j of the block predicts slot j.
@@ -39,6 +40,7 @@ DEFAULT_BLOCK = 4   # SDAR's training block size; used when neither the params n
 SCHEDULES = ("dynamic", "static")
 DECODERS = ("threshold", "hierarchical", "credit")
 ADAPTER_ROWS = ("mask", "all")
+CACHES = ("auto", "block", "causal")
 
 
 @dataclass
@@ -133,7 +135,9 @@ class BlockDiffusion(Strategy):
         credit_alpha: float = 0.7      # credit decoder defaults (dInfer)
         credit_gamma: float = 0.2
         credit_beta: float = 0.8
-        causal_cache: bool = False     # token-causal prefill/commit (S2D2 cache_ver, "AR-like caching")
+        cache: str = "auto"            # prefill/commit attention: block (bidirectional in a block) | causal (S2D2
+                                       # cache_ver, "AR-like caching") | auto: block for native dLLMs (the model
+                                       # has a block_size), causal for an AR model + adapter
         causal_prefix: bool = False    # partially causal drafting: decoded prefix rows causal (S2D2 draft_ver)
         adapter_rows: str = "mask"     # where an adapter applies: MASK rows only (R-ISD style) | all rows
 
@@ -143,6 +147,8 @@ class BlockDiffusion(Strategy):
             raise BadInput(f"{cls.name} block_size and steps must be >= 0 (0 = default)")
         if p.adapter_rows not in ADAPTER_ROWS:
             raise BadInput(f"{cls.name} adapter_rows must be one of {', '.join(ADAPTER_ROWS)}, got {p.adapter_rows!r}")
+        if p.cache not in CACHES:
+            raise BadInput(f"{cls.name} cache must be one of {', '.join(CACHES)}, got {p.cache!r}")
         if p.schedule not in SCHEDULES:
             raise BadInput(f"{cls.name} schedule must be one of {', '.join(SCHEDULES)}, got {p.schedule!r}")
         if p.decoder not in DECODERS:
@@ -163,6 +169,7 @@ class BlockDiffusion(Strategy):
         self.B = self.params.block_size or cfg.block_size or DEFAULT_BLOCK
         self.S = self.params.steps or self.B
         self.shift = cfg.logit_shift
+        self.causal_cache = self.params.cache == "causal" or (self.params.cache == "auto" and cfg.block_size is None)
         self.prompt_len = P = len(prompt)
         self.emitted_upto = P     # absolute position of the next token to emit
         aligned = P // self.B * self.B
@@ -181,7 +188,7 @@ class BlockDiffusion(Strategy):
         return logits
 
     def _commit_mask(self, n: int, n_past: int) -> torch.Tensor:
-        return causal(n, n_past) if self.params.causal_cache else block_causal(n, n_past, self.B, offset=0)
+        return causal(n, n_past) if self.causal_cache else block_causal(n, n_past, self.B, offset=0)
 
     def _open(self, ctx: DecodeContext, start: int, filled: list[int]) -> None:
         n_mask = self.B - len(filled)
