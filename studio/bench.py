@@ -189,15 +189,18 @@ def _report(engine, prompts, runs, samples, hf, repeats, warmup) -> dict:
     return out
 
 
+def format_spread(s: dict | None, digits: int = 2) -> str:
+    """"median [min–max]" of a `spread`, or "—"."""
+    return "—" if not s else f"{s['median']:.{digits}f} [{s['min']:.{digits}f}–{s['max']:.{digits}f}]"
+
+
 def write_bench_html(report: dict, path) -> Path:
     """A self-contained HTML page (plotly.js inlined, opens offline): the bench table and its figure."""
     import html as _html
     import plotly.io as pio
     from studio.viz.figures import bench_figure
 
-    def cell(s, digits=2):
-        return "—" if not s else f"{s['median']:.{digits}f} [{s['min']:.{digits}f}–{s['max']:.{digits}f}]"
-
+    cell = format_spread
     hf = report["transformers_tok_s"]
     head = ["strategy", "tok/s", "TPF", "accept", "× ar", "× transformers", "= ar"]
     rows = [[r["label"], cell(r["tok_s"], 1), cell(r["tpf"]), cell(r["accept_rate"]), cell(r["speedup_vs_ar"]),

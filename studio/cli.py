@@ -257,18 +257,18 @@ def bench(
 
 def _bench_table(report: dict):
     from rich.table import Table
+    from studio.bench import format_spread as fmt
     hf = report["transformers_tok_s"]
     t = Table(title=f"bench: {len(report['prompts'])} prompts × {report['repeats']} repeats "
                     "(median \\[min–max])", title_justify="left")
     for col in ("strategy", "tok/s", "TPF", "accept", "× ar", "× transformers", "= ar"):
         t.add_column(col, justify="left" if col == "strategy" else "right")
-    fmt = lambda s, d=1: "—" if s is None else f"{s['median']:.{d}f} [{s['min']:.{d}f}–{s['max']:.{d}f}]"
     for s in report["strategies"]:
-        t.add_row(s["label"], fmt(s["tok_s"]), fmt(s["tpf"], 2), fmt(s["accept_rate"], 2),
+        t.add_row(s["label"], fmt(s["tok_s"], 1), fmt(s["tpf"], 2), fmt(s["accept_rate"], 2),
                   fmt(s["speedup_vs_ar"], 2), fmt(s["speedup_vs_transformers"], 2),
                   f"{100 * s['exact_match_vs_ar']:.0f}%")
     if hf:
-        t.caption = f"transformers generate: {fmt(hf)} tok/s"
+        t.caption = f"transformers generate: {fmt(hf, 1)} tok/s"
     return t
 
 

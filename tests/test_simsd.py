@@ -6,7 +6,7 @@ from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import make_strategy
 from studio.errors import BadInput
 from studio.session import Session, Settings
-from tests.dlm import block_size_one_greedy, block_size_one_law, full_forward_row, generate, opened
+from tests.dlm import block_size_one_law, generate, opened
 from tests.exact import chi_square_pvalue
 from tests.tiny import FAMILIES, tiny_dlm
 

@@ -24,7 +24,6 @@ import html
 import json
 import math
 import os
-from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence, Union, get_args, get_origin
 

@@ -384,7 +384,7 @@ def build_grid(header: Mapping[str, Any] | None, events: Iterable[Mapping[str, A
                 cells[(step, pos)] = replace(cell, held=True, kinds=(), emitted=False)
         # text segments, one per token when the token's text is known, else one per emit event
         for e in emits_now:
-            toks, ps = e["tok"], e["pos"]
+            ps = e["pos"]
             if all(p in pos_text for p in ps) and "".join(pos_text[p] for p in ps) == e["text"]:
                 for p in ps:
                     segments.append(Segment(pos_text[p], (p,), final[p].state, step))

@@ -134,6 +134,16 @@ class DecodeContext:
         frm, to = self.kv.rollback(to_len)
         self.event("kv", op="rollback", from_len=frm, to_len=to)
 
+    def report_chain(self, pos: list[int], drafts: list[int], res) -> None:
+        """The verdict of one `verify_chain` as events: accept for the accepted prefix, then reject +
+        resample at the first rejection. `pos[i]` is draft i's output position."""
+        a = res.n_accepted
+        if a:
+            self.event("accept", pos=pos[:a], tok=drafts[:a], p=res.p_draft[:a], q=res.q_draft[:a])
+        if res.correction is not None:
+            self.event("reject", pos=pos[a], tok=drafts[a], p=res.p_draft[a], q=res.q_draft[a])
+            self.event("resample", pos=pos[a], tok=res.correction)
+
     # -- output ---------------------------------------------------------------------------
     @property
     def n_out(self) -> int:

@@ -305,6 +305,22 @@ class BlockDiffusion(Strategy):
             return top_k(d.conf, quota)
         return select_dynamic(d.conf, quota, p.threshold)
 
+    def _propose(self, ctx: DecodeContext, slots: list[int], drafts: list[int], q: torch.Tensor | None,
+                 src: str) -> None:
+        """The drafts about to be verified, with q(d) (1.0 for greedy drafts)."""
+        q_of = [1.0] * len(drafts) if q is None else q.gather(1, torch.tensor(drafts)[:, None])[:, 0].tolist()
+        ctx.event("propose", pos=[self.out_pos(j) for j in slots], tok=drafts, q=q_of, src=src)
+
+    def _fill_verified(self, ctx: DecodeContext, slots: list[int], drafts: list[int], res) -> int:
+        """Report a verified chain over `slots` and fill its accepted drafts and correction into the block.
+        Returns the number of slots filled."""
+        ctx.report_chain([self.out_pos(j) for j in slots], drafts, res)
+        filled = drafts[:res.n_accepted] + ([] if res.correction is None else [res.correction])
+        for j, t in zip(slots, filled):
+            self.block.fill(j, t)
+        self._emit_ready(ctx)
+        return len(filled)
+
     def _unmask(self, ctx: DecodeContext, d: Draft, chosen: list[int]) -> None:
         if not chosen:
             return

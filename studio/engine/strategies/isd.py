@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from studio.engine.sampling import Proposal, SamplingParams, process_logits, sample, sample_token, verify_chain
+from studio.engine.sampling import Proposal, process_logits, sample, sample_token, verify_chain
 from studio.engine.strategies.base import DecodeContext, Strategy
 from studio.errors import BadInput
 
@@ -73,13 +73,9 @@ class ISD(Strategy):
         res = verify_chain(self.drafts, self._target_probs(ctx, logits[:k]), self.q, self._proposal(ctx),
                            ctx.sampling, ctx.gen, tau=self.params.tau, reference=self.params.mode == "reference")
         a, base = res.n_accepted, self.pending_pos + 1
-        if a:
-            ctx.event("accept", pos=list(range(base, base + a)), tok=self.drafts[:a],
-                      p=res.p_draft[:a], q=res.q_draft[:a])
+        ctx.report_chain(list(range(base, base + k)), self.drafts, res)
         if a < k:
             accepted = self.drafts[:a]
-            ctx.event("reject", pos=base + a, tok=self.drafts[a], p=res.p_draft[a], q=res.q_draft[a])
-            ctx.event("resample", pos=base + a, tok=res.correction)
             ctx.commit(1 + a)
             self.pending, self.pending_pos, self.drafts = res.correction, base + a, []
             ctx.emit(accepted + [res.correction])

@@ -126,11 +126,8 @@ class _JacobiBase(Strategy):
         verdict events. Returns (accepted count, the new tokens: accepted drafts + correction or bonus)."""
         res = verify_chain(drafts, p, None, Proposal.DETERMINISTIC, ctx.sampling, ctx.gen)
         a, k = res.n_accepted, len(drafts)
-        if a:
-            ctx.event("accept", pos=list(range(base, base + a)), tok=drafts[:a], p=res.p_draft[:a], q=[1.0] * a)
+        ctx.report_chain(list(range(base, base + k)), drafts, res)
         if a < k:
-            ctx.event("reject", pos=base + a, tok=drafts[a], p=res.p_draft[a], q=1.0)
-            ctx.event("resample", pos=base + a, tok=res.correction)
             return a, drafts[:a] + [res.correction]
         bonus, _ = sample_token(bonus_logits, ctx.sampling, ctx.gen)
         ctx.event("bonus", pos=base + k, tok=bonus)

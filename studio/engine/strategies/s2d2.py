@@ -89,23 +89,9 @@ class S2D2(BlockDiffusion):
         logits = self._no_mask(ctx, self.verifier_logits(ctx, filled, slots))
         p = process_logits(logits, ctx.sampling)
         q = None if d.q is None else d.q[:span]
+        self._propose(ctx, slots, drafts, q, "diffusion")
         res = verify_chain(drafts, p, q, Proposal.SAMPLED, ctx.sampling, ctx.gen, gamma=self.params.gamma)
-        pos = [self.out_pos(j) for j in slots]
-        q_of = [1.0] * span if q is None else q.gather(1, torch.tensor(drafts)[:, None])[:, 0].tolist()
-        ctx.event("propose", pos=pos, tok=drafts, q=q_of, src="diffusion")
-        a = res.n_accepted
-        if a:
-            ctx.event("accept", pos=pos[:a], tok=drafts[:a], p=res.p_draft[:a], q=res.q_draft[:a])
-        for i in range(a):
-            b.fill(slots[i], drafts[i])
-        if res.correction is None:
-            self._emit_ready(ctx)
-            return list(range(a))
-        ctx.event("reject", pos=pos[a], tok=drafts[a], p=res.p_draft[a], q=res.q_draft[a])
-        ctx.event("resample", pos=pos[a], tok=res.correction)
-        b.fill(slots[a], res.correction)
-        self._emit_ready(ctx)
-        return list(range(a + 1))
+        return list(range(self._fill_verified(ctx, slots, drafts, res)))
 
     def verifier_logits(self, ctx: DecodeContext, filled: list[int], slots: list[int]) -> torch.Tensor:
         """The model in block-size-1 mode at `slots` of the draft-filled block: logits [len(slots), V]."""

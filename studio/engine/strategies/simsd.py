@@ -128,23 +128,12 @@ class SimSD(BlockDiffusion):
                 return
         drafts = [revealed[j][1] for j in order]
         q = None if q_rows[order[0]] is None else torch.stack([q_rows[j] for j in order])
-        pos = [self.out_pos(j) for j in order]
-        ctx.event("propose", pos=pos, tok=drafts,
-                  q=[1.0 if q is None else float(q[i, t]) for i, t in enumerate(drafts)], src="draft_model")
+        self._propose(ctx, order, drafts, q, "draft_model")
 
         logits = self._no_mask(ctx, self._target_logits(ctx, work, slots, revealed, order))
         params = SamplingParams(0.0) if self.params.acceptance == "greedy-match" else ctx.sampling
         res = verify_chain(drafts, process_logits(logits, params), q, Proposal.SAMPLED, params, ctx.gen)
-        a, b = res.n_accepted, self.block
-        if a:
-            ctx.event("accept", pos=pos[:a], tok=drafts[:a], p=res.p_draft[:a], q=res.q_draft[:a])
-        for j, t in zip(order[:a], drafts[:a]):
-            b.fill(j, t)
-        if res.correction is not None:
-            ctx.event("reject", pos=pos[a], tok=drafts[a], p=res.p_draft[a], q=res.q_draft[a])
-            ctx.event("resample", pos=pos[a], tok=res.correction)
-            b.fill(order[a], res.correction)
-        self._emit_ready(ctx)
+        self._fill_verified(ctx, order, drafts, res)
 
     def _draft_round(self, ctx: DecodeContext, slots: list[int]):
         """The drafter reveals γ of `slots`. Returns ({slot: (step, token)}, {slot: q row or None})."""
