@@ -10,7 +10,7 @@ from pathlib import Path
 
 from studio.engine.strategies import STRATEGIES
 from studio.errors import BadInput
-from studio.session import RunResult, Session
+from studio.session import Run, RunResult, drive, kv_length_needed
 
 
 @dataclass
@@ -95,18 +95,24 @@ def render_table(table_rows: list[dict], sampled: bool):
 
 def run_compare(engine, prompt: str, prompt_ids: list[int], specs: list[RunSpec], make_run, trace_dir=None,
                 progress=None, *, trace_prefix: str = "", on_done=None) -> dict[str, RunResult]:
-    """Run each spec one after another. `make_run(spec) -> (Strategy, Settings)`; `progress(label, event)`
-    for every event; `on_done(label, result)` after each run. Traces go to `trace_dir/{trace_prefix}{label}.jsonl`."""
-    results = {}
-    for spec in specs:
-        strategy, settings = make_run(spec)
-        path = str(trace_path(trace_dir, spec.label, trace_prefix)) if trace_dir else None
-        sinks = [lambda e, label=spec.label: progress(label, e)] if progress else []
-        results[spec.label] = Session(engine, strategy, settings).run(prompt, prompt_ids, sinks=sinks,
-                                                                      trace_path=path)
-        if on_done:
-            on_done(spec.label, results[spec.label])
-    return results
+    """Run every spec on the prompt in lock-step by forward count (`session.drive`). `make_run(spec) ->
+    (Strategy, Settings)`; `progress(label, event)` for every event; `on_done(label, result)` as each run
+    ends. Traces go to `trace_dir/{trace_prefix}{label}.jsonl`."""
+    made = [make_run(spec) for spec in specs]
+    for strategy, settings in made:   # every run fits before any trace file is opened
+        kv_length_needed(engine, strategy, settings, prompt_ids)
+    runs = [Run(engine, strategy, settings, prompt, prompt_ids,
+                trace_path=str(trace_path(trace_dir, spec.label, trace_prefix)) if trace_dir else None)
+            for spec, (strategy, settings) in zip(specs, made)]
+
+    def publish(i: int, events: list[dict]) -> None:
+        label = specs[i].label
+        for e in events if progress else ():
+            progress(label, e)
+        if on_done and runs[i].done:
+            on_done(label, runs[i].result)
+    drive(runs, publish)
+    return {spec.label: run.result for spec, run in zip(specs, runs)}
 
 
 def trace_path(trace_dir, label: str, prefix: str = "") -> Path:

@@ -1,16 +1,25 @@
-"""A session runs one strategy on one prompt: seeding, stop rules, timing, the event stream and
-the trace. Everything a front end shows comes out of here as events (DESIGN §2.2)."""
+"""Runs: one strategy on one prompt, driven one forward at a time, and the loops built on it.
+
+`Run` is the steppable object every front end drives (DESIGN §7): `advance()` does the prefill, then
+one strategy step per call, and hands back that step's events; `cancel()` (from any thread) ends the
+run at the next step boundary with `stop_reason = "cancelled"`. `drive` is the one loop: a single run
+to its end, or several in lock-step by forward count (compare). `Session.run` is `drive` on one run.
+Seeding, stop rules, timing and the trace live here; what a UI shows comes out as events.
+"""
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from studio import events as ev
 from studio.engine.engine import Engine
 from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import DecodeContext, Output, Strategy
 from studio.errors import BadInput
+
+CANCELLED = "cancelled"
 
 
 @dataclass
@@ -42,74 +51,216 @@ class RunResult:
 
 
 def encode_prompt(engine: Engine, text: str, chat: bool = True) -> list[int]:
+    return encode_messages(engine, [{"role": "user", "content": text}], chat)
+
+
+def encode_messages(engine: Engine, messages: list[dict], chat: bool = True) -> list[int]:
+    """Token ids of a conversation ready for the assistant's turn: the model's chat template, or (no
+    template, or `chat=False`) the message texts concatenated."""
     tok = engine.tokenizer
     if chat and getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    return tok.encode(text)
+        return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+    return tok.encode("".join(m["content"] for m in messages))
+
+
+def kv_length_needed(engine: Engine, strategy: Strategy, settings: Settings, prompt_ids: list[int]) -> int:
+    """KV slots a run needs; BadInput when the prompt or the run does not fit the model's context."""
+    cfg = engine.config
+    if not prompt_ids:
+        raise BadInput("the prompt is empty")
+    if strategy.needs_mask and cfg.mask_token_id is None:
+        raise BadInput(f"strategy {strategy.name!r} needs a MASK token and model {engine.name!r} has "
+                       "none: give an adapter that adds one or a model preset with mask_token_id")
+    if len(prompt_ids) >= cfg.max_seq_len:
+        raise BadInput(f"the prompt is {len(prompt_ids)} tokens, longer than the model's context of {cfg.max_seq_len}")
+    kv_len = len(prompt_ids) + settings.max_new_tokens + strategy.kv_headroom(cfg)
+    if kv_len > cfg.max_seq_len:
+        raise BadInput(f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens ({settings.max_new_tokens}) exceeds the "
+                       f"model's context of {cfg.max_seq_len}; lower --max-new-tokens")
+    return kv_len
+
+
+class Run:
+    """One generation, advanced one strategy step at a time.
+
+    `kv`: a cache whose committed slots hold a prefix of `prompt_ids` (a chat's earlier turns); the
+    prefill then computes only the tokens after it. `on_finish(run)` is called once, when the result
+    is ready. Not thread-safe except `cancel`: one thread advances a run.
+    """
+
+    def __init__(self, engine: Engine, strategy: Strategy, settings: Settings, prompt_text: str,
+                 prompt_ids: list[int], *, trace_path: str | None = None, kv=None,
+                 on_finish: Callable[["Run"], None] | None = None):
+        kv_len = kv_length_needed(engine, strategy, settings, prompt_ids)
+        if kv is not None and kv.max_len < kv_len:
+            kv = kv.grown(kv_len)
+        self.engine, self.strategy, self.settings = engine, strategy, settings
+        self.prompt_ids = list(prompt_ids)
+        self.header = self._header(prompt_text)
+        self.out = Output(engine.tokenizer, settings.max_new_tokens, frozenset(engine.eos_ids()), tuple(settings.stop))
+        self.ctx = DecodeContext(engine.model, engine.tokenizer, settings.sampling, settings.seed, self.out,
+                                 engine.config.mask_token_id, kv_len, kv=kv)
+        self._writer = ev.TraceWriter(trace_path, self.header) if trace_path else None
+        self._on_finish = on_finish
+        self._cancel = threading.Event()
+        self.events: list[dict] = []
+        self.forwards = 0            # forwards after the prefill (the lock-step clock, DESIGN §2.3)
+        self.started = False
+        self.prefill_s = 0.0
+        self.decode_s = 0.0
+        self._prefill_tokens = 0
+        self.result: RunResult | None = None
+
+    def _header(self, prompt_text: str) -> dict:
+        s = self.settings
+        params = dict(self.strategy.header_params(), temperature=s.sampling.temperature, top_k=s.sampling.top_k,
+                      top_p=s.sampling.top_p, max_new_tokens=s.max_new_tokens)
+        return {"strategy": self.strategy.name, "params": params, "model": self.engine.model_meta(),
+                "tokenizer": self.engine.tokenizer_meta(),
+                "prompt": {"text": prompt_text, "token_ids": self.prompt_ids}, "seed": s.seed}
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+    def cancel(self) -> None:
+        """Ask the run to stop; it ends at the next step boundary (safe from any thread)."""
+        self._cancel.set()
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token (for displays of proposals, which events carry as ids only)."""
+        return self.engine.tokenizer.token_text(token_id)
+
+    def advance(self) -> list[dict]:
+        """The prefill on the first call, then one strategy step; returns the events of what ran.
+        A finished run returns []. An exception leaves the trace truncated (the honest record)."""
+        if self.done:
+            return []
+        if self._cancel.is_set():
+            self.out.stop_reason = CANCELLED
+            self._finish()
+            return []
+        t = time.perf_counter()
+        self.ctx.resume_clock()
+        try:
+            if not self.started:
+                self.started = True
+                self.strategy.start(self.ctx, self.prompt_ids)
+                self.prefill_s = time.perf_counter() - t
+                self._prefill_tokens = len(self.out.token_ids)
+            else:
+                self.strategy.step(self.ctx)
+                self.decode_s += time.perf_counter() - t
+        except BaseException:
+            if self._writer:
+                self._writer.close()
+            raise
+        finally:
+            self.ctx.pause_clock()
+        events = self._publish()
+        if self.out.finished:
+            self._finish()
+        return events
+
+    def _publish(self) -> list[dict]:
+        events = self.ctx.drain()
+        for e in events:
+            if e["t"] == "forward" and e["role"] != "prefill":
+                self.forwards += 1
+            if self._writer:
+                self._writer.write(e)
+        self.events.extend(events)
+        return events
+
+    def _finish(self) -> None:
+        decoded = len(self.out.token_ids) - self._prefill_tokens
+        footer = dict(ev.summarize(self.events), stop_reason=self.out.stop_reason, prefill_s=self.prefill_s,
+                      wall_s=self.prefill_s + self.decode_s,
+                      tok_s=decoded / self.decode_s if self.decode_s > 0 else 0.0)
+        if self._writer:
+            self._writer.close(footer)
+        self.result = RunResult(header=self.header, events=self.events, footer=footer,
+                                token_ids=list(self.out.token_ids))
+        if self._on_finish:
+            self._on_finish(self)
+
+
+def drive(runs: Sequence[Run], on_events: Callable[[int, list[dict]], None] | None = None) -> None:
+    """Advance `runs` until every one is done, in lock-step by forward count: the unfinished run with the
+    fewest forwards goes next (ties: list order). `on_events(index, events)` after every advance."""
+    while True:
+        live = [i for i, r in enumerate(runs) if not r.done]
+        if not live:
+            return
+        i = min(live, key=lambda i: runs[i].forwards)
+        events = runs[i].advance()
+        if on_events:
+            on_events(i, events)
 
 
 class Session:
     def __init__(self, engine: Engine, strategy: Strategy, settings: Settings):
         self.engine, self.strategy, self.settings = engine, strategy, settings
 
-    def header(self, prompt_text: str, prompt_ids: list[int]) -> dict:
-        s = self.settings
-        params = dict(self.strategy.header_params(), temperature=s.sampling.temperature, top_k=s.sampling.top_k,
-                      top_p=s.sampling.top_p, max_new_tokens=s.max_new_tokens)
-        return {"strategy": self.strategy.name, "params": params, "model": self.engine.model_meta(),
-                "tokenizer": self.engine.tokenizer_meta(), "prompt": {"text": prompt_text, "token_ids": prompt_ids},
-                "seed": s.seed}
-
-    def _check(self, prompt_ids: list[int]) -> int:
-        cfg, s = self.engine.config, self.settings
-        if not prompt_ids:
-            raise BadInput("the prompt is empty")
-        if self.strategy.needs_mask and cfg.mask_token_id is None:
-            raise BadInput(f"strategy {self.strategy.name!r} needs a MASK token and model {self.engine.name!r} has "
-                           "none: give an adapter that adds one or a model preset with mask_token_id")
-        kv_len = len(prompt_ids) + s.max_new_tokens + self.strategy.kv_headroom(cfg)
-        if len(prompt_ids) >= cfg.max_seq_len:
-            raise BadInput(f"the prompt is {len(prompt_ids)} tokens, longer than the model's context "
-                           f"of {cfg.max_seq_len}")
-        if kv_len > cfg.max_seq_len:
-            raise BadInput(f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens ({s.max_new_tokens}) exceeds the "
-                           f"model's context of {cfg.max_seq_len}; lower --max-new-tokens")
-        return kv_len
-
     def run(self, prompt_text: str, prompt_ids: list[int], sinks: list[Callable[[dict], None]] = (),
             trace_path: str | None = None) -> RunResult:
         """Generate; every event goes to each sink (between steps, never inside timed work)."""
-        kv_len = self._check(prompt_ids)
-        s, engine = self.settings, self.engine
-        header = self.header(prompt_text, prompt_ids)
-        writer = ev.TraceWriter(trace_path, header) if trace_path else None
-        out = Output(engine.tokenizer, s.max_new_tokens, frozenset(engine.eos_ids()), tuple(s.stop))
-        ctx = DecodeContext(engine.model, engine.tokenizer, s.sampling, s.seed, out,
-                            engine.config.mask_token_id, kv_len)
-        events: list[dict] = []
+        run = Run(self.engine, self.strategy, self.settings, prompt_text, prompt_ids, trace_path=trace_path)
 
-        def publish() -> None:
-            for e in ctx.drain():
-                events.append(e)
-                if writer:
-                    writer.write(e)
+        def publish(_, events: list[dict]) -> None:
+            for e in events:
                 for sink in sinks:
                     sink(e)
+        drive([run], publish)
+        return run.result
 
-        t0 = time.perf_counter()
-        self.strategy.start(ctx, prompt_ids)
-        prefill_s = time.perf_counter() - t0
-        prefill_tokens = len(out.token_ids)
-        publish()
-        decode_s = 0.0
-        while not out.finished:
-            t = time.perf_counter()
-            self.strategy.step(ctx)
-            decode_s += time.perf_counter() - t
-            publish()
-        decoded = len(out.token_ids) - prefill_tokens
-        footer = dict(ev.summarize(events), stop_reason=out.stop_reason, prefill_s=prefill_s,
-                      wall_s=prefill_s + decode_s, tok_s=decoded / decode_s if decode_s > 0 else 0.0)
-        if writer:
-            writer.close(footer)
-        return RunResult(header=header, events=events, footer=footer, token_ids=list(out.token_ids))
+
+class Conversation:
+    """A multi-turn chat: the messages so far, and the committed KV of the history kept between turns,
+    so that a turn prefills only the tokens after the longest prefix it shares with the cached history.
+
+    The cache is reused only by a strategy whose committed KV is token-causal (`Strategy.causal_kv`) and
+    with the same strategy and parameters as the turn that filled it; otherwise, or after `reset`, the
+    turn prefills the whole history. An edited history shares a shorter prefix and so re-prefills from
+    the first changed token. `chat=False` concatenates the messages without the chat template.
+    """
+
+    def __init__(self, engine: Engine, chat: bool = True):
+        self.engine, self.chat = engine, chat
+        self.messages: list[dict] = []
+        self.turns: list[RunResult] = []
+        self._kv = None            # the cache after the last turn, its committed slots = _kv_ids
+        self._kv_ids: list[int] = []
+        self._kv_key: tuple | None = None
+
+    def reset(self) -> None:
+        self.messages, self.turns = [], []
+        self._kv, self._kv_ids, self._kv_key = None, [], None
+
+    def start_turn(self, user_text: str, strategy: Strategy, settings: Settings,
+                   trace_path: str | None = None) -> Run:
+        """The run of the assistant's answer to `user_text`. When it finishes, both messages join the
+        history; a run that fails or is never finished leaves the history as it was."""
+        messages = self.messages + [{"role": "user", "content": user_text}]
+        ids = encode_messages(self.engine, messages, self.chat)
+        key = strategy.kv_signature()
+        kv, self._kv = self._kv, None          # the run owns the cache until it finishes
+        if kv is not None and key == self._kv_key and strategy.causal_kv(self.engine.config):
+            shared = 0
+            for a, b in zip(self._kv_ids, ids):
+                if a != b:
+                    break
+                shared += 1
+            kv.rollback(min(shared, len(ids) - 1))   # at least the last prompt token is recomputed
+        else:
+            kv = None
+
+        def finished(run: Run) -> None:
+            self.messages = messages + [{"role": "assistant", "content": run.out.text}]
+            self.turns.append(run.result)
+            cache = run.ctx.kv
+            # committed slots hold (prompt + output) in order; a commit past the output (drafts after an EOS) is dropped
+            valid = min(cache.length, len(ids) + len(run.out.token_ids))
+            cache.rollback(valid)
+            self._kv, self._kv_ids, self._kv_key = cache, (ids + run.out.token_ids)[:valid], key
+        return Run(self.engine, strategy, settings, user_text, ids, trace_path=trace_path, kv=kv, on_finish=finished)

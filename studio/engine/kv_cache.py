@@ -20,6 +20,15 @@ class KVCache:
         self.length = 0    # committed slots [0, length)
         self.written = 0   # slots the last forward wrote past `length`
 
+    def grown(self, max_len: int) -> "KVCache":
+        """A cache of `max_len` slots holding the same committed prefix (a chat outgrowing its cache)."""
+        n_layers, batch, n_kv, _, head_dim = self.k.shape
+        new = KVCache(n_layers, n_kv, head_dim, max_len, self.k.dtype, self.k.device, batch)
+        new.k[:, :, :, :self.length] = self.k[:, :, :, :self.length]
+        new.v[:, :, :, :self.length] = self.v[:, :, :, :self.length]
+        new.length = self.length
+        return new
+
     def begin(self, n_new: int) -> None:
         """Reserve slots [length, length + n_new) for the forward about to run."""
         if self.length + n_new > self.max_len:

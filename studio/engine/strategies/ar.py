@@ -14,6 +14,9 @@ class AR(Strategy):
     class Params:
         pass
 
+    def causal_kv(self, config) -> bool:
+        return True
+
     def start(self, ctx: DecodeContext, prompt: list[int]) -> None:
         logits = ctx.forward("prefill", prompt, logits_rows=[len(prompt) - 1])
         ctx.commit(len(prompt))

@@ -69,23 +69,37 @@ class DecodeContext:
     """
 
     def __init__(self, model, tokenizer, sampling: SamplingParams, seed: int, output: Output,
-                 mask_id: int | None, kv_len: int):
+                 mask_id: int | None, kv_len: int, kv=None):
         self.model = model
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.gen = torch.Generator().manual_seed(seed)
         self.out = output
         self.mask_id = mask_id
-        self.kv = model.new_cache(kv_len)
+        # `kv` may arrive holding a committed prefix of the prompt (a chat's earlier turns): the prefill
+        # then computes only what follows it (see `_skip_reused`)
+        self.kv = kv if kv is not None else model.new_cache(kv_len)
+        self._reusable: int | None = self.kv.length
+        self._skipped = 0      # prompt tokens the prefill did not recompute; the next commit counts them
         self._adapters: dict[int, bool] = {}   # id(model) -> has a LoRA adapter attached
         self.device = model.lm_head.weight.device
         self.step = 0          # index of the last forward (0 = prefill)
-        self._t0 = time.perf_counter()
+        self._elapsed_s = 0.0  # the run's own clock: it runs only while the run is advancing, so a run
+        self._since: float | None = None   # stepped in lock-step with others stamps only its own time
         self._pending: list[dict] = []
 
     # -- events ---------------------------------------------------------------------------
+    def resume_clock(self) -> None:
+        self._since = time.perf_counter()
+
+    def pause_clock(self) -> None:
+        if self._since is not None:
+            self._elapsed_s += time.perf_counter() - self._since
+            self._since = None
+
     def ms(self) -> float:
-        return (time.perf_counter() - self._t0) * 1000.0
+        running = time.perf_counter() - self._since if self._since is not None else 0.0
+        return (self._elapsed_s + running) * 1000.0
 
     def event(self, kind: str, **fields) -> None:
         self._pending.append(ev.make(kind, self.step, self.ms(), **fields))
@@ -102,6 +116,9 @@ class DecodeContext:
         model, kv = model or self.model, kv or self.kv
         if role != "prefill":
             self.step += 1
+        if kv is self.kv and self._reusable is not None:
+            tokens, positions, mask, lora_gate, logits_rows = self._skip_reused(
+                role, tokens, positions, mask, lora_gate, logits_rows)
         L = kv.length
         pos = list(range(L, L + len(tokens))) if positions is None else list(positions)
         gate = None
@@ -117,16 +134,37 @@ class DecodeContext:
                    wall_ms=(time.perf_counter() - t) * 1000.0)
         return logits
 
+    def _skip_reused(self, role, tokens, positions, mask, lora_gate, logits_rows):
+        """The run's first forward on a cache that holds a reused prefix. A prefill passes its tokens from
+        position 0 (as on an empty cache); the reused ones are dropped, down to the first row whose logits
+        are wanted, and the masks, gates and rows follow. Any other first forward starts from scratch."""
+        reusable, self._reusable = self._reusable, None
+        skip = 0
+        if role == "prefill" and positions is None:
+            first_row = 0 if logits_rows is None else min(logits_rows)
+            skip = min(reusable, first_row, len(tokens))
+        self.kv.rollback(skip)
+        self._skipped = skip
+        if skip:
+            tokens = tokens[skip:]
+            mask = None if mask is None else mask[skip:]
+            lora_gate = None if lora_gate is None else lora_gate[skip:]
+            logits_rows = [r - skip for r in logits_rows]
+        return tokens, positions, mask, lora_gate, logits_rows
+
     def _has_adapter(self, model) -> bool:
         if id(model) not in self._adapters:
             self._adapters[id(model)] = any(getattr(m, "lora_A", None) is not None for m in model.modules())
         return self._adapters[id(model)]
 
     def commit(self, n: int) -> None:
+        """Keep the first n rows of the last forward (counted from the tokens the strategy passed)."""
+        n, self._skipped = n - self._skipped, 0
         frm, to = self.kv.commit(n)
         self.event("kv", op="commit", from_len=frm, to_len=to)
 
     def keep(self, rows: list[int]) -> None:
+        rows, self._skipped = [r - self._skipped for r in rows], 0
         frm, to = self.kv.keep(rows)
         self.event("kv", op="commit", from_len=frm, to_len=to)
 
@@ -196,3 +234,12 @@ class Strategy:
     def kv_headroom(self, config=None) -> int:
         """Slots a single forward may need beyond the committed length (`config`: the model's ModelConfig)."""
         return 1
+
+    def causal_kv(self, config) -> bool:
+        """Whether every KV row this strategy commits is the token-causal K/V of the token in that slot, so a
+        later run with the same strategy may reuse the cache as a prompt prefix (chat turns)."""
+        return False
+
+    def kv_signature(self) -> tuple:
+        """Runs whose committed KV may be shared: the same strategy with the same parameters."""
+        return self.name, tuple(sorted((k, repr(v)) for k, v in self.header_params().items()))

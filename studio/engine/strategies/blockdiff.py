@@ -163,13 +163,17 @@ class BlockDiffusion(Strategy):
         B = self.params.block_size or (config and config.block_size) or DEFAULT_BLOCK
         return 3 * B   # a block past the last token + a 2B-row verifier
 
+    def causal_kv(self, config) -> bool:
+        """The causal cache (S2D2's "AR-like caching"); block-attention KV depends on where blocks fall."""
+        return self.params.cache == "causal" or (self.params.cache == "auto" and config.block_size is None)
+
     # -- blocks -----------------------------------------------------------------------------------
     def start(self, ctx: DecodeContext, prompt: list[int]) -> None:
         cfg = ctx.model.config
         self.B = self.params.block_size or cfg.block_size or DEFAULT_BLOCK
         self.S = self.params.steps or self.B
         self.shift = cfg.logit_shift
-        self.causal_cache = self.params.cache == "causal" or (self.params.cache == "auto" and cfg.block_size is None)
+        self.causal_cache = self.causal_kv(cfg)
         self.prompt_len = P = len(prompt)
         self.emitted_upto = P     # absolute position of the next token to emit
         aligned = P // self.B * self.B

@@ -45,6 +45,9 @@ class ISD(Strategy):
     def kv_headroom(self, config=None) -> int:
         return 2 * self.params.stride - 1
 
+    def causal_kv(self, config) -> bool:
+        return True   # MASK-row KV is never committed
+
     # -- rounds ---------------------------------------------------------------------------
     def start(self, ctx: DecodeContext, prompt: list[int]) -> None:
         n_mask = self.params.stride - 1

@@ -100,6 +100,9 @@ MODES = ("intended", "reference")
 class _JacobiBase(Strategy):
     """Shared by Jacobi and Jacobi MR: draft initialisation and the exact verification of one chain."""
 
+    def causal_kv(self, config) -> bool:
+        return True   # only verified tokens are committed, each over its causal prefix
+
     def _setup(self, ctx: DecodeContext, prompt: list[int]) -> None:
         cfg = getattr(ctx.model, "config", None)
         if cfg is not None and not getattr(cfg, "logit_shift", True):
