@@ -280,3 +280,28 @@ def test_other_figures(tmp_path):
     # acceptance of a run that verified nothing is "n/a", not 0
     assert f.data[1].text[0] == "n/a"
     f.to_json()
+
+
+@pytest.mark.parametrize("name", ["isd", "jacobi-mr", "s2d2"])
+def test_grid_and_series_fed_step_by_step_equal_those_of_the_whole_trace(name):
+    from studio.engine.sampling import SamplingParams
+    from studio.engine.strategies import make_strategy
+    from studio.session import Run, Settings
+    from studio.viz.grid import GridBuilder
+    from studio.viz.stats import Tracker
+    from tests.tiny import tiny_dlm, tiny_engine
+
+    engine = tiny_dlm("llama", shift=False, block=4, vocab=20) if name == "s2d2" else tiny_engine(vocab=20, seed=4)
+    params = {"block_size": 4} if name == "jacobi-mr" else {}
+    run = Run(engine, make_strategy(name, params), Settings(24, SamplingParams(1.0), seed=3), "", [1, 2, 3, 4, 5])
+    builder, tracker = GridBuilder(run.token_text), Tracker()
+    while not run.done:
+        events = run.advance()
+        builder.feed(events)
+        tracker.feed(events)
+    whole = build_grid(run.header, run.result.events, run.token_text)
+    live = builder.grid
+    assert (live.steps, live.n_pos, live.rows, live.blocks) == (whole.steps, whole.n_pos, whole.rows, whole.blocks)
+    assert live.cells == whole.cells and live.final == whole.final and live.segments == whole.segments
+    assert tracker.points == progress(run.result.events)
+    assert tracker.acceptance == acceptance(run.result.events)

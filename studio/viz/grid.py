@@ -223,54 +223,80 @@ def build_grid(header: Mapping[str, Any] | None, events: Iterable[Mapping[str, A
     """Build the trajectory grid from a trace's events (header is accepted for symmetry and future
     use; nothing in it is needed today). `token_text(id) -> str` decodes ids that no emit names."""
     events = list(events)
-    by_step: dict[int, list[Mapping[str, Any]]] = {}
-    n_pos = 0
-    for e in events:
-        by_step.setdefault(e["step"], []).append(e)
-        if "pos" in e and e["t"] != "block":
-            ps = _as_list(e["pos"])
-            if ps:
-                n_pos = max(n_pos, max(ps) + 1)
-    steps = sorted(by_step)
-    pos_text, id_text = _token_texts([e for e in events if e["t"] == "emit"])
-    emitted_tok: dict[int, int] = {}
-    for e in events:
-        if e["t"] == "emit":
-            for p, t in zip(e["pos"], e["tok"]):
-                emitted_tok[p] = t
+    emits = [e for e in events if e["t"] == "emit"]
+    builder = GridBuilder(token_text, _token_texts(emits))
+    builder.emitted_tok.update((p, t) for e in emits for p, t in zip(e["pos"], e["tok"]))
+    builder.feed(events)
+    return builder.grid
 
-    decode_cache: dict[int, str | None] = {}
 
-    def text_of(pos: int | None, tok: int | None) -> str | None:
+class GridBuilder:
+    """Builds the grid step by step, for live views: `feed` the events of whole steps as a run produces
+    them (a run's `advance()` hands out whole steps) and read `grid`, which grows in place.
+
+    Token texts come from each step's emit events (their `pieces`) as they arrive, and `token_text` for
+    ids no emit has named yet (proposals); `build_grid` passes the texts of the whole trace instead.
+    """
+
+    def __init__(self, token_text: TokenText | None = None,
+                 texts: tuple[dict[int, str], dict[int, str]] | None = None):
+        self.token_text = token_text
+        self._live_texts = texts is None
+        self.pos_text, self.id_text = texts if texts is not None else ({}, {})
+        self.emitted_tok: dict[int, int] = {}
+        self.grid = Grid(steps=[], n_pos=0, cells={})
+        self._decoded: dict[int, str | None] = {}
+        self._open_blocks: list[BlockSpan] = []
+        self._committed: dict[int, Cell] = {}   # pos -> the shared committed cell shown after its emit step
+        self._held: dict[int, Cell] = {}        # pos -> unmasked, not yet emitted
+
+    def feed(self, events: Iterable[Mapping[str, Any]]) -> list[int]:
+        """Add events (whole steps, in step order); returns the steps added."""
+        by_step: dict[int, list[Mapping[str, Any]]] = {}
+        for e in events:
+            by_step.setdefault(e["step"], []).append(e)
+        for step in sorted(by_step):
+            self._add_step(step, by_step[step])
+        return sorted(by_step)
+
+    def _text_of(self, pos: int | None, tok: int | None) -> str | None:
         if tok is None:
             return None
-        if pos is not None and pos in pos_text and emitted_tok.get(pos) == tok:
-            return pos_text[pos]
-        if tok in id_text:
-            return id_text[tok]
-        if token_text is not None:
-            if tok not in decode_cache:
+        if pos is not None and pos in self.pos_text and self.emitted_tok.get(pos) == tok:
+            return self.pos_text[pos]
+        if tok in self.id_text:
+            return self.id_text[tok]
+        if self.token_text is not None:
+            if tok not in self._decoded:
                 try:
-                    decode_cache[tok] = token_text(tok)
+                    self._decoded[tok] = self.token_text(tok)
                 except Exception:  # a decoder that cannot handle an id must not break a viewer
-                    decode_cache[tok] = None
-            return decode_cache[tok]
+                    self._decoded[tok] = None
+            return self._decoded[tok]
         return None
 
-    cells: dict[tuple[int, int], Cell] = {}
-    rows: dict[int, Row] = {}
-    blocks: list[BlockSpan] = []
-    open_blocks: list[BlockSpan] = []
-    committed: dict[int, Cell] = {}   # pos -> the shared committed cell shown after its emit step
-    held: dict[int, Cell] = {}        # pos -> unmasked, not yet emitted
-    final: dict[int, Cell] = {}
-    segments: list[Segment] = []
-
-    for step in steps:
-        row = rows[step] = Row(step)
+    def _add_step(self, step: int, step_events: list[Mapping[str, Any]]) -> None:
+        g = self.grid
+        cells, committed, held, final, segments = g.cells, self._committed, self._held, g.final, g.segments
+        text_of = self._text_of
+        if step not in g.rows:
+            g.steps.append(step)
+        row = g.rows[step] = Row(step)
+        emits_now = [e for e in step_events if e["t"] == "emit"]
+        for e in emits_now:
+            for p, t in zip(e["pos"], e["tok"]):
+                self.emitted_tok[p] = t
+        if self._live_texts:
+            for p, t in _token_texts(emits_now)[0].items():
+                self.pos_text[p] = t
+                self.id_text.setdefault(self.emitted_tok[p], t)
+        for e in step_events:
+            if "pos" in e and e["t"] != "block":
+                ps = _as_list(e["pos"])
+                if ps:
+                    g.n_pos = max(g.n_pos, max(ps) + 1)
         touched: dict[int, dict[str, Any]] = {}
         emitted_now: dict[int, int] = {}
-        emits_now: list[Mapping[str, Any]] = []
 
         def touch(pos: int, kind: str, **info: Any) -> None:
             st = _EVENT_STATE[kind]
@@ -285,7 +311,7 @@ def build_grid(header: Mapping[str, Any] | None, events: Iterable[Mapping[str, A
             if c["state"] is None or PRIORITY[st] > PRIORITY[c["state"]]:
                 c["state"] = st
 
-        for e in by_step[step]:
+        for e in step_events:
             t = e["t"]
             row.n_events += 1
             row.ms = e["ms"] if row.ms is None or (e["ms"] is not None and e["ms"] > row.ms) else row.ms
@@ -311,7 +337,6 @@ def build_grid(header: Mapping[str, Any] | None, events: Iterable[Mapping[str, A
                 for i, p in enumerate(e["pos"]):
                     touch(p, t, tok=e["tok"][i], conf=_at(e["conf"], i))
             elif t == "emit":
-                emits_now.append(e)
                 for p, tok in zip(e["pos"], e["tok"]):
                     emitted_now[p] = tok
                 row.emitted.extend(e["tok"])
@@ -320,16 +345,16 @@ def build_grid(header: Mapping[str, Any] | None, events: Iterable[Mapping[str, A
                 row.blocks.append(dict(e))
                 if e["op"] == "open":
                     span = BlockSpan(e["start"], e["end"], step, None)
-                    blocks.append(span)
-                    open_blocks.append(span)
+                    g.blocks.append(span)
+                    self._open_blocks.append(span)
                 else:
-                    for span in open_blocks:
+                    for span in self._open_blocks:
                         if span.start == e["start"] and span.end == e["end"]:
                             span.close_step = step
-                            open_blocks.remove(span)
+                            self._open_blocks.remove(span)
                             break
                     else:  # a close without a matching open: still show the span
-                        blocks.append(BlockSpan(e["start"], e["end"], step, step))
+                        g.blocks.append(BlockSpan(e["start"], e["end"], step, step))
             elif t == "route":
                 row.route = {"verify": e["verify"], "score": e["score"], "policy": e["policy"]}
             elif t == "kv":
@@ -383,6 +408,7 @@ def build_grid(header: Mapping[str, Any] | None, events: Iterable[Mapping[str, A
             if (step, pos) not in cells:
                 cells[(step, pos)] = replace(cell, held=True, kinds=(), emitted=False)
         # text segments, one per token when the token's text is known, else one per emit event
+        pos_text = self.pos_text
         for e in emits_now:
             ps = e["pos"]
             if all(p in pos_text for p in ps) and "".join(pos_text[p] for p in ps) == e["text"]:
@@ -394,4 +420,3 @@ def build_grid(header: Mapping[str, Any] | None, events: Iterable[Mapping[str, A
                 segments.append(Segment(e["text"], tuple(ps), top, step))
             elif e["text"]:
                 segments.append(Segment(e["text"], (), State.COMMITTED, step))
-    return Grid(steps=steps, n_pos=n_pos, cells=cells, rows=rows, blocks=blocks, final=final, segments=segments)

@@ -68,49 +68,53 @@ class Acceptance:
 
 def acceptance(events: Iterable[Mapping[str, Any]]) -> Acceptance:
     """Acceptance counts; a chain is one step's accepted + rejected positions, slot = rank by pos."""
-    chains: dict[int, list[tuple[int, bool]]] = {}
-    for e in events:
-        if e["t"] == "accept":
-            chains.setdefault(e["step"], []).extend((p, True) for p in e["pos"])
-        elif e["t"] == "reject":
-            chains.setdefault(e["step"], []).append((e["pos"], False))
-    out = Acceptance()
-    for step in sorted(chains):
-        chain = sorted(chains[step])
-        for k, (_, ok) in enumerate(chain):
-            if k == len(out.verified_by_pos):
-                out.verified_by_pos.append(0)
-                out.accepted_by_pos.append(0)
-            out.verified_by_pos[k] += 1
-            out.accepted_by_pos[k] += ok
-        out.per_verify_step[step] = sum(ok for _, ok in chain)
-        out.drafted_per_verify_step[step] = len(chain)
-    return out
+    tracker = Tracker()
+    tracker.feed(events)
+    return tracker.acceptance
 
 
 def progress(events: Iterable[Mapping[str, Any]]) -> list[StepPoint]:
     """One point per step present in the events, in step order (events are in step order in a trace)."""
-    by_step: dict[int, list[Mapping[str, Any]]] = {}
-    for e in events:
-        by_step.setdefault(e["step"], []).append(e)
-    out: list[StepPoint] = []
-    tokens = forwards = accepted = verified = 0
-    kv_len: int | None = None
-    for step in sorted(by_step):
+    tracker = Tracker()
+    tracker.feed(events)
+    return tracker.points
+
+
+class Tracker:
+    """The step series and acceptance counts, fed whole steps at a time as a run produces them (live
+    views); `progress` and `acceptance` feed it a whole trace at once."""
+
+    def __init__(self) -> None:
+        self.points: list[StepPoint] = []
+        self.acceptance = Acceptance()
+        self._tokens = self._forwards = self._accepted = self._verified = 0
+        self._kv_len: int | None = None
+
+    def feed(self, events: Iterable[Mapping[str, Any]]) -> list[StepPoint]:
+        """Add events of whole steps; returns the new points."""
+        by_step: dict[int, list[Mapping[str, Any]]] = {}
+        for e in events:
+            by_step.setdefault(e["step"], []).append(e)
+        new = [self._add_step(step, by_step[step]) for step in sorted(by_step)]
+        self.points.extend(new)
+        return new
+
+    def _add_step(self, step: int, step_events: list[Mapping[str, Any]]) -> StepPoint:
         role = None
         wall = None
         ms = None
         emitted = 0
         unmasked: set[int] = set()
         emitted_pos: set[int] = set()
+        chain: list[tuple[int, bool]] = []
         progressed = False
-        for e in by_step[step]:
+        for e in step_events:
             t = e["t"]
             if e["ms"] is not None and (ms is None or e["ms"] > ms):
                 ms = e["ms"]
             if t == "forward":
                 role = role or e["role"]
-                forwards += e["role"] != "prefill"
+                self._forwards += e["role"] != "prefill"
                 if e["wall_ms"] is not None:
                     wall = (wall or 0.0) + e["wall_ms"]
             elif t == "emit":
@@ -118,11 +122,10 @@ def progress(events: Iterable[Mapping[str, Any]]) -> list[StepPoint]:
                 emitted_pos.update(e["pos"])
                 progressed = progressed or bool(e["tok"])
             elif t == "accept":
-                accepted += len(e["pos"])
-                verified += len(e["pos"])
+                chain.extend((p, True) for p in e["pos"])
                 progressed = True
             elif t == "reject":
-                verified += 1
+                chain.append((e["pos"], False))
                 progressed = True
             elif t == "unmask":
                 unmasked.update(e["pos"])
@@ -130,12 +133,25 @@ def progress(events: Iterable[Mapping[str, Any]]) -> list[StepPoint]:
             elif t in ("propose", "resample", "bonus"):
                 progressed = True
             elif t == "kv":
-                kv_len = e["to_len"]
-        tokens += emitted
-        out.append(StepPoint(step, role, ms, wall, emitted, len(unmasked - emitted_pos), progressed, tokens, forwards,
-                             tokens / forwards if forwards else None, accepted, verified,
-                             accepted / verified if verified else None, kv_len))
-    return out
+                self._kv_len = e["to_len"]
+        if chain:
+            self._add_chain(step, sorted(chain))
+        self._tokens += emitted
+        acc, ver = self.acceptance.accepted, self.acceptance.verified
+        return StepPoint(step, role, ms, wall, emitted, len(unmasked - emitted_pos), progressed, self._tokens,
+                         self._forwards, self._tokens / self._forwards if self._forwards else None, acc, ver,
+                         acc / ver if ver else None, self._kv_len)
+
+    def _add_chain(self, step: int, chain: list[tuple[int, bool]]) -> None:
+        a = self.acceptance
+        for k, (_, ok) in enumerate(chain):
+            if k == len(a.verified_by_pos):
+                a.verified_by_pos.append(0)
+                a.accepted_by_pos.append(0)
+            a.verified_by_pos[k] += 1
+            a.accepted_by_pos[k] += ok
+        a.per_verify_step[step] = sum(ok for _, ok in chain)
+        a.drafted_per_verify_step[step] = len(chain)
 
 
 def stalled_steps(points: list[StepPoint]) -> list[StepPoint]:
