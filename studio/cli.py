@@ -4,13 +4,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tomllib
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from studio.errors import BadInput
+from studio.runconfig import build_run
 from studio.traces.cli import trace_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -20,60 +20,40 @@ app.add_typer(models_app, name="models")
 app.add_typer(trace_app, name="trace")
 
 # -- options shared by the generation commands -----------------------------------------------
-def _parse_param(text: str) -> tuple[str, object]:
-    if "=" not in text:
-        raise BadInput(f"--param expects KEY=VALUE, got {text!r}")
-    key, raw = text.split("=", 1)
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw  # a bare word: keep it as a string
-    return key.strip(), value
+PRESET = typer.Option(None, "--preset", help="A strategy preset name or TOML file.")
+MODEL = typer.Option("default", "--model", help="'default', a model preset, a HF directory or a .gguf.")
+ADAPTER = typer.Option(None, "--adapter", help="A PEFT LoRA adapter directory.")
+DRAFT_MODEL = typer.Option(None, "--draft-model", help="simsd: the draft dLLM (default: self draft).")
+DRAFT_ADAPTER = typer.Option(None, "--draft-adapter", help="simsd: an adapter for the draft model.")
+MAX_NEW_TOKENS = typer.Option(None, "--max-new-tokens")
+TEMPERATURE = typer.Option(None, "--temperature", help="0 = greedy (the default).")
+TOP_K = typer.Option(None, "--top-k")
+TOP_P = typer.Option(None, "--top-p")
+SEED = typer.Option(0, "--seed")
+PARAM = typer.Option([], "--param", "-p", help="Strategy parameter KEY=VALUE (repeatable).")
+STOP = typer.Option([], "--stop", help="Stop string (repeatable).")
+RAW = typer.Option(False, "--raw", help="Do not apply the chat template.")
 
 
-def build_run(strategy: Optional[str], preset: Optional[str], params: list[str], max_new_tokens: Optional[int],
-              temperature: Optional[float], top_k: Optional[int], top_p: Optional[float], seed: int,
-              stop: list[str]):
-    """Merge preset and CLI flags into (Strategy, Settings). CLI flags win."""
-    from studio.engine.sampling import SamplingParams
-    from studio.engine.strategies import make_strategy
-    from studio.presets import load_strategy_preset
-    from studio.session import Settings
-
-    base = load_strategy_preset(preset) if preset else None
-    name = strategy or (base.strategy if base else None)
-    if name is None:
-        raise BadInput("give a strategy with -s/--strategy or a --preset")
-    merged = dict(base.params) if base and base.strategy == name else {}
-    merged.update(_parse_param(p) for p in params)
-    sampling = dict(base.sampling) if base else {}
-    for key, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
-        if value is not None:
-            sampling[key] = value
-    mnt = max_new_tokens or (base.max_new_tokens if base else None) or 128
-    return make_strategy(name, merged), Settings(max_new_tokens=mnt, sampling=SamplingParams(**sampling),
-                                                 seed=seed, stop=tuple(stop))
+def load_draft(model: str, draft_model: Optional[str], draft_adapter: Optional[str]):
+    """The SimSD drafter engine of `--draft-model` (default: the target model) with `--draft-adapter`;
+    None without either flag (SimSD then drafts with the target itself)."""
+    if draft_model is None and draft_adapter is None:
+        return None
+    from studio.engine.engine import Engine
+    return Engine.load(draft_model or model, adapter=draft_adapter)
 
 
 def attach_draft(strategies, engine, model: str, draft_model: Optional[str], draft_adapter: Optional[str]) -> None:
-    """Give SimSD runs their drafter: `--draft-model` (default: the target model) with `--draft-adapter`.
-    Without either flag SimSD drafts with the target itself (self draft)."""
+    """Give the SimSD runs among `strategies` their drafter (see `load_draft`)."""
     if draft_model is None and draft_adapter is None:
         return
     takers = [s for s in strategies if hasattr(s, "use_draft")]
     if not takers:
         raise BadInput("--draft-model/--draft-adapter apply to simsd runs only")
-    from studio.engine.engine import Engine
-    draft = Engine.load(draft_model or model, adapter=draft_adapter)
+    draft = load_draft(model, draft_model, draft_adapter)
     for s in takers:
         s.use_draft(draft, engine.config)
-
-
-def _metrics_line(f: dict, strategy: str, events: list[dict]) -> str:
-    verified = any(e["t"] in ("accept", "reject") for e in events)
-    acc = f"{f['accept_rate']:.2f}" if verified else "n/a"
-    return (f"[{strategy}] {f['n_tokens']} tokens  {f['forwards']} forwards  TPF {f['tpf']:.2f}  "
-            f"accept {acc}  {f['tok_s']:.1f} tok/s  prefill {f['prefill_s']:.2f}s  stop {f['stop_reason']}")
 
 
 class LiveMetrics:
@@ -105,25 +85,26 @@ class LiveMetrics:
 def run(
     prompt: str = typer.Argument(..., help="The prompt (wrapped in the model's chat template unless --raw)."),
     strategy: Optional[str] = typer.Option(None, "--strategy", "-s", help="ar, isd, r-isd, ..."),
-    preset: Optional[str] = typer.Option(None, "--preset", help="A strategy preset name or TOML file."),
-    model: str = typer.Option("default", "--model", help="'default', a model preset, a HF directory or a .gguf."),
-    adapter: Optional[str] = typer.Option(None, "--adapter", help="A PEFT LoRA adapter directory."),
-    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="simsd: the draft dLLM (default: self draft)."),
-    draft_adapter: Optional[str] = typer.Option(None, "--draft-adapter", help="simsd: an adapter for the draft model."),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens"),
-    temperature: Optional[float] = typer.Option(None, "--temperature", help="0 = greedy (the default)."),
-    top_k: Optional[int] = typer.Option(None, "--top-k"),
-    top_p: Optional[float] = typer.Option(None, "--top-p"),
-    seed: int = typer.Option(0, "--seed"),
-    param: list[str] = typer.Option([], "--param", "-p", help="Strategy parameter KEY=VALUE (repeatable)."),
-    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
-    raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
+    preset: Optional[str] = PRESET,
+    model: str = MODEL,
+    adapter: Optional[str] = ADAPTER,
+    draft_model: Optional[str] = DRAFT_MODEL,
+    draft_adapter: Optional[str] = DRAFT_ADAPTER,
+    max_new_tokens: Optional[int] = MAX_NEW_TOKENS,
+    temperature: Optional[float] = TEMPERATURE,
+    top_k: Optional[int] = TOP_K,
+    top_p: Optional[float] = TOP_P,
+    seed: int = SEED,
+    param: list[str] = PARAM,
+    stop: list[str] = STOP,
+    raw: bool = RAW,
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write the step trace (JSON Lines)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ):
     """Generate text for PROMPT with one strategy, streaming tokens as they become final."""
     from studio.engine.engine import Engine
     from studio.session import Session, encode_prompt
+    from studio.viz.text import run_summary_line
 
     strat, settings = build_run(strategy, preset, param, max_new_tokens, temperature, top_k, top_p, seed, stop)
     engine = Engine.load(model, adapter=adapter)
@@ -148,9 +129,81 @@ def run(
     if live:
         live.done()
     sys.stdout.write("\n")
-    typer.echo(_metrics_line(result.footer, strat.name, result.events), err=True)
+    typer.echo(run_summary_line(result.footer, strat.name, result.events), err=True)
     if trace:
         typer.echo(f"trace: {trace}", err=True)
+
+
+@app.command()
+def chat(
+    strategy: Optional[str] = typer.Option(None, "--strategy", "-s", help="ar, isd, r-isd, ... (default: ar)."),
+    preset: Optional[str] = PRESET,
+    model: str = MODEL,
+    adapter: Optional[str] = ADAPTER,
+    draft_model: Optional[str] = DRAFT_MODEL,
+    draft_adapter: Optional[str] = DRAFT_ADAPTER,
+    max_new_tokens: Optional[int] = MAX_NEW_TOKENS,
+    temperature: Optional[float] = TEMPERATURE,
+    top_k: Optional[int] = TOP_K,
+    top_p: Optional[float] = TOP_P,
+    seed: int = SEED,
+    param: list[str] = PARAM,
+    stop: list[str] = STOP,
+    raw: bool = RAW,
+    plain: bool = typer.Option(False, "--plain", help="A line REPL instead of the TUI (also when not on a terminal)."),
+):
+    """Multi-turn chat: the TUI's chat screen on a terminal, a plain line REPL otherwise (or with --plain)."""
+    session = _chat_session(strategy, preset, model, adapter, draft_model, draft_adapter, max_new_tokens,
+                            temperature, top_k, top_p, seed, param, stop, raw)
+    if plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
+        from studio.repl import chat_repl
+        chat_repl(session)
+        return
+    from studio.tui.app import StudioApp
+    StudioApp(session).run()
+
+
+@app.command()
+def tui(
+    strategy: Optional[str] = typer.Option(None, "--strategy", "-s", help="ar, isd, r-isd, ... (default: ar)."),
+    preset: Optional[str] = PRESET,
+    model: str = MODEL,
+    adapter: Optional[str] = ADAPTER,
+    draft_model: Optional[str] = DRAFT_MODEL,
+    draft_adapter: Optional[str] = DRAFT_ADAPTER,
+    max_new_tokens: Optional[int] = MAX_NEW_TOKENS,
+    temperature: Optional[float] = TEMPERATURE,
+    top_k: Optional[int] = TOP_K,
+    top_p: Optional[float] = TOP_P,
+    seed: int = SEED,
+    param: list[str] = PARAM,
+    stop: list[str] = STOP,
+    raw: bool = RAW,
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Open this trace on the replay screen (no model load)."),
+):
+    """The Textual studio: chat with live token grid, metrics and inspector; compare; trace replay."""
+    from studio.tui.app import StudioApp
+    if trace is not None:
+        from studio.events import read_trace
+        StudioApp(None, trace=read_trace(trace, allow_truncated=True)).run()
+        return
+    session = _chat_session(strategy, preset, model, adapter, draft_model, draft_adapter, max_new_tokens,
+                            temperature, top_k, top_p, seed, param, stop, raw)
+    StudioApp(session).run()
+
+
+def _chat_session(strategy, preset, model, adapter, draft_model, draft_adapter, max_new_tokens, temperature,
+                  top_k, top_p, seed, param, stop, raw):
+    """Validate the run choice, then load the model: a ChatSession for the chat REPL and the TUI."""
+    from studio.chat import ChatSession, RunChoice
+    from studio.engine.engine import Engine
+    from studio.runconfig import parse_param
+
+    choice = RunChoice(strategy if strategy or preset else "ar", preset, dict(parse_param(p) for p in param),
+                       temperature, top_k, top_p, max_new_tokens, seed, tuple(stop))
+    choice.build()
+    engine = Engine.load(model, adapter=adapter)
+    return ChatSession(engine, choice, chat=not raw, draft=load_draft(model, draft_model, draft_adapter))
 
 
 @app.command()

@@ -42,7 +42,7 @@ def run_demo(engine, prompt: str = DEMO_PROMPT, strategies: str | None = None, m
     """Runs the demo on `engine` (greedy, seed 0) and prints it; returns {results, rows, traces, report}."""
     from rich.console import Console
 
-    from studio.cli import build_run
+    from studio.runconfig import build_run
     from studio.session import encode_prompt
 
     if console is None:  # piped: 80 columns would cut the table's labels; a terminal keeps its own width
@@ -92,7 +92,7 @@ def run_demo(engine, prompt: str = DEMO_PROMPT, strategies: str | None = None, m
 
 def demo_command(prompt: str, strategies: str | None, max_new_tokens: int, trace_dir: Path, html: bool = True) -> None:
     """The body of `dlm-studio demo`: validate every run before loading the embedded model, then run."""
-    from studio.cli import build_run
+    from studio.runconfig import build_run
     from studio.engine.engine import Engine
 
     for s in demo_specs(strategies):

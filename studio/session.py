@@ -49,6 +49,13 @@ class RunResult:
                 "wall_s": f["wall_s"], "tok_s": f["tok_s"], "prefill_s": f["prefill_s"],
                 "strategy": h["strategy"], "params": h["params"], "model": h["model"], "stop_reason": f["stop_reason"]}
 
+    def save(self, path) -> None:
+        """Write this run as a trace file (for runs that were not traced while they ran)."""
+        with ev.TraceWriter(path, self.header) as writer:
+            for e in self.events:
+                writer.write(e)
+            writer.close(self.footer)
+
 
 def encode_prompt(engine: Engine, text: str, chat: bool = True) -> list[int]:
     return encode_messages(engine, [{"role": "user", "content": text}], chat)
@@ -185,14 +192,18 @@ class Run:
             self._on_finish(self)
 
 
-def drive(runs: Sequence[Run], on_events: Callable[[int, list[dict]], None] | None = None) -> None:
+def drive(runs: Sequence[Run], on_events: Callable[[int, list[dict]], None] | None = None,
+          before_advance: Callable[[], None] | None = None) -> None:
     """Advance `runs` until every one is done, in lock-step by forward count: the unfinished run with the
-    fewest forwards goes next (ties: list order). `on_events(index, events)` after every advance."""
+    fewest forwards goes next (ties: list order). `on_events(index, events)` after every advance;
+    `before_advance()` before it (step mode waits there)."""
     while True:
         live = [i for i, r in enumerate(runs) if not r.done]
         if not live:
             return
         i = min(live, key=lambda i: runs[i].forwards)
+        if before_advance:
+            before_advance()
         events = runs[i].advance()
         if on_events:
             on_events(i, events)

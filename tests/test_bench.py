@@ -11,7 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from studio.bench import BUILTIN_PROMPTS, load_prompts, spread
-from studio.cli import app, build_run
+from studio.cli import app
+from studio.runconfig import build_run
 from studio.engine.engine import Engine
 from studio.errors import BadInput
 from studio.session import Session, encode_prompt

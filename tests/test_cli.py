@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from studio.cli import build_run
+from studio.runconfig import build_run
 from studio.events import read_trace
 from studio.presets import list_presets, load_strategy_preset
 from tests.adapters import random_mask_adapter

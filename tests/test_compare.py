@@ -8,7 +8,8 @@ import re
 import pytest
 from typer.testing import CliRunner
 
-from studio.cli import app, build_run
+from studio.cli import app
+from studio.runconfig import build_run
 from studio.compare import RunSpec, first_difference, parse_specs, render_table, rows, run_compare
 from studio.engine.engine import Engine
 from studio.engine.strategies import STRATEGIES

@@ -358,7 +358,7 @@ def strategy_traces(tmp_path_factory):
     """One real trace per registered strategy: greedy on a tiny engine, written by the Session."""
     import torch
 
-    from studio.cli import build_run
+    from studio.runconfig import build_run
     from studio.compare import parse_specs, run_compare
     from studio.session import encode_prompt
     from tests.tiny import tiny_engine

@@ -119,3 +119,19 @@ def rich_legend() -> "Text":
         out.append(PALETTE[s][1], style=RICH_STYLE[s])
         out.append(f" {PALETTE[s][2]}  ", style="default")
     return out
+
+
+def run_summary_line(footer: dict, label: str, events: list[dict]) -> str:
+    """The one-line summary printed after a run (and after each chat turn): tokens, forwards, TPF,
+    acceptance (n/a when nothing was verified), tok/s, the prefill (new tokens, and those reused from a
+    chat's cached history) and the stop reason."""
+    f = footer
+    verified = any(e["t"] in ("accept", "reject") for e in events)
+    acc = f"{f['accept_rate']:.2f}" if verified else "n/a"
+    prefill = next((e for e in events if e["t"] == "forward" and e["role"] == "prefill"), None)
+    reused = next((e["from_len"] for e in events if e["t"] == "kv"), 0)
+    new = f"{prefill['n_tokens']} tokens" if prefill else "none"
+    if reused:
+        new += f" + {reused} reused"
+    return (f"[{label}] {f['n_tokens']} tokens  {f['forwards']} forwards  TPF {f['tpf']:.2f}  "
+            f"accept {acc}  {f['tok_s']:.1f} tok/s  prefill {new} {f['prefill_s']:.2f}s  stop {f['stop_reason']}")
