@@ -192,6 +192,32 @@ def tui(
     StudioApp(session).run()
 
 
+@app.command()
+def web(
+    strategy: Optional[str] = typer.Option(None, "--strategy", "-s", help="What the chat form starts with (default: ar)."),
+    preset: Optional[str] = PRESET,
+    model: str = MODEL,
+    adapter: Optional[str] = ADAPTER,
+    raw: bool = RAW,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to serve on (127.0.0.1: this machine only)."),
+    port: int = typer.Option(7860, "--port"),
+):
+    """The Gradio studio in the browser: chat with a live trajectory, lock-step compare, trace replay."""
+    from studio.chat import RunChoice
+    from studio.engine.engine import Engine
+
+    choice = RunChoice(strategy if strategy or preset else "ar", preset)
+    choice.build()
+    engine = Engine.load(model, adapter=adapter)
+    from studio.web.app import build_app, serve
+    app_ = build_app(engine, choice, chat_template=not raw)
+    typer.echo(f"dlm-studio web on http://{host}:{port}/ (Ctrl+C stops)", err=True)
+    try:
+        serve(app_, host, port)
+    except OSError as e:   # the port is taken or the address is not this machine's
+        raise BadInput(f"cannot serve on {host}:{port}: {e}") from None
+
+
 def _chat_session(strategy, preset, model, adapter, draft_model, draft_adapter, max_new_tokens, temperature,
                   top_k, top_p, seed, param, stop, raw):
     """Validate the run choice, then load the model: a ChatSession for the chat REPL and the TUI."""

@@ -1,0 +1,130 @@
+"""The compare tab: 2–4 strategies or presets on one prompt, seed and sampling setting (`ar` always runs: it
+is the baseline), advanced in lock-step by forward count by one worker, their trajectories growing side
+by side; then `studio.compare`'s table, the comparison figure and the HTML report to download."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import gradio as gr
+
+from studio.compare import as_trace, parse_specs, rows, write_html
+from studio.errors import BadInput
+from studio.runconfig import build_run
+from studio.session import Run, encode_prompt
+from studio.viz.figures import comparison_figure
+from studio.web import components, render
+from studio.web.files import Downloads
+from studio.web.form import pick_choices
+from studio.web.live import Trajectory, frames
+from studio.worker import Worker
+
+MAX_RUNS = 4
+
+
+@dataclass
+class CompareTab:
+    """One browser session's comparison."""
+    worker: Worker | None = None
+    views: list[Trajectory] = field(default_factory=list)
+
+    def cancel(self) -> None:
+        if self.worker is not None:
+            self.worker.cancel()
+
+
+def make_runs(engine, prompt: str, names: list[str], max_new_tokens, temperature, seed, chat_template: bool):
+    """(labels, runs) of a comparison; BadInput before anything runs when a name or setting is wrong."""
+    specs = parse_specs(",".join(names or []))
+    if not 2 <= len(specs) <= MAX_RUNS:
+        raise BadInput(f"compare 2 to {MAX_RUNS} runs (ar always runs as the baseline); got {len(specs)}: "
+                       + ", ".join(s.label for s in specs))
+    ids = encode_prompt(engine, prompt, chat=chat_template)
+    runs = [Run(engine, *build_run(s.strategy, s.preset, [], max_new_tokens, temperature, None, None,
+                                   0 if seed is None else seed, []), prompt, ids) for s in specs]
+    return [s.label for s in specs], runs
+
+
+def build(engine, chat_template: bool, downloads: Downloads, engine_queue: dict) -> None:
+    state = gr.State(None)
+    prompt = gr.Textbox(label="Prompt", lines=2, elem_id="cmp-prompt")
+    with gr.Row():
+        names = gr.Dropdown(pick_choices(), value=["ar", "isd"], multiselect=True, max_choices=MAX_RUNS,
+                            label=f"Strategies or presets (2–{MAX_RUNS} runs; ar is always the baseline)",
+                            elem_id="cmp-names", scale=3)
+        max_new_tokens = gr.Number(64, label="max_new_tokens", precision=0, min_width=120)
+        temperature = gr.Number(0.0, label="temperature", info="0 = greedy", min_width=120)
+        seed = gr.Number(0, label="seed", precision=0, min_width=100)
+    pace = gr.Slider(0, 500, value=0, step=10, label="Slow motion: ms per step (0 = full speed)", elem_id="cmp-pace")
+    with gr.Row():
+        start = gr.Button("Run comparison", variant="primary", elem_id="cmp-run")
+        stop = gr.Button("Stop", variant="stop", elem_id="cmp-stop")
+    status = gr.HTML(elem_id="cmp-status")
+    components.legend()
+    columns, metrics, trajectories = [], [], []
+    with gr.Row():
+        for i in range(MAX_RUNS):
+            with gr.Column(visible=i < 2, min_width=240) as col:
+                metrics.append(gr.HTML(elem_id=f"cmp-metrics-{i}"))
+                trajectories.append(components.trajectory(f"cmp-trajectory-{i}"))
+            columns.append(col)
+    inspector = gr.HTML(render.inspector_html(None, None), elem_id="cmp-inspector")
+    table = gr.HTML(elem_id="cmp-table")
+    figure = gr.Plot(label="Comparison", elem_id="cmp-figure")
+    report = gr.File(label="HTML report", interactive=False, elem_id="cmp-report")
+
+    def on_run(text, run_names, n_tokens, temp, seed_value, pace_ms, tab: CompareTab | None):
+        tab = tab or CompareTab()
+        try:
+            labels, runs = make_runs(engine, text, run_names, n_tokens, temp, seed_value, chat_template)
+        except BadInput as e:
+            yield {status: render.note_html(str(e), "error"), state: tab}
+            return
+        tab.views = views = [Trajectory(run.token_text, title=label) for label, run in zip(labels, runs)]
+        tab.worker = worker = Worker(runs, step_mode=(pace_ms or 0) > 0).start()
+        shown = {col: gr.Column(visible=i < len(runs)) for i, col in enumerate(columns)}
+        yield {state: tab, status: render.note_html("running " + ", ".join(labels) + " in lock-step"),
+               table: "", figure: None, report: None, **shown,
+               **{trajectories[i]: v.frame() for i, v in enumerate(views)}}
+        try:
+            for finished in frames(worker, views, (pace_ms or 0) / 1000):
+                if finished:
+                    break
+                yield _frame(views)
+        finally:
+            worker.cancel()
+            worker.join()
+        if worker.error is not None:
+            yield {status: render.note_html(f"internal error: {type(worker.error).__name__}: {worker.error}", "error"),
+                   **_frame(views)}
+            return
+        results = {label: run.result for label, run in zip(labels, runs)}
+        for view, run in zip(views, runs):
+            view.footer = run.result.footer
+        path = downloads.folder() / "compare-report.html"
+        write_html(results, path, title=f"compare: {text[:60]}")
+        yield {**_frame(views), status: render.note_html("done"), table: render.comparison_html(rows(results)),
+               figure: comparison_figure([as_trace(r) for r in results.values()], labels), report: str(path)}
+
+    def _frame(views: list[Trajectory]) -> dict:
+        out = {}
+        for i, v in enumerate(views):
+            out[metrics[i]] = v.metrics()
+            out[trajectories[i]] = v.frame()
+        return out
+
+    gr.on([start.click, prompt.submit], on_run, [prompt, names, max_new_tokens, temperature, seed, pace, state],
+          [state, status, table, figure, report, *columns, *metrics, *trajectories],
+          api_name="compare", show_progress="hidden", **engine_queue)
+
+    def on_stop(tab: CompareTab | None) -> None:
+        if tab is not None:
+            tab.cancel()
+
+    stop.click(on_stop, state, None, api_name="stop_compare", concurrency_limit=None)
+
+    for i, traj in enumerate(trajectories):
+        def on_cell(tab: CompareTab | None, evt: gr.EventData, i=i):
+            view = tab.views[i] if tab and i < len(tab.views) else None
+            return render.inspector_html(view.grid if view else None, components.clicked_position(evt),
+                                         view.title if view else "")
+        traj.inspect(on_cell, state, inspector, api_name=f"inspect_compare_{i}", concurrency_limit=None)

@@ -1,0 +1,136 @@
+"""The run form: a strategy or preset, that strategy's parameters (a form generated from its `Params`, see
+`paramspec`) and the generation settings. It reads back as a `RunChoice`, which validates everything, so
+a bad value becomes a one-line message beside the form and never reaches a run.
+
+Every strategy gets its own group of fields, shown while it is picked. Picking a preset fills its
+strategy's fields and the settings with the preset's values. Handlers take the form as keyword arguments
+(`kwargs`), so the web API names each field, e.g. `isd_stride`.
+"""
+from __future__ import annotations
+
+import gradio as gr
+
+from studio.chat import RunChoice
+from studio.engine.strategies import STRATEGIES
+from studio.errors import BadInput
+from studio.presets import list_presets, load_strategy_preset
+from studio.runconfig import parse_value
+from studio.web.paramspec import ParamField, param_fields, toml_inline
+from studio.web.render import note_html
+
+# generation settings: (help, precision: 0 = an integer)
+SETTINGS = {"temperature": ("0 = greedy", None), "top_k": ("0 = off", 0), "top_p": ("1 = off", None),
+            "max_new_tokens": (None, 0), "seed": (None, 0)}
+
+
+def pick_choices() -> list[tuple[str, str]]:
+    presets = [p for p in list_presets("strategies") if p not in STRATEGIES]   # a name means the strategy first
+    return [(name, name) for name in STRATEGIES] + [(f"{p} (preset)", p) for p in presets]
+
+
+def strategy_of(name: str) -> str:
+    """The strategy a strategy or preset name runs (BadInput for neither)."""
+    if name in STRATEGIES:
+        return name
+    RunChoice().use(name)   # the one place that knows what a valid name is
+    return load_strategy_preset(name).strategy
+
+
+def form_values(choice: RunChoice) -> dict[str, object]:
+    """What the form shows for `choice`: its strategy's parameters and its settings, by form key."""
+    strategy, settings = choice.build()
+    values: dict[str, object] = {f.key: _shown(f, getattr(strategy.params, f.name)) for f in param_fields(strategy.name)}
+    s = settings.sampling
+    values.update(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                  max_new_tokens=settings.max_new_tokens, seed=settings.seed)
+    return values
+
+
+def read_choice(values: dict) -> RunChoice:
+    """The form's values (by key, as handlers receive them) as a RunChoice; BadInput for a bad value."""
+    name = values.get("strategy") or ""
+    strategy = strategy_of(name)
+    params = {f.name: _read(f, values.get(f.key, f.default)) for f in param_fields(strategy)}
+    seed = values.get("seed")
+    choice = RunChoice(None if name != strategy else strategy, name if name != strategy else None, params,
+                       *(values.get(k) for k in ("temperature", "top_k", "top_p", "max_new_tokens")),
+                       seed=0 if seed is None else seed)
+    choice.build()
+    return choice
+
+
+def _shown(field: ParamField, value: object) -> object:
+    return toml_inline(value) if field.kind is dict else value
+
+
+def _read(field: ParamField, value: object) -> object:
+    if value is None or (value == "" and field.kind is not str):
+        raise BadInput(f"{field.strategy} {field.name}: enter a value")
+    if field.kind is dict:
+        parsed = parse_value(str(value))
+        if not isinstance(parsed, dict):
+            raise BadInput(f"{field.strategy} {field.name} must be a table like {{c = 1}}, got {value!r}")
+        return parsed
+    if field.kind is float and isinstance(value, int):
+        return float(value)
+    return value
+
+
+class RunForm:
+    """The form's components; build it inside a gr.Blocks context."""
+
+    def __init__(self, initial: RunChoice, prefix: str):
+        picked = initial.preset or initial.strategy
+        shown = form_values(initial)
+        self.pick = gr.Dropdown(pick_choices(), value=picked, label="Strategy or preset", elem_id=f"{prefix}-pick")
+        self.groups: dict[str, gr.Group] = {}
+        self.fields: dict[str, tuple[ParamField, gr.components.Component]] = {}
+        initial_strategy = strategy_of(picked)
+        for name in STRATEGIES:
+            with gr.Group(visible=name == initial_strategy) as group:
+                if not param_fields(name):
+                    gr.HTML(f'<div class="note info">{name} has no parameters</div>')
+                with gr.Row():
+                    for f in param_fields(name):
+                        value = shown[f.key] if name == initial_strategy else _shown(f, f.default)
+                        self.fields[f.key] = (f, _component(f, value, f"{prefix}-{f.key}"))
+            self.groups[name] = group
+        with gr.Row():
+            self.settings = {name: gr.Number(shown[name], label=name, info=info, precision=precision, min_width=100,
+                                             elem_id=f"{prefix}-{name}")
+                             for name, (info, precision) in SETTINGS.items()}
+        self.message = gr.HTML(elem_id=f"{prefix}-form-message")
+        self.pick.input(self._on_pick, self.pick, self._outputs(), api_name=f"{prefix}_pick", concurrency_limit=None)
+
+    def kwargs(self) -> dict[str, gr.components.Component]:
+        """The form as handler keyword arguments: `strategy`, the settings, every parameter field."""
+        return {"strategy": self.pick, **self.settings, **{key: comp for key, (_, comp) in self.fields.items()}}
+
+    def _outputs(self) -> list:
+        return [*self.groups.values(), *(comp for _, comp in self.fields.values()), *self.settings.values(),
+                self.message]
+
+    def _on_pick(self, name: str) -> dict:
+        try:
+            strategy = strategy_of(name)
+            shown = form_values(RunChoice().use(name))
+        except BadInput as e:
+            return {self.message: note_html(str(e), "error")}
+        updates: dict = {group: gr.Group(visible=s == strategy) for s, group in self.groups.items()}
+        updates.update({comp: shown[key] for key, (_, comp) in self.fields.items() if key in shown})
+        updates.update({comp: shown[key] for key, comp in self.settings.items()})
+        updates[self.message] = ""
+        return updates
+
+
+def _component(f: ParamField, value: object, elem_id: str) -> gr.components.Component:
+    common = dict(label=f.name, info=f.help or None, elem_id=elem_id, min_width=140)
+    if f.kind is bool:
+        return gr.Checkbox(value, **common)
+    if f.kind is int:
+        return gr.Number(value, precision=0, **common)
+    if f.kind is float:
+        return gr.Number(value, **common)
+    if f.choices:
+        return gr.Dropdown(list(f.choices), value=value, allow_custom_value=True, **common)
+    return gr.Textbox(value, **common)

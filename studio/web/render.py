@@ -1,0 +1,245 @@
+"""The HTML of the web studio's views, built from the grid model and step series of `studio.viz` (no
+gradio here, so every view can be tested as a string).
+
+Safety: every text that comes from a user, a model or a trace file (prompt, token, message, label) goes
+through `esc` before it becomes HTML; everything else is numbers and fixed markup.
+
+The trajectory is one `<div class="r">` per step, rendered once when its step arrives and never again (a
+step's cells do not change later), so a live view only ever appends rows. Positions already committed
+before the step are one grey bar, not a cell each, so a row costs the size of its open window, not of
+the whole output.
+"""
+from __future__ import annotations
+
+import html
+from bisect import bisect_left
+from typing import Any, Mapping, Sequence
+
+from studio.viz.grid import Cell, Grid, show_text
+from studio.viz.palette import INK, PALETTE, State, label, tint
+from studio.viz.stats import Acceptance, StepPoint
+
+CELL_PX = 16        # one output position in the trajectory
+MAX_TAIL_CHARS = 40  # emitted text shown at the end of a step row
+
+
+def esc(text: Any) -> str:
+    return html.escape("" if text is None else str(text), quote=True)
+
+
+def num(v: float | None, fmt: str) -> str:
+    return "—" if v is None else format(v, fmt)
+
+
+# -- the trajectory ---------------------------------------------------------------------------------
+def row_html(grid: Grid, step: int) -> str:
+    """One step of the trajectory: its head (step, forward role), the committed prefix as one bar, one cell
+    per position of the open window (colour + glyph + hover text, block outlines), the text it emitted."""
+    row = grid.rows[step]
+    done = _committed_before(grid, step)
+    blocks = [b for b in grid.blocks if b.open_step <= step and (b.close_step is None or b.close_step >= step)]
+    lo = min([done] + [b.start for b in blocks])
+    hi = max([done] + [p + 1 for p in range(done, grid.n_pos) if grid.cell(step, p).state is not State.EMPTY]
+             + [b.end for b in blocks])
+    edges: dict[int, str] = {}
+    for b in blocks:
+        for p in range(b.start, b.end):
+            edges[p] = " b" + (" bl" if p == b.start else "") + (" br" if p == b.end - 1 else "")
+    parts = [f'<div class="r" data-step="{step}"><span class="h">{step}<i>{esc(row.role or "")}</i></span>']
+    if lo:
+        parts.append(f'<span class="cb" data-n="{lo}" style="width:{lo * CELL_PX}px" '
+                     f'title="step {step} · positions 0–{lo - 1} committed earlier (click one to inspect it)"></span>')
+    for p in range(lo, hi):
+        c = grid.cell(step, p)
+        cls = f"c s-{c.state.value}" + (" held" if c.held else "") + (" em" if c.emitted else "") + edges.get(p, "")
+        tip = "\n".join([f"step {step} · position {p}"] + (c.describe() if c.state is not State.EMPTY else ["empty"]))
+        parts.append(f'<span class="{cls}" data-pos="{p}" title="{esc(tip)}">'
+                     f'{c.glyph if c.state is not State.EMPTY else ""}</span>')
+    if row.emitted:
+        text = show_text(row.text)
+        text = text if len(text) <= MAX_TAIL_CHARS else text[:MAX_TAIL_CHARS - 1] + "…"
+        parts.append(f'<span class="t">+{len(row.emitted)} {esc(text)}</span>')
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def _committed_before(grid: Grid, step: int) -> int:
+    """How many positions were emitted before `step` (output is emitted in order, so they are a prefix)."""
+    final = grid.final
+    return bisect_left(range(len(final)), step, key=lambda p: final[p].committed_step)
+
+
+def legend_html() -> str:
+    items = [f'<span><span class="c s-{s.value}">{PALETTE[s][1]}</span>{esc(label(s))}</span>'
+             for s in State if s is not State.EMPTY]
+    items.append('<span><span class="c s-unmasked held">◇</span>held in an open block</span>')
+    items.append('<span><span class="c bl br b"></span>open block</span>')
+    return '<div class="legend">' + "".join(items) + "</div>"
+
+
+# -- history of one position ----------------------------------------------------------------------------
+def inspector_html(grid: Grid | None, pos: int | None, run: str = "") -> str:
+    """Every step that did something at output position `pos`, oldest first, and what it became."""
+    if grid is None or not grid.steps:
+        return '<div class="note">Run something, then click a cell (or enter a position) to see its history.</div>'
+    if pos is None or not 0 <= pos < grid.n_pos:
+        return f'<div class="note">Position must be between 0 and {grid.n_pos - 1}.</div>'
+    rows = []
+    for step in grid.steps:
+        c = grid.cell(step, pos)
+        if c.state is State.EMPTY or (c.state is State.COMMITTED and not c.emitted):
+            continue
+        rows.append("<tr>" + "".join(f"<td>{x}</td>" for x in (
+            step, esc(grid.rows[step].role or ""), f'<span class="c s-{c.state.value}">{c.glyph}</span> {esc(label(c.state))}',
+            esc(_token(c.tok, c.text)), esc(_token(c.draft_tok, c.draft_text)) if c.draft_tok is not None else "",
+            num(c.p, ".3g"), num(c.q, ".3g"), num(c.ratio, ".3g"), num(c.conf, ".3g"), esc(", ".join(c.kinds)))) + "</tr>")
+    final = grid.final.get(pos)
+    head = (f"{esc(run) + ' · ' if run else ''}position {pos}: " + (f"final token {esc(_token(final.tok, final.text))}, {esc(label(final.state))}, "
+                                   f"committed at step {final.committed_step}" if final else "not emitted (yet)"))
+    table = ('<table class="tbl"><tr><th>step</th><th>forward</th><th>state</th><th>token</th><th>rejected draft</th>'
+             "<th>p</th><th>q</th><th>min(1,p/q)</th><th>conf</th><th>events</th></tr>" + "".join(rows) + "</table>")
+    return f'<div class="inspector"><div class="head">{head}</div>{table if rows else ""}</div>'
+
+
+def _token(tok: int | None, text: str | None) -> str:
+    return "" if tok is None else f"{tok} {show_text(text)}"
+
+
+# -- metrics ----------------------------------------------------------------------------------------
+def metrics_html(points: Sequence[StepPoint], acc: Acceptance | None = None,
+                 footer: Mapping[str, Any] | None = None, title: str = "") -> str:
+    """The numbers of a run so far (or at its end, from the footer) and two small charts: running TPF over
+    steps and acceptance by draft slot. Cheap enough to redraw at every frame."""
+    acc = acc or Acceptance()
+    last = points[-1] if points else None
+    tokens = last.tokens if last else 0
+    forwards = last.forwards if last else 0
+    tpf = last.tpf if last else None
+    tok_s = footer["tok_s"] if footer else _decode_rate(points)
+    chips = [f"<b>{tokens}</b> tokens", f"<b>{forwards}</b> forwards", f"TPF <b>{num(tpf, '.2f')}</b>",
+             f"accept <b>{num(acc.rate if acc.verified else None, '.0%')}</b>",
+             f"<b>{num(tok_s, '.1f')}</b> tok/s"]
+    if footer:
+        chips.append(f"stopped: <b>{esc(footer.get('stop_reason'))}</b>")
+    head = f'<span class="ttl">{esc(title)}</span>' if title else ""
+    return (f'<div class="metrics">{head}' + "".join(f"<span>{c}</span>" for c in chips) + "</div>"
+            f'<div class="charts">{_tpf_svg(points)}{_acceptance_svg(acc)}</div>')
+
+
+def _decode_rate(points: Sequence[StepPoint]) -> float | None:
+    """Tokens per second since the prefill, from the events' own clock (drawing is not in it)."""
+    if len(points) < 2 or points[0].ms is None or points[-1].ms is None or points[-1].ms <= points[0].ms:
+        return None
+    return (points[-1].tokens - points[0].tokens) / ((points[-1].ms - points[0].ms) / 1000)
+
+
+def _tpf_svg(points: Sequence[StepPoint], width: int = 240, height: int = 56, most: int = 120) -> str:
+    run = [p for p in points if p.tpf is not None]
+    stride = max(1, -(-len(run) // most))   # at most `most` points, whatever the run's length
+    run = run[::stride] + ([run[-1]] if run and (len(run) - 1) % stride else [])
+    top = max([p.tpf for p in run] + [1.0])
+    xs = [4 + (width - 8) * i / max(1, len(run) - 1) for i in range(len(run))]
+    line = " ".join(f"{x:.1f},{height - 4 - (height - 14) * p.tpf / top:.1f}" for x, p in zip(xs, run))
+    return (f'<svg class="spark" width="{width}" height="{height}" role="img" aria-label="running TPF">'
+            f'<title>running TPF over steps (max {top:.2f})</title>'
+            f'<text x="2" y="10">TPF over steps · max {top:.2f}</text>'
+            f'<polyline fill="none" stroke="#000" stroke-width="1.5" points="{line}"/></svg>')
+
+
+def _acceptance_svg(acc: Acceptance, width: int = 240, height: int = 56) -> str:
+    rates = acc.by_pos
+    if not rates:
+        return (f'<svg class="spark" width="{width}" height="{height}"><text x="2" y="10">acceptance by draft slot: '
+                "nothing verified</text></svg>")
+    bar = (width - 8) / len(rates)
+    color = PALETTE[State.ACCEPTED][0]
+    bars = "".join(
+        f'<rect x="{4 + i * bar:.1f}" y="{height - 2 - (height - 16) * r:.1f}" width="{max(1.0, bar - 2):.1f}" '
+        f'height="{(height - 16) * r:.1f}" fill="{color}"><title>slot {i + 1}: {a}/{v} accepted ({r:.0%})</title></rect>'
+        for i, (r, a, v) in enumerate(zip(rates, acc.accepted_by_pos, acc.verified_by_pos)))
+    return (f'<svg class="spark" width="{width}" height="{height}" role="img" aria-label="acceptance by draft slot">'
+            f'<text x="2" y="10">acceptance by draft slot · overall {acc.rate:.0%}</text>{bars}</svg>')
+
+
+# -- tables -----------------------------------------------------------------------------------------
+def comparison_html(table_rows: Sequence[Mapping[str, Any]]) -> str:
+    """`studio.compare.rows` as a table, each run's text below it."""
+    head = "".join(f"<th>{h}</th>" for h in ("run", "tokens", "forwards", "TPF", "accept", "tok/s", "× ar",
+                                              "same as ar", "stop"))
+    body = []
+    for r in table_rows:
+        same = "yes" if r["identical_to_ar"] else f"no (token {r['first_difference']})"
+        speed = None if r["speed_vs_ar"] is None else f"{r['speed_vs_ar']:.2f}×"
+        body.append("<tr>" + "".join(f"<td>{x}</td>" for x in (
+            esc(r["label"]), r["n_tokens"], r["forwards"], num(r["tpf"], ".2f"), num(r["accept_rate"], ".0%"),
+            num(r["tok_s"], ".1f"), speed or "—", same, esc(r["stop_reason"]))) + "</tr>")
+    texts = "".join(f'<div class="out"><b>{esc(r["label"])}</b> {esc(r["text"])}</div>' for r in table_rows)
+    return f'<table class="tbl">{head and "<tr>" + head + "</tr>"}{"".join(body)}</table>{texts}'
+
+
+def trace_info_html(name: str, header: Mapping[str, Any], metrics: Mapping[str, Any]) -> str:
+    """What a loaded trace is: file, strategy and parameters, model, prompt, and its headline numbers."""
+    model = header.get("model", {})
+    params = ", ".join(f"{k}={v}" for k, v in header.get("params", {}).items())
+    rows = [("file", name), ("strategy", f"{header.get('strategy')} ({params})"),
+            ("model", f"{model.get('name')} · {model.get('arch')} · {model.get('dtype')} · adapter {model.get('adapter')}"),
+            ("prompt", header.get("prompt", {}).get("text", "")), ("seed", header.get("seed")),
+            ("result", f"{metrics.get('n_tokens')} tokens · {metrics.get('forwards')} forwards · "
+                       f"TPF {num(metrics.get('tpf'), '.2f')} · stop: {metrics.get('stop_reason')}")]
+    return '<table class="tbl kv">' + "".join(f"<tr><th>{k}</th><td>{esc(v)}</td></tr>" for k, v in rows) + "</table>"
+
+
+def note_html(text: str, kind: str = "info") -> str:
+    """A one-line message in the page (`kind`: info or error)."""
+    return f'<div class="note {kind}">{esc(text)}</div>' if text else ""
+
+
+def chat_messages(messages: Sequence[Mapping[str, str]]) -> list[dict]:
+    """Conversation messages for gr.Chatbot, their text escaped (the chatbot shows it as plain text)."""
+    return [{"role": m["role"], "content": esc(m["content"])} for m in messages]
+
+
+# -- style ------------------------------------------------------------------------------------------
+def _state_rules() -> str:
+    rules = []
+    for s in State:
+        col = PALETTE[s][0]
+        rules.append(f".c.s-{s.value}{{background:{col};color:{INK[s]}}}")
+    rules.append(f".c.s-unmasked.held{{background:{tint(PALETTE[State.UNMASKED][0], 0.55)};color:#000}}")
+    rules.append(f".c.s-empty{{background:transparent}} .cb{{background:{PALETTE[State.COMMITTED][0]}}}")
+    return "\n".join(rules)
+
+
+CSS = f"""
+.traj {{ font-family: ui-monospace, SFMono-Regular, Menlo, monospace; font-size: 11px; }}
+.traj .rows {{ max-height: 440px; overflow: auto; border: 1px solid var(--border-color-primary, #ddd);
+              border-radius: 6px; padding: 4px; background: #fff; color: #111; }}
+.traj .rows:empty::before {{ content: "The trajectory appears here, one row per forward, as the run decodes.";
+                             color: #777; font-family: system-ui, sans-serif; font-size: 12.5px; }}
+.traj .r {{ display: flex; align-items: center; height: {CELL_PX + 2}px; white-space: nowrap; }}
+.traj .h {{ flex: none; width: 74px; color: #555; }}
+.traj .h i {{ font-style: normal; margin-left: 5px; color: #888; }}
+.c {{ flex: none; display: inline-block; box-sizing: border-box; width: {CELL_PX}px; height: {CELL_PX}px;
+      line-height: {CELL_PX - 2}px; text-align: center; border: 1px solid #fff; font-size: 10px; cursor: pointer; }}
+.c.em {{ font-weight: bold; }}
+.c.b {{ border-top-color: #222; border-bottom-color: #222; }}
+.c.bl {{ border-left-color: #222; }} .c.br {{ border-right-color: #222; }}
+.cb {{ flex: none; display: inline-block; height: {CELL_PX - 2}px; margin: 1px 0; cursor: pointer; }}
+.traj .t {{ margin-left: 8px; color: #333; }}
+.legend {{ display: flex; flex-wrap: wrap; gap: 4px 12px; font-size: 12px; margin: 4px 0; }}
+.legend > span {{ display: inline-flex; align-items: center; gap: 4px; }}
+.metrics {{ display: flex; flex-wrap: wrap; gap: 4px 14px; font-size: 13px; align-items: baseline; }}
+.metrics .ttl {{ font-weight: 600; }}
+.charts {{ display: flex; flex-wrap: wrap; gap: 10px; margin: 4px 0; }}
+.spark {{ background: #fafafa; border: 1px solid #e3e3e3; border-radius: 4px; }}
+.spark text {{ font-size: 10px; fill: #444; }}
+.tbl {{ border-collapse: collapse; font-size: 12.5px; margin: 4px 0; }}
+.tbl th, .tbl td {{ border-bottom: 1px solid #e3e3e3; padding: 2px 8px; text-align: left; vertical-align: top; }}
+.tbl.kv th {{ color: #555; font-weight: 500; }}
+.inspector .head {{ font-weight: 600; margin: 4px 0; }}
+.note {{ font-size: 13px; padding: 4px 8px; border-radius: 4px; }}
+.note.error {{ background: #fdecea; border: 1px solid #D55E00; }}
+.note.info {{ color: #444; }}
+.out {{ font-size: 12.5px; margin: 4px 0; white-space: pre-wrap; }}
+{_state_rules()}
+"""

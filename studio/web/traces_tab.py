@@ -1,0 +1,161 @@
+"""The traces tab: upload one or more `.jsonl` traces (read by the trace reader only; a bad file is a message),
+replay one with a step slider and play/pause, inspect a position, see its figures (and the comparison
+figure when several are loaded), download it as JSONL, Parquet, Perfetto or an HTML report."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import gradio as gr
+
+from studio.errors import BadInput
+from studio.events import Trace
+from studio.viz.figures import acceptance_by_position_figure, comparison_figure, trace_metrics, tpf_figure
+from studio.viz.stats import acceptance
+from studio.web import components, render
+from studio.web.files import DOWNLOADS, Downloads, read_upload
+from studio.web.live import FPS, Trajectory
+
+
+@dataclass
+class Replay:
+    name: str
+    trace: Trace
+    view: Trajectory
+
+    @property
+    def n_steps(self) -> int:
+        return len(self.view.rows)
+
+    def metrics(self, shown: int) -> str:
+        """The run's numbers after its first `shown` steps (its footer's once every step is shown)."""
+        steps = self.view.grid.steps[:shown]
+        last = steps[-1] if steps else -1
+        done = shown >= self.n_steps
+        return render.metrics_html(self.view.tracker.points[:shown],
+                                   acceptance(e for e in self.trace.events if e["step"] <= last),
+                                   self.trace.footer if done else None, self.name)
+
+
+@dataclass
+class TracesTab:
+    """One browser session's loaded traces."""
+    replays: list[Replay] = field(default_factory=list)
+    current: Replay | None = None
+    playing: int = 0    # bumped to stop the playing loop (pause, seek, another trace)
+
+
+def build(downloads: Downloads) -> None:
+    state = gr.State(None)
+    upload = gr.File(label="Upload trace(s) (.jsonl)", file_count="multiple", file_types=[".jsonl"],
+                     elem_id="trace-upload")
+    status = gr.HTML(elem_id="trace-status")
+    pick = gr.Dropdown([], label="Trace", elem_id="trace-pick", interactive=True)
+    info = gr.HTML(elem_id="trace-info")
+    with gr.Row():
+        play = gr.Button("▶ Play", elem_id="trace-play", min_width=90)
+        pause = gr.Button("⏸ Pause", elem_id="trace-pause", min_width=90)
+        step = gr.Slider(0, 1, value=0, step=1, label="Steps shown", elem_id="trace-step", scale=4)
+        speed = gr.Slider(1, 60, value=8, step=1, label="Steps per second", elem_id="trace-speed", scale=2)
+    metrics = gr.HTML(elem_id="trace-metrics")
+    components.legend()
+    trajectory = components.trajectory("trace-trajectory")
+    inspector = gr.HTML(render.inspector_html(None, None), elem_id="trace-inspector")
+    with gr.Accordion("Figures", open=False):
+        tpf_plot = gr.Plot(label="Tokens per forward", elem_id="trace-tpf")
+        acc_plot = gr.Plot(label="Acceptance by draft position", elem_id="trace-acceptance")
+        cmp_plot = gr.Plot(label="All loaded traces", visible=False, elem_id="trace-comparison")
+    fmt, prepare, download = components.download_row("trace")
+    shown_outputs = [info, step, trajectory, metrics, inspector, tpf_plot, acc_plot]
+
+    def show(replay: Replay) -> dict:
+        t = replay.trace
+        n = replay.n_steps
+        return {info: render.trace_info_html(replay.name, t.header, trace_metrics(t)),
+                step: gr.Slider(0, n, value=n, step=1), trajectory: replay.view.frame(),
+                metrics: replay.metrics(n), inspector: render.inspector_html(replay.view.grid, None),
+                tpf_plot: tpf_figure(t.header, t.events, t.footer),
+                acc_plot: acceptance_by_position_figure(t.header, t.events, t.footer)}
+
+    def on_upload(paths: list[str] | None, tab: TracesTab | None):
+        tab = tab or TracesTab()
+        problems, loaded = [], []
+        for path in paths or []:
+            try:
+                name, trace = read_upload(path)
+            except BadInput as e:
+                problems.append(str(e))
+                continue
+            loaded.append(Replay(name, trace, Trajectory.of_trace(trace, name)))
+        if not loaded:
+            return {state: tab, status: render.note_html("; ".join(problems) or "no file", "error")}
+        tab.replays, tab.current = loaded, loaded[0]
+        tab.playing += 1
+        note = f"loaded {len(loaded)} trace(s)" + (f"; skipped: {'; '.join(problems)}" if problems else "")
+        names = [r.name for r in loaded]
+        several = len(loaded) > 1
+        return {state: tab, status: render.note_html(note, "error" if problems else "info"),
+                pick: gr.Dropdown(choices=[(n, i) for i, n in enumerate(names)], value=0),
+                cmp_plot: gr.Plot(comparison_figure([r.trace for r in loaded], names) if several else None,
+                                  visible=several),
+                **show(tab.current)}
+
+    upload.upload(on_upload, [upload, state], [state, status, pick, cmp_plot, *shown_outputs],
+                  api_name="load_traces", concurrency_limit=None)
+
+    def on_pick(index: int, tab: TracesTab | None):
+        if tab is None or not isinstance(index, int) or not 0 <= index < len(tab.replays):
+            return {}
+        tab.current = tab.replays[index]
+        tab.playing += 1
+        return show(tab.current)
+
+    pick.input(on_pick, [pick, state], shown_outputs, api_name="show_trace", concurrency_limit=None)
+
+    def on_seek(shown: int, tab: TracesTab | None):
+        if tab is None or tab.current is None:
+            return {}
+        tab.playing += 1
+        shown = max(0, min(int(shown), tab.current.n_steps))
+        return {trajectory: tab.current.view.frame(shown), metrics: tab.current.metrics(shown)}
+
+    step.release(on_seek, [step, state], [trajectory, metrics], api_name="replay_seek", concurrency_limit=None)
+
+    def on_play(shown: int, steps_per_s: float, tab: TracesTab | None):
+        """Advance the replay from the slider's position (from the start when at the end), `steps_per_s`
+        steps a second in at most FPS frames a second, until the end or until paused."""
+        if tab is None or tab.current is None:
+            return
+        tab.playing += 1
+        me, replay = tab.playing, tab.current
+        shown = 0 if shown >= replay.n_steps else int(shown)
+        per_frame = max(1, math.ceil(steps_per_s / FPS))
+        while shown < replay.n_steps and tab.playing == me:
+            shown = min(replay.n_steps, shown + per_frame)
+            yield {trajectory: replay.view.frame(shown), step: shown, metrics: replay.metrics(shown)}
+            time.sleep(per_frame / steps_per_s)
+
+    play.click(on_play, [step, speed, state], [trajectory, step, metrics], api_name="play",
+               show_progress="hidden", concurrency_limit=None)
+
+    def on_pause(tab: TracesTab | None) -> None:
+        if tab is not None:
+            tab.playing += 1
+
+    pause.click(on_pause, state, None, api_name="pause", concurrency_limit=None)
+
+    def on_cell(tab: TracesTab | None, evt: gr.EventData):
+        replay = tab.current if tab else None
+        return render.inspector_html(replay.view.grid if replay else None, components.clicked_position(evt),
+                                     replay.name if replay else "")
+
+    trajectory.inspect(on_cell, state, inspector, api_name="inspect_trace", concurrency_limit=None)
+
+    def on_download(tab: TracesTab | None, label: str):
+        if tab is None or tab.current is None:
+            return None, render.note_html("upload a trace first", "error")
+        replay = tab.current
+        return str(downloads.write(replay.trace, DOWNLOADS[label], replay.name.removesuffix(".jsonl"))), ""
+
+    prepare.click(on_download, [state, fmt], [download, status], api_name="download_trace", concurrency_limit=None)
