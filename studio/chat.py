@@ -23,6 +23,7 @@ HELP = """commands:
   /strategy NAME|PRESET   decode the next turns with a strategy or a strategy preset
   /set KEY VALUE          a strategy parameter (e.g. stride 3) or temperature, top_k, top_p, seed, max_new_tokens
   /reset                  forget the conversation (and its cached KV)
+  /model SPEC [ADAPTER]   load another model (default, a preset, a HF directory or a .gguf) and start over
   /save FILE [--all] [--force]   write the last turn's trace (--all: every turn, FILE-1.jsonl, FILE-2.jsonl, ...)
   /help                   this list
   /quit                   leave (EOF does too)"""
@@ -129,7 +130,8 @@ class ChatSession:
             return Reply(f"error: {e}")
 
     def _commands(self):
-        return {"strategy": self._strategy, "set": self._set, "reset": self._reset, "save": self._save,
+        return {"strategy": self._strategy, "set": self._set, "reset": self._reset, "model": self._model,
+                "save": self._save,
                 "help": lambda args: Reply(HELP), "quit": lambda args: Reply("bye", quit=True),
                 "exit": lambda args: Reply("bye", quit=True)}
 
@@ -151,6 +153,14 @@ class ChatSession:
     def _reset(self, args: list[str]) -> Reply:
         self.conversation.reset()
         return Reply("conversation reset")
+
+    def _model(self, args: list[str]) -> Reply:
+        if len(args) not in (1, 2):
+            return Reply(f"usage: /model SPEC [ADAPTER] (now: {self.engine.name})")
+        from studio.engine.engine import Engine
+        engine = Engine.load(args[0], adapter=args[1] if len(args) == 2 else None)
+        self.engine, self.conversation = engine, Conversation(engine, chat=self.conversation.chat)
+        return Reply(f"model {engine.name} loaded in {engine.load_s:.1f}s; conversation reset")
 
     def _save(self, args: list[str]) -> Reply:
         flags = {a for a in args if a.startswith("--")}

@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from studio.events import summarize
-from studio.viz.grid import Grid, TokenText, build_grid
+from studio.viz.grid import Grid, TokenText, build_grid, visible_token
 from studio.viz.palette import HELD_GLYPH, OKABE_ITO, PALETTE, RUN_COLORS, State, tint
 from studio.viz.stats import acceptance, progress, stalled_steps
 
@@ -36,11 +36,8 @@ def _level_color(state: State, held: bool) -> str:
 
 
 def short_token(text: str | None, tok: int | None = None, limit: int = 9) -> str:
-    """A token for an axis label: whitespace made visible (␣ ↵ ⇥), cut to `limit` characters."""
-    if text is None:
-        return f"#{tok}" if tok is not None else ""
-    s = text.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥").replace("\r", "␍") or "∅"
-    return html.escape(s if len(s) <= limit else s[: limit - 1] + "…")
+    """A token for an axis label (`visible_token`, HTML-escaped)."""
+    return html.escape(visible_token(text, tok, limit))
 
 
 def run_label(header: Mapping[str, Any]) -> str:

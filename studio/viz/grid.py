@@ -143,6 +143,15 @@ def _fmt(v: float) -> str:
     return f"{v:.3g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"
 
 
+def visible_token(text: str | None, tok: int | None = None, limit: int = 9) -> str:
+    """A token for a narrow label or cell: whitespace made visible (␣ ↵ ⇥ ␍), cut to `limit` characters
+    with …; `#id` when the text is unknown."""
+    if text is None:
+        return f"#{tok}" if tok is not None else ""
+    s = text.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥").replace("\r", "␍") or "∅"
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
 def show_text(text: str | None) -> str:
     """A token's text with whitespace made visible (a JSON string literal), or '?' if unknown."""
     return "?" if text is None else json.dumps(text, ensure_ascii=False)

@@ -1,0 +1,1 @@
+"""The studio's screens: chat (the first), compare, replay, and the help overlay."""

@@ -1,0 +1,252 @@
+"""The chat screen: a conversation whose current turn decodes live — the answer streams coloured by how
+each token was produced, the token grid shows every step, the metrics panel and inspector follow it.
+
+Each turn runs on a `Worker` thread; a timer (≈15 Hz) takes the drained steps, feeds the turn's
+`RunView` and redraws the widgets that changed. Slash commands are those of `studio.chat`.
+"""
+from __future__ import annotations
+
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Input, Static
+
+from studio.chat import ChatSession, Reply
+from studio.errors import BadInput
+from studio.tui.live import RunView
+from studio.tui.widgets import Inspector, MetricsPanel, TokenGrid
+from studio.tui.widgets.controls import Controls, apply_change
+from studio.viz.palette import legend_text
+from studio.viz.text import rich_text, run_summary_line
+from studio.worker import Worker
+
+FRAME_S = 1 / 15
+
+
+def error_line(e: BaseException) -> str:
+    """One line for the status bar: BadInput as it is, anything else named as an internal error."""
+    text = str(e) if isinstance(e, BadInput) else f"internal error: {type(e).__name__}: {e}"
+    return " ".join(text.split())
+
+
+class ChatMessage(Static):
+    """One chat message (user, assistant, or a note from a command)."""
+    DEFAULT_CSS = """
+    ChatMessage { padding: 0 1; margin: 0 0 1 0; }
+    ChatMessage.user { background: $boost; }
+    ChatMessage.note { color: $text-muted; }
+    """
+
+
+class ChatScreen(Screen):
+    BINDINGS = [
+        Binding("escape", "stop", "stop", id="chat.stop"),
+        Binding("ctrl+c", "stop", "stop", show=False, priority=True, id="chat.stop_ctrl_c"),
+        Binding("ctrl+t", "toggle_step_mode", "step mode", id="chat.step_mode"),
+        Binding("ctrl+n", "step", "next step", id="chat.step"),
+        Binding("ctrl+g", "focus_grid", "grid", id="chat.grid"),
+        Binding("ctrl+l", "focus_prompt", "prompt", show=False, id="chat.prompt"),
+    ]
+
+    def __init__(self, session: ChatSession):
+        super().__init__(id="chat")
+        self.session = session
+        self.worker: Worker | None = None
+        self.view: RunView | None = None
+        self.answer: ChatMessage | None = None
+        self.step_mode = False
+        self._timer = None
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal():
+            with Vertical(id="chat-main"):
+                yield VerticalScroll(id="conversation")
+                with VerticalScroll(id="grid-box"):
+                    yield TokenGrid(id="grid")
+                yield Inspector(id="inspector")
+                yield Input(placeholder="message, or /help", id="prompt")
+            with VerticalScroll(id="side"):
+                yield Controls(self.session.choice, id="controls")
+                yield MetricsPanel(id="metrics")
+        yield Static(legend_text(), id="legend")
+        yield Static(id="status")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#grid-box").border_title = "tokens"
+        self.query_one("#side").border_title = "run"
+        self.query_one(Controls).sync(self.session.choice)
+        self.query_one(Inspector).show(None, None)
+        self.query_one(MetricsPanel).show([])
+        self.title = f"dlm-studio · {self.session.engine.name}"
+        self.query_one("#prompt", Input).focus()
+        self.status(f"model {self.session.engine.name} · {self.session.choice.describe()} · /help for commands")
+
+    # -- status ----------------------------------------------------------------------------------
+    def status(self, text: str, error: bool = False) -> None:
+        bar = self.query_one("#status", Static)
+        bar.set_class(error, "error")
+        bar.update(Text(text, style="bold red" if error else "", no_wrap=True, overflow="ellipsis"))
+
+    @property
+    def running(self) -> bool:
+        return self.worker is not None
+
+    def note(self, text: str) -> None:
+        conv = self.query_one("#conversation", VerticalScroll)
+        conv.mount(ChatMessage(Text(text), classes="note"))
+        conv.scroll_end(animate=False)
+
+    # -- input -----------------------------------------------------------------------------------
+    @on(Input.Submitted, "#prompt")
+    def submitted(self, event: Input.Submitted) -> None:
+        text = event.value.strip()
+        if not text:
+            return
+        if self.running:
+            self.status("a generation is running: Esc stops it", error=True)
+            return
+        event.input.value = ""
+        if text.startswith("/"):
+            self.run_command(text)
+        else:
+            self.send(text)
+
+    @work(thread=True, exclusive=True, group="command")
+    def run_command(self, line: str) -> None:
+        """Commands run off the UI thread: /model loads a model, which takes seconds."""
+        self.app.call_from_thread(self.status, f"{line} …")
+        try:
+            reply = self.session.command(line)
+        except Exception as e:  # noqa: BLE001 - a failed command is a message, never the end of the app
+            reply = Reply(f"error: {error_line(e)}")
+        self.app.call_from_thread(self._command_done, line, reply)
+
+    def _command_done(self, line: str, reply) -> None:
+        if reply.quit:
+            self.app.exit()
+            return
+        is_error = reply.message.startswith("error:")
+        self.status(reply.message.splitlines()[0] if is_error else f"{line.split()[0]}: ok", error=is_error)
+        if not is_error:
+            if line.split()[0] in ("/reset", "/model"):
+                self.query_one("#conversation", VerticalScroll).remove_children()
+            self.note(reply.message)
+            self.query_one(Controls).sync(self.session.choice)
+            self.title = f"dlm-studio · {self.session.engine.name}"
+
+    def send(self, text: str) -> None:
+        try:
+            run = self.session.start_turn(text)
+        except BadInput as e:
+            self.status(error_line(e), error=True)
+            return
+        conv = self.query_one("#conversation", VerticalScroll)
+        conv.mount(ChatMessage(Text(text), classes="user"))
+        self.answer = ChatMessage(Text("…", style="dim"), classes="assistant")
+        conv.mount(self.answer)
+        conv.scroll_end(animate=False)
+        self.view = RunView(run.token_text, run.header)
+        self.worker = Worker([run], step_mode=self.step_mode).start()
+        self._timer = self.set_interval(FRAME_S, self.frame)
+        label = self.session.choice.label
+        self.status(f"{label}: decoding… (Esc stops{', ctrl+n steps' if self.step_mode else ''})")
+
+    # -- frames ----------------------------------------------------------------------------------
+    def frame(self) -> None:
+        """Take what the worker decoded since the last frame and redraw what it changed."""
+        worker = self.worker
+        if worker is None:
+            return
+        finished = worker.done
+        batches = worker.drain()
+        for _, events in batches:
+            self.view.feed(events)
+        if batches:
+            self.redraw()
+        if finished:
+            self.turn_done(worker)
+
+    def redraw(self) -> None:
+        view = self.view
+        grid = self.query_one(TokenGrid)
+        grid.show(view.grid)
+        if grid.cursor is None and not grid.has_focus:
+            grid.reveal_row(max(0, view.grid.n_pos - 1) // grid.per_row())
+        self.query_one(MetricsPanel).show(view.points, view.acceptance, self.session.choice.label)
+        self.query_one(Inspector).show(view.grid, grid.cursor)
+        if self.answer is not None:
+            text = rich_text(view.grid)
+            self.answer.update(text if text.plain else Text("…", style="dim"))
+            self.query_one("#conversation", VerticalScroll).scroll_end(animate=False)
+
+    def turn_done(self, worker: Worker) -> None:
+        self._timer.stop()
+        self.worker = None
+        run = worker.runs[0]
+        if worker.error is not None:
+            self.status(error_line(worker.error), error=True)
+            return
+        result = run.result
+        line = run_summary_line(result.footer, self.session.choice.label, result.events)
+        self.note(line)
+        self.status(line)
+
+    # -- actions ---------------------------------------------------------------------------------
+    def action_stop(self) -> None:
+        if self.worker is not None:
+            self.worker.cancel()
+            self.status("stopping after this step…")
+
+    def check_action(self, action: str, parameters) -> bool | None:
+        if action == "stop":      # ctrl+c falls through to the app (copy, quit hint) when nothing runs
+            return self.running
+        return True
+
+    def action_toggle_step_mode(self) -> None:
+        self.set_step_mode(not self.step_mode)
+
+    def set_step_mode(self, on: bool) -> None:
+        self.step_mode = on
+        if self.worker is not None:
+            self.worker.set_step_mode(on)
+        switch = self.query_one("#ctl-step")
+        with switch.prevent(switch.Changed):
+            switch.value = on
+        self.status("step mode on: ctrl+n advances one step" if on else "step mode off")
+
+    def action_step(self) -> None:
+        if self.worker is not None and self.step_mode:
+            self.worker.step()
+
+    def action_focus_grid(self) -> None:
+        self.query_one(TokenGrid).focus()
+
+    def action_focus_prompt(self) -> None:
+        self.query_one("#prompt", Input).focus()
+
+    # -- widgets ---------------------------------------------------------------------------------
+    def on_token_grid_cursor_moved(self, event: TokenGrid.CursorMoved) -> None:
+        grid = self.view.grid if self.view else None
+        self.query_one(Inspector).show(grid, event.pos)
+
+    def on_controls_changed(self, event: Controls.Changed) -> None:
+        controls = self.query_one(Controls)
+        if event.key == "strategy" and event.value == self.session.choice.label:
+            return   # the picker showing what is already chosen (e.g. on mount)
+        try:
+            self.session.choice = apply_change(self.session.choice, event.key, event.value)
+        except BadInput as e:
+            controls.invalid(event.key)
+            self.status(error_line(e), error=True)
+            return
+        controls.sync(self.session.choice)
+        self.status(f"next turn: {self.session.choice.describe()}")
+
+    def on_controls_step_mode(self, event: Controls.StepMode) -> None:
+        self.set_step_mode(event.on)
+

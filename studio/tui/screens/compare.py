@@ -1,0 +1,172 @@
+"""The compare screen: 2–4 strategies or presets on one prompt, in panes that advance in lock-step by
+forward count (one `Worker` over every run, `session.drive`), then the comparison table of
+`studio.compare` when all have finished. Runs use the chat's sampling settings and seed."""
+from __future__ import annotations
+
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Button, DataTable, Footer, Header, Input, Static
+
+from studio.chat import ChatSession
+from studio.errors import BadInput
+from studio.tui.live import RunView
+from studio.tui.screens.chat import FRAME_S, error_line
+from studio.tui.widgets import TokenGrid
+from studio.viz.palette import legend_text
+from studio.worker import Worker
+
+MAX_PANES = 4
+DEFAULT_SPECS = "isd,jacobi-mr-cpu"
+
+
+def pane_line(label: str, view: RunView, done: bool) -> Text:
+    """`✓ isd  fwd 10 tok 12 TPF 1.20 acc 17%`: the run's numbers so far (✓ once it has finished)."""
+    last = view.points[-1] if view.points else None
+    out = Text("✓ " if done else "", style="bold #009E73")
+    out.append(label, style="bold")
+    if last is not None:
+        tpf = f"{last.tpf:.2f}" if last.tpf is not None else "—"
+        acc = f"{last.accept_rate:.0%}" if last.accept_rate is not None else "n/a"
+        out.append(f"  fwd {last.forwards} tok {last.tokens} TPF {tpf} acc {acc}", style="dim")
+    return out
+
+
+class ComparePane(Vertical):
+    DEFAULT_CSS = """
+    ComparePane { width: 1fr; border: round $primary-darken-2; height: 1fr; }
+    ComparePane > VerticalScroll { height: 1fr; }
+    """
+
+    def __init__(self, label: str, view: RunView):
+        super().__init__()
+        self.label, self.view = label, view
+
+    def compose(self) -> ComposeResult:
+        yield Static(pane_line(self.label, self.view, False), classes="pane-title")
+        with VerticalScroll():
+            yield TokenGrid()
+
+    def redraw(self, done: bool) -> None:
+        self.query_one(".pane-title", Static).update(pane_line(self.label, self.view, done))
+        grid = self.query_one(TokenGrid)
+        grid.show(self.view.grid)
+        grid.reveal_row(max(0, self.view.grid.n_pos - 1) // grid.per_row())
+
+
+class CompareScreen(Screen):
+    BINDINGS = [Binding("escape", "stop", "stop", id="compare.stop")]
+
+    def __init__(self, session: ChatSession):
+        super().__init__(id="compare")
+        self.session = session
+        self.worker: Worker | None = None
+        self.views: list[RunView] = []
+        self.labels: list[str] = []
+        self._timer = None
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal(id="compare-form"):
+            yield Input(placeholder="prompt", id="compare-prompt")
+            yield Input(value=DEFAULT_SPECS, placeholder="strategies or presets, comma-separated", id="compare-specs")
+            yield Button("Run", id="compare-run", variant="primary")
+            yield Button("Stop", id="compare-stop")
+        yield Horizontal(id="panes")
+        yield DataTable(id="compare-table", zebra_stripes=True)
+        yield Static(legend_text(), id="legend")
+        yield Static(id="status")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.title = f"dlm-studio · compare · {self.session.engine.name}"
+        self.query_one("#compare-table").display = False
+        self.query_one("#compare-prompt", Input).focus()
+        self.status("ar runs first as the baseline; runs advance in lock-step by forward count")
+
+    def status(self, text: str, error: bool = False) -> None:
+        self.query_one("#status", Static).update(Text(" ".join(text.split()), style="bold red" if error else "",
+                                                      no_wrap=True, overflow="ellipsis"))
+
+    @on(Input.Submitted)
+    @on(Button.Pressed, "#compare-run")
+    def start(self) -> None:
+        if self.worker is not None:
+            self.status("a comparison is running: Esc stops it", error=True)
+            return
+        prompt = self.query_one("#compare-prompt", Input).value.strip()
+        try:
+            runs, labels = self._runs(prompt, self.query_one("#compare-specs", Input).value)
+        except BadInput as e:
+            self.status(error_line(e), error=True)
+            return
+        self.labels = labels
+        self.views = [RunView(r.token_text, r.header) for r in runs]
+        panes = self.query_one("#panes", Horizontal)
+        panes.remove_children()
+        panes.mount_all([ComparePane(label, view) for label, view in zip(labels, self.views)])
+        self.query_one("#compare-table").display = False
+        self.worker = Worker(runs).start()
+        self._timer = self.set_interval(FRAME_S, self.frame)
+        self.status(f"comparing {', '.join(labels)} …")
+
+    def _runs(self, prompt: str, items: str):
+        """One Run per spec (ar first), on the chat's sampling settings; BadInput for a bad list."""
+        from studio.compare import parse_specs
+        from studio.runconfig import build_run
+        from studio.session import Run, encode_prompt
+        if not prompt:
+            raise BadInput("type a prompt first")
+        specs = parse_specs(items)
+        if len(specs) > MAX_PANES:
+            raise BadInput(f"compare shows at most {MAX_PANES} runs (ar included): {', '.join(s.label for s in specs)}")
+        c, engine = self.session.choice, self.session.engine
+        made = [build_run(s.strategy, s.preset, [], c.max_new_tokens, c.temperature, c.top_k, c.top_p, c.seed, c.stop)
+                for s in specs]
+        ids = encode_prompt(engine, prompt, chat=self.session.conversation.chat)
+        return [Run(engine, strategy, settings, prompt, ids) for strategy, settings in made], [s.label for s in specs]
+
+    def frame(self) -> None:
+        worker = self.worker
+        if worker is None:
+            return
+        finished = worker.done
+        touched = set()
+        for i, events in worker.drain():
+            self.views[i].feed(events)
+            touched.add(i)
+        panes = list(self.query(ComparePane))
+        for i in touched:
+            panes[i].redraw(worker.runs[i].done)
+        if finished:
+            self._timer.stop()
+            self.worker = None
+            for i, pane in enumerate(panes):
+                pane.redraw(worker.runs[i].done)
+            if worker.error is not None:
+                self.status(error_line(worker.error), error=True)
+            else:
+                self.show_table(worker)
+
+    def show_table(self, worker: Worker) -> None:
+        from studio.compare import rows
+        table = self.query_one("#compare-table", DataTable)
+        table.clear(columns=True)
+        table.add_columns("strategy", "tokens", "forwards", "TPF", "accept", "tok/s", "× ar", "same as ar", "stop")
+        results = {label: run.result for label, run in zip(self.labels, worker.runs)}
+        for r in rows(results):
+            same = "yes" if r["identical_to_ar"] else f"no (token {r['first_difference']})"
+            table.add_row(r["label"], str(r["n_tokens"]), str(r["forwards"]), f"{r['tpf']:.2f}",
+                          "—" if r["accept_rate"] is None else f"{r['accept_rate']:.2f}", f"{r['tok_s']:.1f}",
+                          "—" if r["speed_vs_ar"] is None else f"{r['speed_vs_ar']:.2f}×", same, r["stop_reason"])
+        table.display = True
+        self.status("done: the table compares every run with ar (same prompt, seed and sampling)")
+
+    @on(Button.Pressed, "#compare-stop")
+    def action_stop(self) -> None:
+        if self.worker is not None:
+            self.worker.cancel()
+            self.status("stopping every run after its current step…")

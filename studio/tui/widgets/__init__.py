@@ -1,0 +1,6 @@
+"""Widgets shared by the chat, compare and replay screens."""
+from studio.tui.widgets.inspector import Inspector
+from studio.tui.widgets.metrics import MetricsPanel
+from studio.tui.widgets.token_grid import TokenGrid
+
+__all__ = ["Inspector", "MetricsPanel", "TokenGrid"]
