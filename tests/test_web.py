@@ -118,6 +118,13 @@ def named(app, api_name: str, values) -> dict:
     return {c.elem_id: v for c, v in zip(comps, values)}
 
 
+def file_path(value) -> str:
+    """The server-side path of a file output (a path, file data, or an update carrying file data)."""
+    if isinstance(value, dict):
+        return file_path(value["value"] if "value" in value else value["path"])
+    return value
+
+
 def chat_text(messages) -> list[str]:
     return [m["content"][0]["text"] if isinstance(m["content"], list) else m["content"] for m in messages]
 
@@ -174,6 +181,10 @@ def test_chat_streams_a_growing_trajectory_and_matches_the_run_alone(server, eng
     assert len(third["chat-log"]) == 6 and re.search(r"\+ \d+ reused", third["chat-status"])
     inspected = c.predict(pos=2, api_name="/inspect_chat")
     assert "position 2: final token" in inspected
+    out = named(app, "download_chat", c.predict(label="JSONL trace", api_name="/download_chat"))
+    saved = read_trace(file_path(out["chat-file"]))
+    assert saved.header["prompt"]["text"] == "klm"
+    assert render.esc(saved.footer["text"]) == chat_text(third["chat-log"])[-1]
 
 
 def test_stop_ends_the_turn_cleanly_and_keeps_the_partial_answer(server):
@@ -241,7 +252,8 @@ def test_compare_advances_runs_in_lock_step_then_reports(server, engine, tmp_pat
     assert ends == [len({e["step"] for e in r.result.events}) for r in runs]
     seen = 0
     for f in frames:
-        sizes = [len(f[f"cmp-trajectory-{i}"]["rows"]) for i in range(3) if isinstance(f.get(f"cmp-trajectory-{i}"), dict)]
+        grids = [f.get(f"cmp-trajectory-{i}") for i in range(3)]
+        sizes = [len(g["rows"]) for g in grids if isinstance(g, dict)]
         live = [n for n, end in zip(sizes, ends) if n < end]
         if len(sizes) == 3 and len(live) > 1:
             seen += 1
@@ -251,7 +263,7 @@ def test_compare_advances_runs_in_lock_step_then_reports(server, engine, tmp_pat
     for label, r in zip(["ar", "isd", "jacobi"], runs):
         assert f"<td>{label}</td>" in table and render.esc(r.result.footer["text"]) in table
     assert "<td>jacobi</td><td>24</td>" in table and table.count("<td>yes</td>") >= 2   # greedy jacobi == ar
-    report = final["cmp-report"]["path"] if isinstance(final["cmp-report"], dict) else final["cmp-report"]
+    report = file_path(final["cmp-report"])
     text = open(report, encoding="utf-8").read()
     assert text.startswith("<!DOCTYPE html>") and "jacobi" in text
 
@@ -286,8 +298,7 @@ def test_an_uploaded_trace_replays_and_downloads_in_every_format(server, engine,
                          ("Perfetto", lambda p: "traceEvents" in json.load(open(p))),
                          ("HTML report", lambda p: "<img src=x" not in open(p, encoding="utf-8").read())):
         out = named(app, "download_trace", c.predict(label=label, api_name="/download_trace"))
-        path = out["trace-file"]["path"] if isinstance(out["trace-file"], dict) else out["trace-file"]
-        assert check(path), label
+        assert check(file_path(out["trace-file"])), label
 
 
 def test_a_bad_trace_is_a_one_line_message(server, tmp_path):
@@ -309,7 +320,7 @@ def test_a_markup_prompt_is_text_in_every_view(server, engine, tmp_path):
     c = client(url)
     chat = named(app, "chat", c.predict(text=XSS, strategy="isd", max_new_tokens=12, api_name="/chat"))
     cmp = named(app, "compare", c.predict(text=XSS, run_names=["isd"], n_tokens=12, api_name="/compare"))
-    report = cmp["cmp-report"]["path"] if isinstance(cmp["cmp-report"], dict) else cmp["cmp-report"]
+    report = file_path(cmp["cmp-report"])
     views = [json.dumps(chat), json.dumps({k: v for k, v in cmp.items() if k != "cmp-figure"}),
              open(report, encoding="utf-8").read()]
     assert chat_text(chat["chat-log"])[0] == render.esc(XSS)   # shown as text: the chatbot renders no markup

@@ -18,7 +18,10 @@ sync_api = pytest.importorskip("playwright.sync_api")
 
 from studio.runconfig import build_run  # noqa: E402
 from studio.session import Session, encode_prompt  # noqa: E402
-from tests.test_web import XSS, pytestmark, served, web_engine  # noqa: E402,F401  (pytestmark: same filters)
+from tests.test_web import XSS, served, web_engine  # noqa: E402
+from tests.test_web import pytestmark as _same_warning_filters  # noqa: E402
+
+pytestmark = _same_warning_filters
 
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]

@@ -83,6 +83,7 @@ def build(engine, initial: RunChoice, chat_template: bool, downloads: Downloads,
         tab.view = view = Trajectory(run.token_text, title=tab.session.choice.label)
         tab.worker = worker = Worker([run], step_mode=(pace_ms or 0) > 0).start()
         yield {state: tab, message: "", form.message: "", status: "", trajectory: view.frame(),
+               metrics: view.metrics(),
                chatbot: render.chat_messages(history + [{"role": "assistant", "content": ""}])}
         try:
             for finished in frames(worker, [view], (pace_ms or 0) / 1000):
@@ -94,7 +95,7 @@ def build(engine, initial: RunChoice, chat_template: bool, downloads: Downloads,
             worker.cancel()   # a closed page ends the run at its next step, before the engine is free again
             worker.join()
         if worker.error is not None:
-            yield {status: render.note_html(_error_line(worker.error), "error"), trajectory: view.frame(),
+            yield {status: render.error_html(worker.error), trajectory: view.frame(),
                    chatbot: render.chat_messages(tab.session.conversation.messages)}
             return
         result = run.result
@@ -141,12 +142,7 @@ def build(engine, initial: RunChoice, chat_template: bool, downloads: Downloads,
         if tab is None or not tab.session.turns:
             return None, render.note_html("nothing to download yet: no turn has finished", "error")
         result = tab.session.turns[-1]
-        return str(downloads.write(as_trace(result), DOWNLOADS[label], f"chat-{result.header['strategy']}")), ""
+        path = downloads.write(as_trace(result), DOWNLOADS[label], f"chat-{result.header['strategy']}")
+        return gr.File(str(path), visible=True), ""
 
     prepare.click(on_download, [state, fmt], [download, status], api_name="download_chat", concurrency_limit=None)
-
-
-def _error_line(error: BaseException) -> str:
-    if isinstance(error, BadInput):
-        return str(error)
-    return f"internal error: {type(error).__name__}: {error}"

@@ -94,8 +94,7 @@ def build(engine, chat_template: bool, downloads: Downloads, engine_queue: dict)
             worker.cancel()
             worker.join()
         if worker.error is not None:
-            yield {status: render.note_html(f"internal error: {type(worker.error).__name__}: {worker.error}", "error"),
-                   **_frame(views)}
+            yield {status: render.error_html(worker.error), **_frame(views)}
             return
         results = {label: run.result for label, run in zip(labels, runs)}
         for view, run in zip(views, runs):

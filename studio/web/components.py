@@ -12,9 +12,11 @@ import gradio as gr
 from studio.web import render
 
 EMPTY = {"run": None, "rows": []}
+_TEMPLATE = '<div class="traj"><div class="rows"><div class="steps"></div></div></div>'   # never changes
 
 _SCRIPT = """
-const box = element.querySelector('.rows');
+const scroller = element.querySelector('.rows');
+const box = element.querySelector('.steps');   // as wide as its widest row, so row heads can stick
 let run = null;
 function draw() {
   const v = props.value || {};
@@ -24,12 +26,12 @@ function draw() {
   const n = box.children.length;
   if (n < rows.length) {
     // follow the newest step (bottom) and the decoding frontier (its right end) unless the user scrolled away
-    const follow = box.scrollTop + box.clientHeight >= box.scrollHeight - 24;
+    const follow = scroller.scrollTop + scroller.clientHeight >= scroller.scrollHeight - 24;
     box.insertAdjacentHTML('beforeend', rows.slice(n).join(''));
     if (follow) {
-      box.scrollTop = box.scrollHeight;
-      const last = box.lastElementChild;
-      box.scrollLeft = Math.max(0, last.offsetLeft + last.scrollWidth - box.clientWidth);
+      scroller.scrollTop = scroller.scrollHeight;
+      const last = box.lastElementChild.lastElementChild;
+      scroller.scrollLeft = Math.max(0, last.offsetLeft + last.offsetWidth + 8 - scroller.clientWidth);
     }
   }
 }
@@ -45,7 +47,7 @@ box.addEventListener('click', (e) => {
 
 
 def trajectory(elem_id: str) -> gr.HTML:
-    return gr.HTML(value=EMPTY, html_template='<div class="traj"><div class="rows"></div></div>',
+    return gr.HTML(value=EMPTY, html_template=_TEMPLATE,
                    js_on_load=_SCRIPT, elem_id=elem_id, apply_default_css=False)
 
 
@@ -60,10 +62,11 @@ def clicked_position(evt: gr.EventData) -> int | None:
 
 
 def download_row(prefix: str) -> tuple[gr.Dropdown, gr.Button, gr.File]:
-    """Format, button and file of a tab's "download this run" row (the tab wires the button)."""
+    """Format, button and file of a tab's "download this run" row (the tab wires the button; its handler shows
+    the file once there is one)."""
     from studio.web.files import DOWNLOADS
     with gr.Row():
         fmt = gr.Dropdown(list(DOWNLOADS), value="JSONL trace", label="Download as", elem_id=f"{prefix}-format")
         button = gr.Button("Prepare download", elem_id=f"{prefix}-download")
-        file = gr.File(label="File", interactive=False, height=90, elem_id=f"{prefix}-file")
+        file = gr.File(label="File", interactive=False, visible=False, elem_id=f"{prefix}-file")
     return fmt, button, file

@@ -39,7 +39,8 @@ def strategy_of(name: str) -> str:
 def form_values(choice: RunChoice) -> dict[str, object]:
     """What the form shows for `choice`: its strategy's parameters and its settings, by form key."""
     strategy, settings = choice.build()
-    values: dict[str, object] = {f.key: _shown(f, getattr(strategy.params, f.name)) for f in param_fields(strategy.name)}
+    values: dict[str, object] = {f.key: _shown(f, getattr(strategy.params, f.name))
+                                 for f in param_fields(strategy.name)}
     s = settings.sampling
     values.update(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                   max_new_tokens=settings.max_new_tokens, seed=settings.seed)
@@ -51,8 +52,9 @@ def read_choice(values: dict) -> RunChoice:
     name = values.get("strategy") or ""
     strategy = strategy_of(name)
     params = {f.name: _read(f, values.get(f.key, f.default)) for f in param_fields(strategy)}
+    preset = None if name == strategy else name
     seed = values.get("seed")
-    choice = RunChoice(None if name != strategy else strategy, name if name != strategy else None, params,
+    choice = RunChoice(None if preset else strategy, preset, params,
                        *(values.get(k) for k in ("temperature", "top_k", "top_p", "max_new_tokens")),
                        seed=0 if seed is None else seed)
     choice.build()
@@ -84,7 +86,7 @@ class RunForm:
         shown = form_values(initial)
         self.pick = gr.Dropdown(pick_choices(), value=picked, label="Strategy or preset", elem_id=f"{prefix}-pick")
         self.groups: dict[str, gr.Group] = {}
-        self.fields: dict[str, tuple[ParamField, gr.components.Component]] = {}
+        self.fields: dict[str, gr.components.Component] = {}   # by ParamField.key
         initial_strategy = strategy_of(picked)
         for name in STRATEGIES:
             with gr.Group(visible=name == initial_strategy) as group:
@@ -93,7 +95,7 @@ class RunForm:
                 with gr.Row():
                     for f in param_fields(name):
                         value = shown[f.key] if name == initial_strategy else _shown(f, f.default)
-                        self.fields[f.key] = (f, _component(f, value, f"{prefix}-{f.key}"))
+                        self.fields[f.key] = _component(f, value, f"{prefix}-{f.key}")
             self.groups[name] = group
         with gr.Row():
             self.settings = {name: gr.Number(shown[name], label=name, info=info, precision=precision, min_width=100,
@@ -104,11 +106,10 @@ class RunForm:
 
     def kwargs(self) -> dict[str, gr.components.Component]:
         """The form as handler keyword arguments: `strategy`, the settings, every parameter field."""
-        return {"strategy": self.pick, **self.settings, **{key: comp for key, (_, comp) in self.fields.items()}}
+        return {"strategy": self.pick, **self.settings, **self.fields}
 
     def _outputs(self) -> list:
-        return [*self.groups.values(), *(comp for _, comp in self.fields.values()), *self.settings.values(),
-                self.message]
+        return [*self.groups.values(), *self.fields.values(), *self.settings.values(), self.message]
 
     def _on_pick(self, name: str) -> dict:
         try:
@@ -117,7 +118,7 @@ class RunForm:
         except BadInput as e:
             return {self.message: note_html(str(e), "error")}
         updates: dict = {group: gr.Group(visible=s == strategy) for s, group in self.groups.items()}
-        updates.update({comp: shown[key] for key, (_, comp) in self.fields.items() if key in shown})
+        updates.update({comp: shown[key] for key, comp in self.fields.items() if key in shown})
         updates.update({comp: shown[key] for key, comp in self.settings.items()})
         updates[self.message] = ""
         return updates

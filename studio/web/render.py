@@ -15,7 +15,7 @@ import html
 from bisect import bisect_left
 from typing import Any, Mapping, Sequence
 
-from studio.viz.grid import Cell, Grid, show_text
+from studio.viz.grid import Grid, show_text
 from studio.viz.palette import INK, PALETTE, State, label, tint
 from studio.viz.stats import Acceptance, StepPoint
 
@@ -47,14 +47,14 @@ def row_html(grid: Grid, step: int) -> str:
             edges[p] = " b" + (" bl" if p == b.start else "") + (" br" if p == b.end - 1 else "")
     parts = [f'<div class="r" data-step="{step}"><span class="h">{step}<i>{esc(row.role or "")}</i></span>']
     if lo:
-        parts.append(f'<span class="cb" data-n="{lo}" style="width:{lo * CELL_PX}px" '
-                     f'title="step {step} · positions 0–{lo - 1} committed earlier (click one to inspect it)"></span>')
+        parts.append(f'<span class="cb" data-n="{lo}" style="width:{lo * CELL_PX}px" title="step {step} · '
+                     f'positions 0–{lo - 1} committed earlier (click one to inspect it)"></span>')
     for p in range(lo, hi):
         c = grid.cell(step, p)
+        empty = c.state is State.EMPTY
         cls = f"c s-{c.state.value}" + (" held" if c.held else "") + (" em" if c.emitted else "") + edges.get(p, "")
-        tip = "\n".join([f"step {step} · position {p}"] + (c.describe() if c.state is not State.EMPTY else ["empty"]))
-        parts.append(f'<span class="{cls}" data-pos="{p}" title="{esc(tip)}">'
-                     f'{c.glyph if c.state is not State.EMPTY else ""}</span>')
+        tip = "\n".join([f"step {step} · position {p}"] + (["empty"] if empty else c.describe()))
+        parts.append(f'<span class="{cls}" data-pos="{p}" title="{esc(tip)}">{"" if empty else c.glyph}</span>')
     if row.emitted:
         text = show_text(row.text)
         text = text if len(text) <= MAX_TAIL_CHARS else text[:MAX_TAIL_CHARS - 1] + "…"
@@ -80,24 +80,27 @@ def legend_html() -> str:
 # -- history of one position ----------------------------------------------------------------------------
 def inspector_html(grid: Grid | None, pos: int | None, run: str = "") -> str:
     """Every step that did something at output position `pos`, oldest first, and what it became."""
-    if grid is None or not grid.steps:
-        return '<div class="note">Run something, then click a cell (or enter a position) to see its history.</div>'
-    if pos is None or not 0 <= pos < grid.n_pos:
+    if grid is None or not grid.steps or pos is None:
+        return '<div class="note">Click a cell of the trajectory (or enter a position) to see its history.</div>'
+    if not 0 <= pos < grid.n_pos:
         return f'<div class="note">Position must be between 0 and {grid.n_pos - 1}.</div>'
     rows = []
     for step in grid.steps:
         c = grid.cell(step, pos)
         if c.state is State.EMPTY or (c.state is State.COMMITTED and not c.emitted):
-            continue
-        rows.append("<tr>" + "".join(f"<td>{x}</td>" for x in (
-            step, esc(grid.rows[step].role or ""), f'<span class="c s-{c.state.value}">{c.glyph}</span> {esc(label(c.state))}',
-            esc(_token(c.tok, c.text)), esc(_token(c.draft_tok, c.draft_text)) if c.draft_tok is not None else "",
-            num(c.p, ".3g"), num(c.q, ".3g"), num(c.ratio, ".3g"), num(c.conf, ".3g"), esc(", ".join(c.kinds)))) + "</tr>")
+            continue   # nothing happened here at this step
+        cells = (step, esc(grid.rows[step].role or ""),
+                 f'<span class="c s-{c.state.value}">{c.glyph}</span> {esc(label(c.state))}',
+                 esc(_token(c.tok, c.text)), esc(_token(c.draft_tok, c.draft_text)),
+                 num(c.p, ".3g"), num(c.q, ".3g"), num(c.ratio, ".3g"), num(c.conf, ".3g"), esc(", ".join(c.kinds)))
+        rows.append("<tr>" + "".join(f"<td>{x}</td>" for x in cells) + "</tr>")
     final = grid.final.get(pos)
-    head = (f"{esc(run) + ' · ' if run else ''}position {pos}: " + (f"final token {esc(_token(final.tok, final.text))}, {esc(label(final.state))}, "
-                                   f"committed at step {final.committed_step}" if final else "not emitted (yet)"))
-    table = ('<table class="tbl"><tr><th>step</th><th>forward</th><th>state</th><th>token</th><th>rejected draft</th>'
-             "<th>p</th><th>q</th><th>min(1,p/q)</th><th>conf</th><th>events</th></tr>" + "".join(rows) + "</table>")
+    fate = (f"final token {esc(_token(final.tok, final.text))}, {esc(label(final.state))}, committed at step "
+            f"{final.committed_step}" if final else "not emitted (yet)")
+    head = f"{esc(run) + ' · ' if run else ''}position {pos}: {fate}"
+    columns = ("step", "forward", "state", "token", "rejected draft", "p", "q", "min(1,p/q)", "conf", "events")
+    table = ('<table class="tbl"><tr>' + "".join(f"<th>{c}</th>" for c in columns) + "</tr>" + "".join(rows)
+             + "</table>")
     return f'<div class="inspector"><div class="head">{head}</div>{table if rows else ""}</div>'
 
 
@@ -155,7 +158,8 @@ def _acceptance_svg(acc: Acceptance, width: int = 240, height: int = 56) -> str:
     color = PALETTE[State.ACCEPTED][0]
     bars = "".join(
         f'<rect x="{4 + i * bar:.1f}" y="{height - 2 - (height - 16) * r:.1f}" width="{max(1.0, bar - 2):.1f}" '
-        f'height="{(height - 16) * r:.1f}" fill="{color}"><title>slot {i + 1}: {a}/{v} accepted ({r:.0%})</title></rect>'
+        f'height="{(height - 16) * r:.1f}" fill="{color}">'
+        f'<title>slot {i + 1}: {a}/{v} accepted ({r:.0%})</title></rect>'
         for i, (r, a, v) in enumerate(zip(rates, acc.accepted_by_pos, acc.verified_by_pos)))
     return (f'<svg class="spark" width="{width}" height="{height}" role="img" aria-label="acceptance by draft slot">'
             f'<text x="2" y="10">acceptance by draft slot · overall {acc.rate:.0%}</text>{bars}</svg>')
@@ -182,7 +186,8 @@ def trace_info_html(name: str, header: Mapping[str, Any], metrics: Mapping[str, 
     model = header.get("model", {})
     params = ", ".join(f"{k}={v}" for k, v in header.get("params", {}).items())
     rows = [("file", name), ("strategy", f"{header.get('strategy')} ({params})"),
-            ("model", f"{model.get('name')} · {model.get('arch')} · {model.get('dtype')} · adapter {model.get('adapter')}"),
+            ("model", " · ".join(str(model.get(k)) for k in ("name", "arch", "dtype"))
+             + f" · adapter {model.get('adapter')}"),
             ("prompt", header.get("prompt", {}).get("text", "")), ("seed", header.get("seed")),
             ("result", f"{metrics.get('n_tokens')} tokens · {metrics.get('forwards')} forwards · "
                        f"TPF {num(metrics.get('tpf'), '.2f')} · stop: {metrics.get('stop_reason')}")]
@@ -192,6 +197,13 @@ def trace_info_html(name: str, header: Mapping[str, Any], metrics: Mapping[str, 
 def note_html(text: str, kind: str = "info") -> str:
     """A one-line message in the page (`kind`: info or error)."""
     return f'<div class="note {kind}">{esc(text)}</div>' if text else ""
+
+
+def error_html(error: BaseException) -> str:
+    """What a run that failed says in the page: bad input as its message, anything else as one line."""
+    from studio.errors import BadInput
+    text = str(error) if isinstance(error, BadInput) else f"internal error: {type(error).__name__}: {error}"
+    return note_html(text.splitlines()[0] if text else type(error).__name__, "error")
 
 
 def chat_messages(messages: Sequence[Mapping[str, str]]) -> list[dict]:
@@ -212,12 +224,15 @@ def _state_rules() -> str:
 
 CSS = f"""
 .traj {{ font-family: ui-monospace, SFMono-Regular, Menlo, monospace; font-size: 11px; }}
-.traj .rows {{ max-height: 440px; overflow: auto; border: 1px solid var(--border-color-primary, #ddd);
-              border-radius: 6px; padding: 4px; background: #fff; color: #111; }}
-.traj .rows:empty::before {{ content: "The trajectory appears here, one row per forward, as the run decodes.";
+.traj .rows {{ position: relative; max-height: 440px; overflow: auto; border-radius: 6px;
+              border: 1px solid var(--border-color-primary, #ddd); padding: 4px 4px 4px 0;
+              background: #fff; color: #111; }}
+.traj .steps {{ width: max-content; min-width: 100%; }}
+.traj .steps:empty::before {{ content: "The trajectory appears here, one row per forward, as the run decodes.";
                              color: #777; font-family: system-ui, sans-serif; font-size: 12.5px; }}
 .traj .r {{ display: flex; align-items: center; height: {CELL_PX + 2}px; white-space: nowrap; }}
-.traj .h {{ flex: none; width: 74px; color: #555; }}
+.traj .h {{ flex: none; width: 74px; padding-left: 4px; color: #555;
+           position: sticky; left: 0; z-index: 1; background: #fff; }}
 .traj .h i {{ font-style: normal; margin-left: 5px; color: #888; }}
 .c {{ flex: none; display: inline-block; box-sizing: border-box; width: {CELL_PX}px; height: {CELL_PX}px;
       line-height: {CELL_PX - 2}px; text-align: center; border: 1px solid #fff; font-size: 10px; cursor: pointer; }}

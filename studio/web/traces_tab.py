@@ -54,8 +54,8 @@ def build(downloads: Downloads) -> None:
     pick = gr.Dropdown([], label="Trace", elem_id="trace-pick", interactive=True)
     info = gr.HTML(elem_id="trace-info")
     with gr.Row():
-        play = gr.Button("▶ Play", elem_id="trace-play", min_width=90)
-        pause = gr.Button("⏸ Pause", elem_id="trace-pause", min_width=90)
+        play = gr.Button("Play", elem_id="trace-play", min_width=90)
+        pause = gr.Button("Pause", elem_id="trace-pause", min_width=90)
         step = gr.Slider(0, 1, value=0, step=1, label="Steps shown", elem_id="trace-step", scale=4)
         speed = gr.Slider(1, 60, value=8, step=1, label="Steps per second", elem_id="trace-speed", scale=2)
     metrics = gr.HTML(elem_id="trace-metrics")
@@ -156,6 +156,7 @@ def build(downloads: Downloads) -> None:
         if tab is None or tab.current is None:
             return None, render.note_html("upload a trace first", "error")
         replay = tab.current
-        return str(downloads.write(replay.trace, DOWNLOADS[label], replay.name.removesuffix(".jsonl"))), ""
+        path = downloads.write(replay.trace, DOWNLOADS[label], replay.name.removesuffix(".jsonl"))
+        return gr.File(str(path), visible=True), ""
 
     prepare.click(on_download, [state, fmt], [download, status], api_name="download_trace", concurrency_limit=None)
