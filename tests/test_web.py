@@ -175,16 +175,19 @@ def test_chat_streams_a_growing_trajectory_and_matches_the_run_alone(server, eng
     assert len(final["chat-trajectory"]["rows"]) == len({e["step"] for e in alone.events})
     assert chat_text(final["chat-log"]) == [render.esc("bcdefg"), render.esc(alone.footer["text"])]
     assert "stop max_new_tokens" in final["chat-status"] and "Traceback" not in str(final)
+    # the turn downloaded, then uploaded again, replays exactly as it was drawn live (proposals included)
+    out = named(app, "download_chat", c.predict(label="JSONL trace", api_name="/download_chat"))
+    saved = read_trace(file_path(out["chat-file"]))
+    assert saved.header["prompt"]["text"] == "bcdefg" and saved.footer["text"] == alone.footer["text"]
+    replay = named(app, "load_traces", c.predict(paths=[handle_file(file_path(out["chat-file"]))],
+                                                 api_name="/load_traces"))
+    assert replay["trace-trajectory"]["rows"] == final["chat-trajectory"]["rows"]
     # later turns continue the conversation; an ar turn after an ar turn reuses its KV (the summary says how much)
     c.predict(text="hij", strategy="ar", max_new_tokens=8, api_name="/chat")
     third = named(app, "chat", c.predict(text="klm", strategy="ar", max_new_tokens=8, api_name="/chat"))
     assert len(third["chat-log"]) == 6 and re.search(r"\+ \d+ reused", third["chat-status"])
     inspected = c.predict(pos=2, api_name="/inspect_chat")
     assert "position 2: final token" in inspected
-    out = named(app, "download_chat", c.predict(label="JSONL trace", api_name="/download_chat"))
-    saved = read_trace(file_path(out["chat-file"]))
-    assert saved.header["prompt"]["text"] == "klm"
-    assert render.esc(saved.footer["text"]) == chat_text(third["chat-log"])[-1]
 
 
 def test_stop_ends_the_turn_cleanly_and_keeps_the_partial_answer(server):

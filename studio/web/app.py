@@ -36,7 +36,7 @@ def build_app(engine, choice: RunChoice | None = None, chat_template: bool = Tru
             with gr.Tab("Compare", id="compare", elem_id="tab-compare"):
                 compare_tab.build(engine, chat_template, downloads, ENGINE_QUEUE)
             with gr.Tab("Traces", id="traces", elem_id="tab-traces"):
-                traces_tab.build(downloads)
+                traces_tab.build(engine, downloads)
     app.downloads = downloads   # keeps the download folder alive as long as the app
     app.queue(default_concurrency_limit=1, max_size=64)
     return app

@@ -69,8 +69,8 @@ def build(engine, chat_template: bool, downloads: Downloads, engine_queue: dict)
             columns.append(col)
     inspector = gr.HTML(render.inspector_html(None, None), elem_id="cmp-inspector")
     table = gr.HTML(elem_id="cmp-table")
-    figure = gr.Plot(label="Comparison", elem_id="cmp-figure")
-    report = gr.File(label="HTML report", interactive=False, elem_id="cmp-report")
+    figure = gr.Plot(label="Comparison", visible=False, elem_id="cmp-figure")
+    report = gr.File(label="HTML report", interactive=False, visible=False, elem_id="cmp-report")
 
     def on_run(text, run_names, n_tokens, temp, seed_value, pace_ms, tab: CompareTab | None):
         tab = tab or CompareTab()
@@ -83,7 +83,7 @@ def build(engine, chat_template: bool, downloads: Downloads, engine_queue: dict)
         tab.worker = worker = Worker(runs, step_mode=(pace_ms or 0) > 0).start()
         shown = {col: gr.Column(visible=i < len(runs)) for i, col in enumerate(columns)}
         yield {state: tab, status: render.note_html("running " + ", ".join(labels) + " in lock-step"),
-               table: "", figure: None, report: None, **shown,
+               table: "", figure: gr.Plot(None, visible=False), report: gr.File(None, visible=False), **shown,
                **{trajectories[i]: v.frame() for i, v in enumerate(views)}}
         try:
             for finished in frames(worker, views, (pace_ms or 0) / 1000):
@@ -102,7 +102,8 @@ def build(engine, chat_template: bool, downloads: Downloads, engine_queue: dict)
         path = downloads.folder() / "compare-report.html"
         write_html(results, path, title=f"compare: {text[:60]}")
         yield {**_frame(views), status: render.note_html("done"), table: render.comparison_html(rows(results)),
-               figure: comparison_figure([as_trace(r) for r in results.values()], labels), report: str(path)}
+               figure: gr.Plot(comparison_figure([as_trace(r) for r in results.values()], labels), visible=True),
+               report: gr.File(str(path), visible=True)}
 
     def _frame(views: list[Trajectory]) -> dict:
         out = {}

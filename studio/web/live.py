@@ -37,11 +37,13 @@ class Trajectory:
         self.footer: Mapping | None = None
 
     @classmethod
-    def of_trace(cls, trace: Trace, title: str = "") -> "Trajectory":
-        """A finished (or truncated) trace, fed step by step exactly as it was decoded. Token ids the trace
-        never emitted (rejected drafts) have no text: a trace has no tokenizer."""
+    def of_trace(cls, trace: Trace, title: str = "",
+                 token_text: Callable[[int], str | None] | None = None) -> "Trajectory":
+        """A finished (or truncated) trace, fed step by step exactly as it was decoded. Token texts come from
+        the trace's emits, then from `token_text` (the tokenizer the trace was made with, when the page has
+        it); without one, ids the trace never emitted (rejected drafts) have no text."""
         texts = {t: s for e in trace.events if e["t"] == "emit" for t, s in zip(e["tok"], e.get("pieces") or [])}
-        view = cls(texts.get, title)
+        view = cls(lambda t: texts[t] if t in texts else token_text(t) if token_text else None, title)
         by_step: dict[int, list] = {}
         for e in trace.events:
             by_step.setdefault(e["step"], []).append(e)

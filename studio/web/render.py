@@ -255,6 +255,6 @@ CSS = f"""
 .note {{ font-size: 13px; padding: 4px 8px; border-radius: 4px; }}
 .note.error {{ background: #fdecea; border: 1px solid #D55E00; }}
 .note.info {{ color: #444; }}
-.out {{ font-size: 12.5px; margin: 4px 0; white-space: pre-wrap; }}
+.out {{ font-size: 12.5px; margin: 4px 0; white-space: pre-wrap; max-height: 7.5em; overflow: auto; }}
 {_state_rules()}
 """

@@ -46,7 +46,7 @@ class TracesTab:
     playing: int = 0    # bumped to stop the playing loop (pause, seek, another trace)
 
 
-def build(downloads: Downloads) -> None:
+def build(engine, downloads: Downloads) -> None:
     state = gr.State(None)
     upload = gr.File(label="Upload trace(s) (.jsonl)", file_count="multiple", file_types=[".jsonl"],
                      elem_id="trace-upload")
@@ -87,7 +87,8 @@ def build(downloads: Downloads) -> None:
             except BadInput as e:
                 problems.append(str(e))
                 continue
-            loaded.append(Replay(name, trace, Trajectory.of_trace(trace, name)))
+            decode = engine.tokenizer.token_text if _same_tokenizer(trace.header, engine) else None
+            loaded.append(Replay(name, trace, Trajectory.of_trace(trace, name, decode)))
         if not loaded:
             return {state: tab, status: render.note_html("; ".join(problems) or "no file", "error")}
         tab.replays, tab.current = loaded, loaded[0]
@@ -160,3 +161,9 @@ def build(downloads: Downloads) -> None:
         return gr.File(str(path), visible=True), ""
 
     prepare.click(on_download, [state, fmt], [download, status], api_name="download_trace", concurrency_limit=None)
+
+
+def _same_tokenizer(header: dict, engine) -> bool:
+    """Whether a trace was made with this page's tokenizer (then it can name the ids the trace never emitted)."""
+    ours = engine.tokenizer_meta()
+    return all(header["tokenizer"].get(k) == ours[k] for k in ("name", "vocab_size"))
