@@ -5,8 +5,9 @@ Why it keeps up (viz_anchors §4.3): the worker decodes on its own thread and ne
 each frame drains whatever steps arrived since the last one, renders only those steps' rows, and hands
 the page the trajectory as a list that only grows. Gradio streams a generator's outputs as diffs against
 the previous frame, so a frame carries the new rows only, and the page appends them without touching
-the rows it already has (see `components.trajectory`). Nothing is re-rendered, nothing flickers, and a
-slow browser sees fewer, bigger frames rather than a growing backlog.
+the rows it already has (see `components.trajectory`). Nothing is re-rendered, nothing flickers, and however
+fast the model decodes, the browser gets at most `FPS` small frames a second (gradio #5914/#6847 fell behind
+at ~100 updates a second). Plotly figures are drawn once, when a run ends.
 """
 from __future__ import annotations
 
