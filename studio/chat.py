@@ -9,9 +9,13 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from studio.errors import BadInput
 from studio.runconfig import build_run, parse_value
-from studio.session import Conversation, Run, RunResult
+
+if TYPE_CHECKING:   # studio.session imports torch; the TUI's replay screen runs without it
+    from studio.session import Run, RunResult
 
 # /set keys that are generation settings; every other key is a strategy parameter
 SAMPLING_KEYS = ("temperature", "top_k", "top_p")
@@ -102,6 +106,7 @@ class ChatSession:
     """`draft`: the engine SimSD turns draft with (`--draft-model`); None: SimSD drafts with the model itself."""
 
     def __init__(self, engine, choice: RunChoice, chat: bool = True, draft=None):
+        from studio.session import Conversation
         self.engine, self.choice, self.draft = engine, choice, draft
         self.conversation = Conversation(engine, chat=chat)
 
@@ -158,6 +163,7 @@ class ChatSession:
         if len(args) not in (1, 2):
             return Reply(f"usage: /model SPEC [ADAPTER] (now: {self.engine.name})")
         from studio.engine.engine import Engine
+        from studio.session import Conversation
         engine = Engine.load(args[0], adapter=args[1] if len(args) == 2 else None)
         self.engine, self.conversation = engine, Conversation(engine, chat=self.conversation.chat)
         return Reply(f"model {engine.name} loaded in {engine.load_s:.1f}s; conversation reset")

@@ -415,3 +415,7 @@ def main() -> None:
         typer.echo(f"dlm-studio: internal error: {type(e).__name__}: {e} (set DLM_STUDIO_DEBUG=1 for a traceback)",
                    err=True)
         sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

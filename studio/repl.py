@@ -71,7 +71,7 @@ def _stream(worker: Worker, stdout: TextIO, stderr: TextIO) -> None:
             time.sleep(POLL_S)
         except KeyboardInterrupt:
             worker.cancel()
-            stderr.write(" [cancelled]")
+            stderr.write("[cancelled]\n")
     stdout.write("\n")
     stdout.flush()
     if worker.error is not None:

@@ -9,9 +9,22 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from studio.session import Run, drive
+if TYPE_CHECKING:   # studio.session imports torch; importing this module must not
+    from studio.session import Run
+
+
+def reserve_cores_for_drawing(n: int = 1) -> int:
+    """Decode on every core but `n`, so a UI thread draws on a core of its own: torch's intra-op threads
+    spin while they wait for each other, and a third busy thread on a 2-core machine slows every matmul
+    several-fold. Process-wide (torch's setting is); returns the decode thread count."""
+    import os
+
+    import torch
+    threads = max(1, (os.cpu_count() or 1) - n)
+    torch.set_num_threads(threads)
+    return threads
 
 
 class Worker:
@@ -29,6 +42,7 @@ class Worker:
         return self
 
     def _main(self) -> None:
+        from studio.session import drive
         try:
             drive(self.runs, lambda i, events: self._batches.append((i, events)), self._wait_turn)
         except BaseException as e:  # noqa: BLE001 - the UI shows it; the thread must not die silently

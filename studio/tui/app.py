@@ -17,6 +17,7 @@ from studio.tui.screens.chat import ChatScreen
 from studio.tui.screens.compare import CompareScreen
 from studio.tui.screens.help import HelpScreen
 from studio.tui.screens.replay import ReplayScreen
+from studio.worker import reserve_cores_for_drawing
 
 CSS_PATH = Path(__file__).with_name("studio.tcss")
 
@@ -43,7 +44,8 @@ class StudioApp(App):
 
     def on_mount(self) -> None:
         self._load_keymap()
-        if self.session is not None:
+        if self.session is not None:   # (a replay alone never imports torch)
+            reserve_cores_for_drawing()
             self.install_screen(ChatScreen(self.session), "chat")
             self.install_screen(CompareScreen(self.session), "compare")
         self.install_screen(ReplayScreen(self.trace), "replay")

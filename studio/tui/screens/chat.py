@@ -17,7 +17,8 @@ from textual.widgets import Footer, Header, Input, Static
 from studio.chat import ChatSession, Reply
 from studio.errors import BadInput
 from studio.tui.live import RunView
-from studio.tui.widgets import Inspector, MetricsPanel, TokenGrid
+from studio.tui.widgets import Inspector, MetricsPanel, StatusBar, TokenGrid
+from studio.tui.widgets.live_text import LiveText
 from studio.tui.widgets.controls import Controls, apply_change
 from studio.viz.palette import legend_text
 from studio.viz.text import rich_text, run_summary_line
@@ -32,7 +33,7 @@ def error_line(e: BaseException) -> str:
     return " ".join(text.split())
 
 
-class ChatMessage(Static):
+class ChatMessage(LiveText):
     """One chat message (user, assistant, or a note from a command)."""
     DEFAULT_CSS = """
     ChatMessage { padding: 0 1; margin: 0 0 1 0; }
@@ -73,7 +74,7 @@ class ChatScreen(Screen):
                 yield Controls(self.session.choice, id="controls")
                 yield MetricsPanel(id="metrics")
         yield Static(legend_text(), id="legend")
-        yield Static(id="status")
+        yield StatusBar(id="status")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -88,9 +89,7 @@ class ChatScreen(Screen):
 
     # -- status ----------------------------------------------------------------------------------
     def status(self, text: str, error: bool = False) -> None:
-        bar = self.query_one("#status", Static)
-        bar.set_class(error, "error")
-        bar.update(Text(text, style="bold red" if error else "", no_wrap=True, overflow="ellipsis"))
+        self.query_one(StatusBar).say(text, error)
 
     @property
     def running(self) -> bool:
@@ -181,8 +180,8 @@ class ChatScreen(Screen):
         self.query_one(Inspector).show(view.grid, grid.cursor)
         if self.answer is not None:
             text = rich_text(view.grid)
-            self.answer.update(text if text.plain else Text("…", style="dim"))
-            self.query_one("#conversation", VerticalScroll).scroll_end(animate=False)
+            if self.answer.show_text(text if text.plain else Text("…", style="dim")):
+                self.query_one("#conversation", VerticalScroll).scroll_end(animate=False)
 
     def turn_done(self, worker: Worker) -> None:
         self._timer.stop()

@@ -15,7 +15,7 @@ from studio.chat import ChatSession
 from studio.errors import BadInput
 from studio.tui.live import RunView
 from studio.tui.screens.chat import FRAME_S, error_line
-from studio.tui.widgets import TokenGrid
+from studio.tui.widgets import StatusBar, TokenGrid
 from studio.viz.palette import legend_text
 from studio.worker import Worker
 
@@ -51,7 +51,7 @@ class ComparePane(Vertical):
             yield TokenGrid()
 
     def redraw(self, done: bool) -> None:
-        self.query_one(".pane-title", Static).update(pane_line(self.label, self.view, done))
+        self.query_one(".pane-title", Static).update(pane_line(self.label, self.view, done), layout=False)
         grid = self.query_one(TokenGrid)
         grid.show(self.view.grid)
         grid.reveal_row(max(0, self.view.grid.n_pos - 1) // grid.per_row())
@@ -78,7 +78,7 @@ class CompareScreen(Screen):
         yield Horizontal(id="panes")
         yield DataTable(id="compare-table", zebra_stripes=True)
         yield Static(legend_text(), id="legend")
-        yield Static(id="status")
+        yield StatusBar(id="status")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -88,8 +88,7 @@ class CompareScreen(Screen):
         self.status("ar runs first as the baseline; runs advance in lock-step by forward count")
 
     def status(self, text: str, error: bool = False) -> None:
-        self.query_one("#status", Static).update(Text(" ".join(text.split()), style="bold red" if error else "",
-                                                      no_wrap=True, overflow="ellipsis"))
+        self.query_one(StatusBar).say(text, error)
 
     @on(Input.Submitted)
     @on(Button.Pressed, "#compare-run")

@@ -14,7 +14,7 @@ from studio.errors import BadInput
 from studio.events import Trace
 from studio.tui.live import RunView
 from studio.tui.screens.chat import error_line
-from studio.tui.widgets import Inspector, MetricsPanel, TokenGrid
+from studio.tui.widgets import Inspector, MetricsPanel, StatusBar, TokenGrid
 from studio.tui.widgets.metrics import bar
 from studio.viz.palette import legend_text
 
@@ -58,7 +58,7 @@ class ReplayScreen(Screen):
             with VerticalScroll(id="side"):
                 yield MetricsPanel(id="metrics")
         yield Static(legend_text(), id="legend")
-        yield Static(id="status")
+        yield StatusBar(id="status")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -72,8 +72,7 @@ class ReplayScreen(Screen):
             self.redraw()
 
     def status(self, text: str, error: bool = False) -> None:
-        self.query_one("#status", Static).update(Text(" ".join(text.split()), style="bold red" if error else "",
-                                                      no_wrap=True, overflow="ellipsis"))
+        self.query_one(StatusBar).say(text, error)
 
     # -- loading ---------------------------------------------------------------------------------
     @on(Input.Submitted, "#replay-path")

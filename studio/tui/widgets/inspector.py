@@ -4,8 +4,8 @@ rejected draft, and which forward committed it."""
 from __future__ import annotations
 
 from rich.text import Text
-from textual.widgets import Static
 
+from studio.tui.widgets.live_text import LiveText
 from studio.viz.grid import Grid, show_text
 from studio.viz.palette import RICH_STYLE, State, label
 
@@ -53,7 +53,7 @@ def position_history(grid: Grid, pos: int, upto_step: int | None = None) -> Text
     return out
 
 
-class Inspector(Static):
+class Inspector(LiveText):
     """Shows `position_history` for the grid cursor's position."""
 
     DEFAULT_CSS = """
@@ -62,7 +62,7 @@ class Inspector(Static):
 
     def show(self, grid: Grid | None, pos: int | None, upto_step: int | None = None) -> None:
         if grid is None or pos is None or pos >= grid.n_pos:
-            self.update(Text("inspector: move the cursor over the tokens (Tab to the grid, then ← → ↑ ↓)",
-                             style="dim"))
+            self.show_text(Text("inspector: move the cursor over the tokens (Tab to the grid, then ← → ↑ ↓)",
+                                style="dim"))
             return
-        self.update(position_history(grid, pos, upto_step))
+        self.show_text(position_history(grid, pos, upto_step))

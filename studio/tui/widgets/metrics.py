@@ -8,6 +8,8 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Sparkline, Static
 
+from studio.tui.widgets.live_text import LiveText
+
 from studio.viz.stats import Acceptance, StepPoint
 
 BAR = "▏▎▍▌▋▊▉█"
@@ -39,17 +41,17 @@ class MetricsPanel(Vertical):
     """
 
     def compose(self) -> ComposeResult:
-        yield Static(id="metrics-numbers")
+        yield LiveText(id="metrics-numbers")
         yield Static("tokens per forward, by step", classes="spark-label")
         yield Sparkline([], id="metrics-spark")
-        yield Static(id="metrics-accept")
+        yield LiveText(id="metrics-accept")
 
     def show(self, points: list[StepPoint], accept: Acceptance | None = None, label: str = "") -> None:
         last = points[-1] if points else None
         if last is None:
-            self.query_one("#metrics-numbers", Static).update(Text(f"{label}\nno steps yet", style="dim"))
+            self.query_one("#metrics-numbers", LiveText).show_text(Text(f"{label}\nno steps yet", style="dim"))
             self.query_one("#metrics-spark", Sparkline).data = []
-            self.query_one("#metrics-accept", Static).update("")
+            self.query_one("#metrics-accept", LiveText).show_text(Text())
             return
         tok_s = decode_tok_s(points)
         prefill = next((p for p in points if p.role == "prefill"), None)
@@ -63,9 +65,9 @@ class MetricsPanel(Vertical):
         lines.append("KV       ", style="dim").append(f"{last.kv_len if last.kv_len is not None else '—'}")
         if prefill is not None and prefill.wall_ms is not None:
             lines.append(f"  (prefill {prefill.wall_ms:.0f} ms)", style="dim")
-        self.query_one("#metrics-numbers", Static).update(lines)
+        self.query_one("#metrics-numbers", LiveText).show_text(lines)
         self.query_one("#metrics-spark", Sparkline).data = [p.emitted for p in points if p.role not in (None, "prefill")]
-        self.query_one("#metrics-accept", Static).update(acceptance_text(accept or Acceptance()))
+        self.query_one("#metrics-accept", LiveText).show_text(acceptance_text(accept or Acceptance()))
 
 
 def acceptance_text(accept: Acceptance) -> Text:

@@ -49,12 +49,15 @@ class TokenGrid(Widget, can_focus=True):
         super().__init__(id=id, classes=classes)
         self.grid: Grid | None = None
         self.step: int | None = None
+        self._rows = 0
 
     def show(self, grid: Grid | None, step: int | None = None) -> None:
         self.grid, self.step = grid, step
         if grid is not None and self.cursor is not None and self.cursor >= grid.n_pos:
             self.cursor = grid.n_pos - 1 if grid.n_pos else None
-        self.refresh(layout=True)
+        rows = self.get_content_height(None, None, self.size.width)
+        self.refresh(layout=rows != self._rows)   # a new row needs a layout pass; a changed cell only a repaint
+        self._rows = rows
 
     @property
     def shown_step(self) -> int | None:
