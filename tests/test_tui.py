@@ -77,7 +77,7 @@ def test_chat_two_turns_stream_into_the_grid_and_the_second_reuses_the_kv():
             assert len(screen.query_one(TokenGrid).grid.final) == second.footer["n_tokens"]
             assert str(screen.answer.render()) == second.footer["text"]
             assert f"{second.footer['forwards']} forwards" in status(app)
-            numbers = str(screen.query_one("#metrics-numbers").render())
+            numbers = str(screen.query_one(MetricsPanel).render())
             assert f"forwards {second.footer['forwards']}" in numbers and f"tokens {second.footer['n_tokens']}" in numbers
             assert first.token_ids != second.token_ids
     asyncio.run(go())
@@ -342,8 +342,9 @@ def test_metrics_panel_widget_counts_from_the_series():
         async with app.run_test(size=SIZE):
             panel = app.screen.query_one(MetricsPanel)
             panel.show(tracker.points, tracker.acceptance, "isd")
-            text = str(app.screen.query_one("#metrics-numbers").render())
+            text = str(panel.render())
             assert f"forwards {r.footer['forwards']}" in text and f"TPF      {r.footer['tpf']:.2f}" in text
-            accept = str(app.screen.query_one("#metrics-accept").render())
-            assert f"({tracker.acceptance.accepted}/{tracker.acceptance.verified})" in accept
+            assert f"({tracker.acceptance.accepted}/{tracker.acceptance.verified})" in text
+            slots = [line for line in text.splitlines() if line.startswith("slot ")]
+            assert len(slots) == len(tracker.acceptance.by_pos)
     asyncio.run(go())

@@ -24,7 +24,9 @@ from studio.viz.palette import legend_text
 from studio.viz.text import rich_text, run_summary_line
 from studio.worker import Worker
 
-FRAME_S = 1 / 15
+FRAME_S = 1 / 15      # the grid follows every frame
+TEXT_EVERY = 3        # the answer, metrics and inspector every 3rd frame (5 Hz): numbers and prose cannot be
+                      # read faster, and redrawing them at 15 Hz costs the decode thread its share of the GIL
 
 
 def error_line(e: BaseException) -> str:
@@ -45,7 +47,7 @@ class ChatMessage(LiveText):
 class ChatScreen(Screen):
     BINDINGS = [
         Binding("escape", "stop", "stop", id="chat.stop"),
-        Binding("ctrl+c", "stop", "stop", show=False, priority=True, id="chat.stop_ctrl_c"),
+        Binding("ctrl+c", "interrupt", "stop", show=False, priority=True, id="chat.stop_ctrl_c"),
         Binding("ctrl+t", "toggle_step_mode", "step mode", id="chat.step_mode"),
         Binding("ctrl+n", "step", "next step", id="chat.step"),
         Binding("ctrl+g", "focus_grid", "grid", id="chat.grid"),
@@ -60,6 +62,7 @@ class ChatScreen(Screen):
         self.answer: ChatMessage | None = None
         self.step_mode = False
         self._timer = None
+        self._frames = 0
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -146,10 +149,11 @@ class ChatScreen(Screen):
             return
         conv = self.query_one("#conversation", VerticalScroll)
         conv.mount(ChatMessage(Text(text), classes="user"))
-        self.answer = ChatMessage(Text("…", style="dim"), classes="assistant")
+        self.answer = ChatMessage(Text("…", style="dim"), grow_by=4, classes="assistant")
         conv.mount(self.answer)
         conv.scroll_end(animate=False)
         self.view = RunView(run.token_text, run.header)
+        self._frames = 0
         self.worker = Worker([run], step_mode=self.step_mode).start()
         self._timer = self.set_interval(FRAME_S, self.frame)
         label = self.session.choice.label
@@ -166,16 +170,19 @@ class ChatScreen(Screen):
         for _, events in batches:
             self.view.feed(events)
         if batches:
-            self.redraw()
+            self._frames += 1
+            self.redraw(all_widgets=finished or self.step_mode or self._frames % TEXT_EVERY == 1)
         if finished:
             self.turn_done(worker)
 
-    def redraw(self) -> None:
+    def redraw(self, all_widgets: bool = True) -> None:
         view = self.view
         grid = self.query_one(TokenGrid)
         grid.show(view.grid)
         if grid.cursor is None and not grid.has_focus:
             grid.reveal_row(max(0, view.grid.n_pos - 1) // grid.per_row())
+        if not all_widgets:
+            return
         self.query_one(MetricsPanel).show(view.points, view.acceptance, self.session.choice.label)
         self.query_one(Inspector).show(view.grid, grid.cursor)
         if self.answer is not None:
@@ -187,6 +194,8 @@ class ChatScreen(Screen):
         self._timer.stop()
         self.worker = None
         run = worker.runs[0]
+        if self.answer is not None and self.view.grid.steps:
+            self.answer.show_text(rich_text(self.view.grid), final=True)
         if worker.error is not None:
             self.status(error_line(worker.error), error=True)
             return
@@ -202,9 +211,12 @@ class ChatScreen(Screen):
             self.status("stopping after this step…")
 
     def check_action(self, action: str, parameters) -> bool | None:
-        if action == "stop":      # ctrl+c falls through to the app (copy, quit hint) when nothing runs
+        if action == "interrupt":   # ctrl+c stops a generation; otherwise it goes on to the app (copy, quit hint)
             return self.running
         return True
+
+    def action_interrupt(self) -> None:
+        self.action_stop()
 
     def action_toggle_step_mode(self) -> None:
         self.set_step_mode(not self.step_mode)

@@ -1,18 +1,19 @@
 """The metrics panel: forwards, tokens, TPF (with a sparkline of tokens per forward over the steps),
 acceptance by draft position, tok/s, KV length and the current forward's role. Everything comes from the
-step series of `studio.viz.stats` (the one metric definition, DESIGN §2.3)."""
+step series of `studio.viz.stats` (the one metric definition, DESIGN §2.3).
+
+One widget drawing one Text: it is redrawn every frame while a run decodes, and a single repaint (a
+layout pass only when a new draft slot adds a line) keeps the UI thread's share of the GIL small.
+"""
 from __future__ import annotations
 
 from rich.text import Text
-from textual.app import ComposeResult
-from textual.containers import Vertical
-from textual.widgets import Sparkline, Static
-
-from studio.tui.widgets.live_text import LiveText
+from textual.widget import Widget
 
 from studio.viz.stats import Acceptance, StepPoint
 
 BAR = "▏▎▍▌▋▊▉█"
+SPARK = "▁▂▃▄▅▆▇█"
 BAR_WIDTH = 10
 
 
@@ -21,6 +22,13 @@ def bar(frac: float, width: int = BAR_WIDTH) -> str:
     eighths = round(max(0.0, min(1.0, frac)) * width * 8)
     full, part = divmod(eighths, 8)
     return "█" * full + (BAR[part - 1] if part else "") + " " * (width - full - (1 if part else 0))
+
+
+def sparkline(values: list[float], width: int) -> str:
+    """The last `width` values as one line of eighth-height bars, scaled to their maximum."""
+    values = values[-width:]
+    top = max(values, default=0) or 1
+    return "".join(SPARK[min(7, max(0, round(v / top * 7)))] for v in values)
 
 
 def decode_tok_s(points: list[StepPoint]) -> float | None:
@@ -33,50 +41,62 @@ def decode_tok_s(points: list[StepPoint]) -> float | None:
     return (last.tokens - prefill.tokens) / span if span > 0 else None
 
 
-class MetricsPanel(Vertical):
-    DEFAULT_CSS = """
-    MetricsPanel { height: auto; }
-    MetricsPanel Sparkline { height: 3; margin: 0 0 1 0; }
-    MetricsPanel .spark-label { color: $text-muted; }
-    """
-
-    def compose(self) -> ComposeResult:
-        yield LiveText(id="metrics-numbers")
-        yield Static("tokens per forward, by step", classes="spark-label")
-        yield Sparkline([], id="metrics-spark")
-        yield LiveText(id="metrics-accept")
-
-    def show(self, points: list[StepPoint], accept: Acceptance | None = None, label: str = "") -> None:
-        last = points[-1] if points else None
-        if last is None:
-            self.query_one("#metrics-numbers", LiveText).show_text(Text(f"{label}\nno steps yet", style="dim"))
-            self.query_one("#metrics-spark", Sparkline).data = []
-            self.query_one("#metrics-accept", LiveText).show_text(Text())
-            return
-        tok_s = decode_tok_s(points)
-        prefill = next((p for p in points if p.role == "prefill"), None)
-        lines = Text()
-        lines.append(f"{label}\n" if label else "", style="bold")
-        lines.append(f"step {last.step}  ·  {last.role or '—'}\n")
-        lines.append("forwards ", style="dim").append(f"{last.forwards:<6}")
-        lines.append("tokens ", style="dim").append(f"{last.tokens}\n")
-        lines.append("TPF      ", style="dim").append(f"{last.tpf:.2f}\n" if last.tpf is not None else "—\n")
-        lines.append("tok/s    ", style="dim").append(f"{tok_s:.1f}\n" if tok_s is not None else "—\n")
-        lines.append("KV       ", style="dim").append(f"{last.kv_len if last.kv_len is not None else '—'}")
-        if prefill is not None and prefill.wall_ms is not None:
-            lines.append(f"  (prefill {prefill.wall_ms:.0f} ms)", style="dim")
-        self.query_one("#metrics-numbers", LiveText).show_text(lines)
-        self.query_one("#metrics-spark", Sparkline).data = [p.emitted for p in points if p.role not in (None, "prefill")]
-        self.query_one("#metrics-accept", LiveText).show_text(acceptance_text(accept or Acceptance()))
-
-
 def acceptance_text(accept: Acceptance) -> Text:
     """Acceptance overall and by draft slot, as bars (nothing verified: says so)."""
     if not accept.verified:
         return Text("acceptance: n/a (nothing verified)", style="dim")
     out = Text()
-    out.append("acceptance ", style="dim").append(f"{accept.rate:.0%}  ({accept.accepted}/{accept.verified})\n")
+    out.append("acceptance ", style="dim").append(f"{accept.rate:.0%}  ({accept.accepted}/{accept.verified})")
     for k, (rate, n) in enumerate(zip(accept.by_pos, accept.verified_by_pos), 1):
-        out.append(f"slot {k:<2} ", style="dim").append(bar(rate), style="#009E73")
-        out.append(f" {rate:4.0%}  n={n}\n", style="dim")
+        out.append(f"\nslot {k:<2} ", style="dim").append(bar(rate), style="#009E73")
+        out.append(f" {rate:4.0%}  n={n}", style="dim")
     return out
+
+
+def metrics_text(points: list[StepPoint], accept: Acceptance, label: str, width: int) -> Text:
+    last = points[-1] if points else None
+    out = Text()
+    if label:
+        out.append(f"{label}\n", style="bold")
+    if last is None:
+        out.append("no steps yet", style="dim")
+        return out
+    tok_s = decode_tok_s(points)
+    prefill = next((p for p in points if p.role == "prefill"), None)
+    out.append(f"step {last.step}  ·  {last.role or '—'}\n")
+    out.append("forwards ", style="dim").append(f"{last.forwards:<6}")
+    out.append("tokens ", style="dim").append(f"{last.tokens}\n")
+    out.append("TPF      ", style="dim").append(f"{last.tpf:.2f}\n" if last.tpf is not None else "—\n")
+    out.append("tok/s    ", style="dim").append(f"{tok_s:.1f}\n" if tok_s is not None else "—\n")
+    out.append("KV       ", style="dim").append(f"{last.kv_len if last.kv_len is not None else '—'}")
+    if prefill is not None and prefill.wall_ms is not None:
+        out.append(f"  (prefill {prefill.wall_ms:.0f} ms)", style="dim")
+    per_step = [p.emitted for p in points if p.role not in (None, "prefill")]
+    out.append(f"\ntokens per forward, by step (max {max(per_step, default=0)})\n", style="dim")
+    out.append(sparkline(per_step, width) or " ", style="#0072B2")
+    out.append("\n\n")
+    out.append_text(acceptance_text(accept))
+    return out
+
+
+class MetricsPanel(Widget):
+    DEFAULT_CSS = """
+    MetricsPanel { height: auto; }
+    """
+
+    def __init__(self, *, id: str | None = None):
+        super().__init__(id=id)
+        self._text = Text()
+        self._lines = 0
+
+    def show(self, points: list[StepPoint], accept: Acceptance | None = None, label: str = "") -> None:
+        self._text = metrics_text(points, accept or Acceptance(), label, max(8, self.size.width))
+        lines = self._text.plain.count("\n") + 1
+        self.refresh(layout=lines != self._lines)
+        self._lines = lines
+
+    def render(self) -> Text:
+        return self._text
+
+    def get_content_height(self, container, viewport, width: int) -> int:
+        return max(1, self._text.plain.count("\n") + 1)

@@ -7,10 +7,14 @@ cue; NO_COLOR keeps the glyphs) and the token's text with whitespace made visibl
 """
 from __future__ import annotations
 
-from rich.text import Text
+from functools import lru_cache
+
+from rich.segment import Segment
+from rich.style import Style
 from textual.binding import Binding
 from textual.message import Message
 from textual.reactive import reactive
+from textual.strip import Strip
 from textual.widget import Widget
 
 from studio.viz.grid import Grid, visible_token
@@ -21,6 +25,11 @@ TEXT_WIDTH = CELL - 2
 BLOCK_MARK = "▏"
 # committed tokens read as plain text; every other state is a coloured cell
 CELL_STYLE = {s: ("" if s is State.COMMITTED else RICH_STYLE[s]) for s in State}
+
+
+@lru_cache(maxsize=None)
+def _style(text: str) -> Style:
+    return Style.parse(text) if text else Style()
 
 
 class TokenGrid(Widget, can_focus=True):
@@ -50,14 +59,19 @@ class TokenGrid(Widget, can_focus=True):
         self.grid: Grid | None = None
         self.step: int | None = None
         self._rows = 0
+        self._row_cache: dict[int, tuple[tuple, Strip]] = {}
 
     def show(self, grid: Grid | None, step: int | None = None) -> None:
         self.grid, self.step = grid, step
         if grid is not None and self.cursor is not None and self.cursor >= grid.n_pos:
             self.cursor = grid.n_pos - 1 if grid.n_pos else None
-        rows = self.get_content_height(None, None, self.size.width)
-        self.refresh(layout=rows != self._rows)   # a new row needs a layout pass; a changed cell only a repaint
-        self._rows = rows
+        rows = self._needed_rows(self.size.width)
+        if rows > self._rows or (self.step is not None and rows != self._rows):
+            # a new row needs a layout pass (two at once while decoding), a changed cell only a repaint
+            self._rows = rows if self.step is not None else rows + 2
+            self.refresh(layout=True)
+        else:
+            self.refresh()
 
     @property
     def shown_step(self) -> int | None:
@@ -68,9 +82,12 @@ class TokenGrid(Widget, can_focus=True):
     def per_row(self) -> int:
         return max(1, self.size.width // CELL)
 
-    def get_content_height(self, container, viewport, width: int) -> int:
+    def _needed_rows(self, width: int) -> int:
         n = self.grid.n_pos if self.grid else 0
         return max(1, -(-n // max(1, width // CELL)))
+
+    def get_content_height(self, container, viewport, width: int) -> int:
+        return max(self._needed_rows(width), self._rows)
 
     def _block_marks(self, step: int) -> dict[int, str]:
         """pos -> style of a block boundary mark at that position (the open block's are bold)."""
@@ -85,23 +102,30 @@ class TokenGrid(Widget, can_focus=True):
                     marks[p] = style
         return marks
 
-    def render(self) -> Text:
+    def render_line(self, y: int) -> Strip:
+        """Row y of cells. Rows are cached by what they show, so a frame rebuilds only the rows whose
+        cells changed (the open end of the output), however long the output is."""
         grid, step = self.grid, self.shown_step
         if grid is None or step is None or not grid.n_pos:
-            return Text("(no tokens yet)", style="dim")
+            return Strip([Segment("(no tokens yet)", _style("dim"))]) if y == 0 else Strip.blank(self.size.width)
         per_row, marks = self.per_row(), self._block_marks(step)
-        out = Text(no_wrap=True, overflow="crop")
-        for p in range(grid.n_pos):
-            if p and p % per_row == 0:
-                out.append("\n")
+        cells = []
+        for p in range(y * per_row, min(grid.n_pos, (y + 1) * per_row)):
             cell = grid.cell(step, p)
-            out.append(BLOCK_MARK if p in marks else " ", style=marks.get(p, ""))
             style = RICH_FG[State.UNMASKED] if cell.held else CELL_STYLE[cell.state]
             if p == self.cursor:
                 style = f"{style} reverse" if style else "reverse"
             label = visible_token(cell.text, cell.tok, TEXT_WIDTH) if cell.state is not State.EMPTY else ""
-            out.append(f"{cell.glyph}{label:<{TEXT_WIDTH}}", style=style)
-        return out
+            cells.append((BLOCK_MARK if p in marks else " ", marks.get(p, ""), f"{cell.glyph}{label:<{TEXT_WIDTH}}",
+                          style))
+        key = (per_row, tuple(cells))
+        cached = self._row_cache.get(y)
+        if cached is None or cached[0] != key:
+            base = self.rich_style   # the widget's own colours under every cell (a plain committed token)
+            segments = [seg for mark, mark_style, body, style in cells
+                        for seg in (Segment(mark, base + _style(mark_style)), Segment(body, base + _style(style)))]
+            cached = self._row_cache[y] = (key, Strip(segments))
+        return cached[1]
 
     # -- cursor -------------------------------------------------------------------------------
     def watch_cursor(self, pos: int | None) -> None:
