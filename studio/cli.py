@@ -206,10 +206,16 @@ def web(
     from studio.chat import RunChoice
     from studio.engine.engine import Engine
 
+    from studio.worker import reserve_cores_for_drawing
+    try:
+        from studio.web.app import build_app, serve
+    except ImportError as e:
+        raise BadInput(f"the web studio needs gradio ({e.name} is missing): pip install 'dlm-studio[web]'") from None
+
     choice = RunChoice(strategy if strategy or preset else "ar", preset)
     choice.build()
     engine = Engine.load(model, adapter=adapter)
-    from studio.web.app import build_app, serve
+    reserve_cores_for_drawing()   # the server renders every frame's HTML beside the decode thread
     app_ = build_app(engine, choice, chat_template=not raw)
     typer.echo(f"dlm-studio web on http://{host}:{port}/ (Ctrl+C stops)", err=True)
     try:

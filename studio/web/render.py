@@ -187,7 +187,7 @@ def trace_info_html(name: str, header: Mapping[str, Any], metrics: Mapping[str, 
     params = ", ".join(f"{k}={v}" for k, v in header.get("params", {}).items())
     rows = [("file", name), ("strategy", f"{header.get('strategy')} ({params})"),
             ("model", " · ".join(str(model.get(k)) for k in ("name", "arch", "dtype"))
-             + f" · adapter {model.get('adapter')}"),
+             + f" · adapter {model.get('adapter') or 'none'}"),
             ("prompt", header.get("prompt", {}).get("text", "")), ("seed", header.get("seed")),
             ("result", f"{metrics.get('n_tokens')} tokens · {metrics.get('forwards')} forwards · "
                        f"TPF {num(metrics.get('tpf'), '.2f')} · stop: {metrics.get('stop_reason')}")]
