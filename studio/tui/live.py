@@ -1,6 +1,7 @@
 """What a screen shows of one run, built from its events: the trajectory grid and the step series."""
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Iterable, Mapping
 
 from studio.events import Trace
@@ -49,3 +50,30 @@ class RunView:
         """The series and acceptance counts as they stood after `step` (replay scrubbing)."""
         points = [p for p in self.points if p.step <= step]
         return points, acceptance(e for e in self.events if e["step"] <= step)
+
+
+class FramePacer:
+    """Draws at up to `fps` while keeping the UI thread within `budget` of one core.
+
+    The UI thread and the decode thread share the GIL: every millisecond spent laying out and painting
+    is one the decode thread may wait for. `due()` is asked once per frame tick; it says draw when the UI
+    thread's recent CPU share (its own `thread_time` over wall time) is under budget, and at least every
+    `max_gap_s` so the picture never freezes. A cheap screen draws every tick; an expensive one (a long
+    answer, a wide grid) draws less often instead of slowing the decoding.
+    """
+
+    def __init__(self, budget: float = 0.08, max_gap_s: float = 0.25):
+        self.budget, self.max_gap_s = budget, max_gap_s
+        self._wall, self._cpu = time.perf_counter(), time.thread_time()
+        self._last_draw = self._wall
+        self.share = 0.0
+
+    def due(self) -> bool:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        if wall > self._wall:
+            self.share = 0.5 * self.share + 0.5 * (cpu - self._cpu) / (wall - self._wall)
+        self._wall, self._cpu = wall, cpu
+        if self.share <= self.budget or wall - self._last_draw >= self.max_gap_s:
+            self._last_draw = wall
+            return True
+        return False

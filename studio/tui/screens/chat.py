@@ -16,7 +16,7 @@ from textual.widgets import Footer, Header, Input, Static
 
 from studio.chat import ChatSession, Reply
 from studio.errors import BadInput
-from studio.tui.live import RunView
+from studio.tui.live import FramePacer, RunView
 from studio.tui.widgets import Inspector, MetricsPanel, StatusBar, TokenGrid
 from studio.tui.widgets.live_text import LiveText
 from studio.tui.widgets.controls import Controls, apply_change
@@ -24,9 +24,9 @@ from studio.viz.palette import legend_text
 from studio.viz.text import rich_text, run_summary_line
 from studio.worker import Worker
 
-FRAME_S = 1 / 15      # the grid follows every frame
-TEXT_EVERY = 3        # the answer, metrics and inspector every 3rd frame (5 Hz): numbers and prose cannot be
-                      # read faster, and redrawing them at 15 Hz costs the decode thread its share of the GIL
+FRAME_S = 1 / 15      # frame ticks; the grid is drawn on every tick the pacer allows
+TEXT_EVERY = 3        # the answer, metrics and inspector on every 3rd drawn frame: numbers and prose cannot be
+                      # read faster, and drawing them costs the decode thread its share of the GIL
 
 
 def error_line(e: BaseException) -> str:
@@ -62,7 +62,7 @@ class ChatScreen(Screen):
         self.answer: ChatMessage | None = None
         self.step_mode = False
         self._timer = None
-        self._frames = 0
+        self._frames, self._pending, self.pacer = 0, False, FramePacer()
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -153,7 +153,7 @@ class ChatScreen(Screen):
         conv.mount(self.answer)
         conv.scroll_end(animate=False)
         self.view = RunView(run.token_text, run.header)
-        self._frames = 0
+        self._frames, self._pending, self.pacer = 0, False, FramePacer()
         self.worker = Worker([run], step_mode=self.step_mode).start()
         self._timer = self.set_interval(FRAME_S, self.frame)
         label = self.session.choice.label
@@ -169,7 +169,9 @@ class ChatScreen(Screen):
         batches = worker.drain()
         for _, events in batches:
             self.view.feed(events)
-        if batches:
+        self._pending = self._pending or bool(batches)
+        if self._pending and (finished or self.step_mode or self.pacer.due()):
+            self._pending = False
             self._frames += 1
             self.redraw(all_widgets=finished or self.step_mode or self._frames % TEXT_EVERY == 1)
         if finished:

@@ -13,7 +13,7 @@ from textual.widgets import Button, DataTable, Footer, Header, Input, Static
 
 from studio.chat import ChatSession
 from studio.errors import BadInput
-from studio.tui.live import RunView
+from studio.tui.live import FramePacer, RunView
 from studio.tui.screens.chat import FRAME_S, error_line
 from studio.tui.widgets import StatusBar, TokenGrid
 from studio.viz.palette import legend_text
@@ -109,6 +109,7 @@ class CompareScreen(Screen):
         panes.mount_all([ComparePane(label, view) for label, view in zip(labels, self.views)])
         self.query_one("#compare-table").display = False
         self.worker = Worker(runs).start()
+        self._touched, self.pacer = set(), FramePacer()
         self._timer = self.set_interval(FRAME_S, self.frame)
         self.status(f"comparing {', '.join(labels)} …")
 
@@ -133,13 +134,14 @@ class CompareScreen(Screen):
         if worker is None:
             return
         finished = worker.done
-        touched = set()
         for i, events in worker.drain():
             self.views[i].feed(events)
-            touched.add(i)
+            self._touched.add(i)
         panes = list(self.query(ComparePane))
-        for i in touched:
-            panes[i].redraw(worker.runs[i].done)
+        if self._touched and (finished or self.pacer.due()):
+            for i in self._touched:
+                panes[i].redraw(worker.runs[i].done)
+            self._touched = set()
         if finished:
             self._timer.stop()
             self.worker = None
