@@ -62,7 +62,7 @@ class FramePacer:
     answer, a wide grid) draws less often instead of slowing the decoding.
     """
 
-    def __init__(self, budget: float = 0.08, max_gap_s: float = 0.25):
+    def __init__(self, budget: float = 0.05, max_gap_s: float = 0.25):
         self.budget, self.max_gap_s = budget, max_gap_s
         self._wall, self._cpu = time.perf_counter(), time.thread_time()
         self._last_draw = self._wall
