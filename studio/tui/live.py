@@ -9,6 +9,9 @@ from studio.viz.grid import GridBuilder
 from studio.viz.stats import Acceptance, StepPoint, Tracker, acceptance
 
 
+FRAME_S = 1 / 15   # how often the live screens take the worker's steps (and may draw: see FramePacer)
+
+
 class RunView:
     """The grid (`studio.viz.grid`) and series (`studio.viz.stats`) of one run, fed whole steps at a time
     as the worker hands them over, or a whole trace at once (replay)."""

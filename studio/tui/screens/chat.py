@@ -16,23 +16,17 @@ from textual.widgets import Footer, Header, Input, Static
 
 from studio.chat import ChatSession, Reply
 from studio.errors import BadInput
-from studio.tui.live import FramePacer, RunView
+from studio.tui.live import FRAME_S, FramePacer, RunView
 from studio.tui.widgets import Inspector, MetricsPanel, StatusBar, TokenGrid
+from studio.tui.widgets.status import error_line
 from studio.tui.widgets.live_text import LiveText
 from studio.tui.widgets.controls import Controls, apply_change
 from studio.viz.palette import legend_text
 from studio.viz.text import rich_text, run_summary_line
 from studio.worker import Worker
 
-FRAME_S = 1 / 15      # frame ticks; the grid is drawn on every tick the pacer allows
-TEXT_EVERY = 3        # the answer, metrics and inspector on every 3rd drawn frame: numbers and prose cannot be
-                      # read faster, and drawing them costs the decode thread its share of the GIL
-
-
-def error_line(e: BaseException) -> str:
-    """One line for the status bar: BadInput as it is, anything else named as an internal error."""
-    text = str(e) if isinstance(e, BadInput) else f"internal error: {type(e).__name__}: {e}"
-    return " ".join(text.split())
+TEXT_EVERY = 3   # the answer, metrics and inspector on every 3rd drawn frame: numbers and prose cannot be
+                 # read faster, and drawing them costs the decode thread its share of the GIL
 
 
 class ChatMessage(LiveText):

@@ -13,9 +13,9 @@ from textual.widgets import Button, DataTable, Footer, Header, Input, Static
 
 from studio.chat import ChatSession
 from studio.errors import BadInput
-from studio.tui.live import FramePacer, RunView
-from studio.tui.screens.chat import FRAME_S, error_line
+from studio.tui.live import FRAME_S, FramePacer, RunView
 from studio.tui.widgets import StatusBar, TokenGrid
+from studio.tui.widgets.status import error_line
 from studio.viz.palette import legend_text
 from studio.worker import Worker
 

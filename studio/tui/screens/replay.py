@@ -13,8 +13,8 @@ from textual.widgets import Button, Footer, Header, Input, Static
 from studio.errors import BadInput
 from studio.events import Trace
 from studio.tui.live import RunView
-from studio.tui.screens.chat import error_line
 from studio.tui.widgets import Inspector, MetricsPanel, StatusBar, TokenGrid
+from studio.tui.widgets.status import error_line
 from studio.tui.widgets.metrics import bar
 from studio.viz.palette import legend_text
 

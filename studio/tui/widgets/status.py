@@ -4,6 +4,14 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
+from studio.errors import BadInput
+
+
+def error_line(e: BaseException) -> str:
+    """One line for the status bar: BadInput as it is, anything else named as an internal error."""
+    text = str(e) if isinstance(e, BadInput) else f"internal error: {type(e).__name__}: {e}"
+    return " ".join(text.split())
+
 
 class StatusBar(Static):
     DEFAULT_CSS = """
