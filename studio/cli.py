@@ -12,12 +12,14 @@ import typer
 from studio.errors import BadInput
 from studio.runconfig import build_run
 from studio.traces.cli import trace_app
+from studio.train.cli import train_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="A local studio for parallel decoding of language models.")
 models_app = typer.Typer(no_args_is_help=True, help="List and inspect models.")
 app.add_typer(models_app, name="models")
 app.add_typer(trace_app, name="trace")
+app.add_typer(train_app, name="train")
 
 # -- options shared by the generation commands -----------------------------------------------
 PRESET = typer.Option(None, "--preset", help="A strategy preset name or TOML file.")

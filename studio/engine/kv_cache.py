@@ -29,6 +29,11 @@ class KVCache:
         new.length = self.length
         return new
 
+    def select_batch(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows `rows` (finished sequences leave a stationary batch)."""
+        self.k = self.k[:, rows].contiguous()
+        self.v = self.v[:, rows].contiguous()
+
     def begin(self, n_new: int) -> None:
         """Reserve slots [length, length + n_new) for the forward about to run."""
         if self.length + n_new > self.max_len:

@@ -1,0 +1,168 @@
+"""`dlm-studio train …`: make self-distilled data, train adapters, evaluate them (DESIGN §8)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+train_app = typer.Typer(no_args_is_help=True, help="Convert an AR model into a parallel decoder: data, training, evaluation.")
+
+
+def _progress(description: str, total: int):
+    """A rich progress bar with the fields the training commands report."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=False)
+
+
+@train_app.command("data")
+def data_cmd(
+    out: Path = typer.Option(..., "--out", help="The data directory to create (or continue with --resume)."),
+    model: str = typer.Option("default", "--model"),
+    n_prompts: int = typer.Option(2048, "--n-prompts", help="How many built-in training prompts."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="A file of prompts, one per line, instead."),
+    max_new_tokens: int = typer.Option(192, "--max-new-tokens"),
+    batch_size: int = typer.Option(64, "--batch-size", help="Prompts decoded at once (one stationary batch)."),
+    seed: int = typer.Option(0, "--seed", help="Which sample of the built-in prompts."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run in --out."),
+):
+    """The base model's own greedy answers (chat template applied), as token-id shards."""
+    import time
+
+    from studio.engine.engine import Engine
+    from studio.errors import BadInput
+    from studio.train import data, prompts as builtin
+
+    if n_prompts < 1 or max_new_tokens < 1 or batch_size < 1:
+        raise BadInput("--n-prompts, --max-new-tokens and --batch-size must be >= 1")
+    if prompts is not None:
+        texts, source = builtin.read_prompt_file(prompts), str(prompts)
+        held = set(builtin.eval_prompts())
+        overlap = [t for t in texts if t in held]
+        if overlap:
+            raise BadInput(f"{prompts} contains a held-out evaluation prompt: {overlap[0]!r}")
+    else:
+        texts, source = builtin.training_prompts(n_prompts, seed), f"builtin seed={seed}"
+    engine = Engine.load(model)
+    t0 = time.perf_counter()
+    with _progress("data", len(texts)) as bar:
+        task = bar.add_task("data", total=len(texts), info="")
+
+        def tick(done: int, total: int, n_tokens: int) -> None:
+            rate = n_tokens / max(1e-9, time.perf_counter() - t0)
+            bar.update(task, completed=done, info=f"{n_tokens} tokens · {rate:.0f} tok/s")
+
+        m = data.generate(engine, texts, out, max_new_tokens, batch_size=batch_size, resume=resume,
+                          progress=tick, meta={"prompts": source})
+    typer.echo(f"{out}: {sum(m['shard_sizes'])} sequences, {m['n_tokens']} tokens "
+               f"({m['n_answer_tokens']} answer tokens) in {len(m['shards'])} shards")
+
+
+def _parse_budget(text: Optional[str]) -> Optional[float]:
+    """'90s', '45m', '2h' or plain seconds -> seconds."""
+    from studio.errors import BadInput
+
+    if text is None:
+        return None
+    units = {"s": 1, "m": 60, "h": 3600}
+    num, unit = (text[:-1], units[text[-1]]) if text and text[-1] in units else (text, 1)
+    try:
+        value = float(num) * unit
+    except ValueError:
+        raise BadInput(f"--time-budget: expected a duration like 90s, 45m or 2h, got {text!r}") from None
+    if not value > 0:
+        raise BadInput(f"--time-budget must be positive, got {text!r}")
+    return value
+
+
+def _run_training(kind: str, data_dir: Path, out: Path, model: str, gate: str, resume: bool,
+                  time_budget: Optional[str], **settings) -> None:
+    """Shared body of `train idlm` and `train block`: load, train with a progress bar, summarise."""
+    import time
+
+    from studio.engine.engine import Engine
+    from studio.errors import BadInput
+    from studio.train import data
+    from studio.train.objectives import IDLM, Block
+    from studio.train.trainer import TrainConfig, train
+
+    if gate not in ("mask", "all"):
+        raise BadInput(f"--gate must be 'mask' or 'all', got {gate!r}")
+    budget = _parse_budget(time_budget)
+    cfg = TrainConfig(kind=kind, gate=gate, **settings)
+    for name in ("steps", "batch_size", "rows_per_seq", "r", "save_every"):
+        if getattr(cfg, name) < 1:
+            raise BadInput(f"--{name.replace('_', '-')} must be >= 1")
+    if not cfg.lr > 0 or not cfg.alpha > 0:
+        raise BadInput("--lr and --alpha must be positive")
+    seqs = data.load_sequences(data_dir)
+    engine = Engine.load(model)
+    if engine.config.mask_token_id is not None:
+        raise BadInput(f"model {engine.name!r} already has a MASK token: train adapters for AR models only")
+    mask_id = engine.model.lm_head.weight.shape[0]
+    if kind == "idlm":
+        if cfg.stride < 2:
+            raise BadInput("--stride must be >= 2")
+        objective = IDLM(mask_id, gate == "all", curriculum=tuple(range(2, cfg.stride + 1)))
+    else:
+        if cfg.block_size < 2:
+            raise BadInput("--block-size must be >= 2")
+        objective = Block(mask_id, gate == "all", cfg.block_size, shift=engine.config.logit_shift)
+    t0 = time.perf_counter()
+    with _progress(f"train {kind} --gate {gate}", cfg.steps) as bar:
+        task = bar.add_task("train", total=cfg.steps, info="")
+
+        def tick(r) -> None:
+            acc = " ".join(f"{a:.2f}" for a in r.accuracy[:max(1, r.width)])
+            clean = "" if r.clean is None else f" clean {r.clean:.3f}"
+            bar.update(task, completed=r.step, info=f"loss {r.task:.3f}{clean} · acc {acc} · "
+                                                       f"{r.rows_per_s:.0f} rows/s · lr {r.lr:.1e}")
+
+        try:
+            state = train(engine.model, seqs, objective, cfg, out, resume=resume, time_budget_s=budget, on_step=tick)
+        except KeyboardInterrupt:
+            bar.stop()
+            typer.echo(f"interrupted: checkpoint saved in {out}; continue with --resume", err=True)
+            raise typer.Exit(130)
+    typer.echo(f"{out}: step {state['step']}/{cfg.steps} ({state['stopped']}), "
+               f"{time.perf_counter() - t0:.0f} s; use it with --adapter {out}")
+
+
+DATA = typer.Option(..., "--data", help="A directory made by `dlm-studio train data`.")
+OUT = typer.Option(..., "--out", help="The adapter directory to write (checkpointed as it trains).")
+GATE = typer.Option("mask", "--gate", help="mask: LoRA on MASK rows only (lossless R-ISD) | all: every row (I-DLM).")
+STEPS = typer.Option(400, "--steps")
+BATCH = typer.Option(8, "--batch-size", help="Sequences per step.")
+ROWS = typer.Option(96, "--rows", help="Noisy rows trained per sequence per step.")
+LR = typer.Option(1e-3, "--lr")
+RANK = typer.Option(16, "--rank")
+ALPHA = typer.Option(32.0, "--alpha")
+SEED = typer.Option(0, "--seed")
+SAVE_EVERY = typer.Option(25, "--save-every", help="Checkpoint every this many steps.")
+BUDGET = typer.Option(None, "--time-budget", help="Stop (and checkpoint) after this long: 90s, 45m, 2h.")
+RESUME = typer.Option(False, "--resume", help="Continue the run in --out where it stopped.")
+
+
+@train_app.command("idlm")
+def idlm_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("default", "--model"), gate: str = GATE,
+             stride: int = typer.Option(4, "--stride", help="The last stage of the curriculum N = 2 .. stride."),
+             steps: int = STEPS, batch_size: int = BATCH, rows: int = ROWS, lr: float = LR, rank: int = RANK,
+             alpha: float = ALPHA, seed: int = SEED, save_every: int = SAVE_EVERY,
+             time_budget: Optional[str] = BUDGET, resume: bool = RESUME):
+    """The introspective-consistency recipe (I-DLM App. E): adapters for isd (--gate all) and r-isd (--gate mask)."""
+    _run_training("idlm", data, out, model, gate, resume, time_budget, stride=stride, steps=steps,
+                  batch_size=batch_size, rows_per_seq=rows, lr=lr, r=rank, alpha=alpha, seed=seed,
+                  save_every=save_every)
+
+
+@train_app.command("block")
+def block_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("default", "--model"), gate: str = GATE,
+              block_size: int = typer.Option(4, "--block-size"), steps: int = STEPS, batch_size: int = BATCH,
+              rows: int = ROWS, lr: float = LR, rank: int = RANK, alpha: float = ALPHA, seed: int = SEED,
+              save_every: int = SAVE_EVERY, time_budget: Optional[str] = BUDGET, resume: bool = RESUME):
+    """Block diffusion (SDAR-style, random mask ratios): an adapter for blockdiff, s2d2 and simsd."""
+    _run_training("block", data, out, model, gate, resume, time_budget, block_size=block_size, steps=steps,
+                  batch_size=batch_size, rows_per_seq=rows, lr=lr, r=rank, alpha=alpha, seed=seed,
+                  save_every=save_every)

@@ -1,0 +1,54 @@
+"""Training layouts: which noisy rows see what (papers/000 App. E; block diffusion, SDAR-style).
+
+The reference I-DLM layout is one sequence `[x_t | x_0]` of 2L rows (`app_e_mask`): noisy blocks of b
+MASKs, causal inside a block, each seeing the clean tokens of strictly earlier blocks; the clean copy is
+plain causal and never sees x_t. Positions are duplicated (x_t[i] and x_0[i] share position i).
+
+We train the same thing in two passes (a clean pass whose K/V the noisy rows then read), because on a
+CPU the clean pass of an R-ISD adapter is the base model: no gradient, computed once per batch, and only
+a sample of noisy blocks needs a backward. `noisy_rows_mask` is the noisy rows' part of the layout over
+[clean K/V | noisy rows], for blocks starting anywhere (inference opens a block after any token); with
+the aligned starts 0, b, 2b, … it is exactly App. E's noisy rows (a test checks it against a brute-force
+reading of the reference's `allowed`). `block_rows_mask` is the block-diffusion variant: bidirectional
+inside a block, as `blockdiff`, `s2d2` and `simsd` draft.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def app_e_mask(n: int, b: int) -> torch.Tensor:
+    """The reference [x_t | x_0] mask, bool [2n, 2n] (True = may attend), built with tensor ops."""
+    idx = torch.arange(2 * n)
+    clean = idx >= n
+    blk = torch.where(clean, idx - n, idx) // b
+    qc, kc = clean[:, None], clean[None, :]
+    qb, kb = blk[:, None], blk[None, :]
+    causal = idx[:, None] >= idx[None, :]
+    noisy = (qb == kb) & ~qc & ~kc & causal
+    cross = (qb > kb) & kc & ~qc
+    clean_causal = qc & kc & causal
+    return noisy | cross | clean_causal
+
+
+def noisy_rows_mask(starts: list[int], b: int, n_clean: int, bidirectional: bool = False) -> torch.Tensor:
+    """bool [K*b, n_clean + K*b]: block k (rows k*b … k*b+b-1, at positions starts[k] …) sees clean slots
+    < starts[k] and its own rows (causal, or all of them when `bidirectional`); never another block."""
+    K = len(starts)
+    row_blk = torch.arange(K * b) // b
+    row_off = torch.arange(K * b) % b
+    s = torch.tensor(starts, dtype=torch.long)[row_blk]
+    see_clean = torch.arange(n_clean)[None, :] < s[:, None]
+    same = row_blk[:, None] == row_blk[None, :]
+    own = same if bidirectional else same & (row_off[None, :] <= row_off[:, None])
+    return torch.cat([see_clean, own], dim=1)
+
+
+def block_rows_mask(starts: list[int], b: int, n_clean: int) -> torch.Tensor:
+    """Block diffusion: like `noisy_rows_mask`, bidirectional inside each block."""
+    return noisy_rows_mask(starts, b, n_clean, bidirectional=True)
+
+
+def block_positions(starts: list[int], b: int) -> torch.Tensor:
+    """RoPE positions of the noisy rows: block k covers starts[k] … starts[k]+b-1."""
+    return (torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(b)[None, :]).reshape(-1)

@@ -1,0 +1,188 @@
+"""The two training objectives, as batches of noisy rows over a clean pass (see layout.py).
+
+`IDLM` (papers/000 §3.1, App. E): noisy blocks of b MASKs, causal, logit shift: the MASK at position
+s+j (j < b) sees x_0[:s] and the block's earlier MASKs and predicts x_0[s+j+1] -- exactly what ISD's
+MASK rows read at inference (the first MASK sits right after the last clean token). b follows the
+stride curriculum N = 2 -> 3 -> 4 (b = N - 1).
+`Block` (SDAR-style block diffusion): a block of B slots at s, a random subset of them masked (ratio
+t ~ U(0, 1]), bidirectional inside; right-shifted for an AR model (slot 0 is the filled AR token, row
+j-1 predicts slot j) or position-aligned (row j predicts slot j), as `blockdiff` reads the model.
+
+Gate `mask`: LoRA on MASK rows only (R-ISD; the clean pass is the base model, run without gradient).
+Gate `all`: LoRA on every row (the I-DLM recipe), the clean pass trained too, with the clean
+next-token loss auto-balanced against the masked loss (Eq. 2: L = L_mask + (L_mask / L_clean)sg · L_clean).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from studio.train.data import Sequence
+from studio.train.layout import block_positions, block_rows_mask, noisy_rows_mask
+
+IGNORE = -100
+
+
+class TwoPassKV:
+    """Stands in for the KV cache in training forwards: the clean pass records each layer's K/V; the
+    noisy pass attends to [clean K/V | its own rows] (torch.cat keeps both differentiable)."""
+
+    def __init__(self):
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        self.length = 0
+        self.recording = True
+
+    def begin(self, n_new: int) -> None:
+        pass
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        if self.recording:
+            self.k[layer], self.v[layer] = k, v
+            return k, v
+        return torch.cat([self.k[layer], k], dim=2), torch.cat([self.v[layer], v], dim=2)
+
+
+@dataclass
+class Batch:
+    clean: torch.Tensor          # [B, L] right-padded token ids
+    clean_targets: torch.Tensor  # [B, L] next token of each answer row, IGNORE elsewhere
+    noisy: torch.Tensor          # [B, R] noisy-row token ids (MASK or filled)
+    positions: torch.Tensor      # [B, R]
+    mask: torch.Tensor           # [B, R, L + R]
+    gate: torch.Tensor           # [B, R] LoRA on
+    targets: torch.Tensor        # [B, R] IGNORE where a row predicts nothing
+    slot: torch.Tensor           # [B, R] 1-based draft slot of each target (accuracy by slot), 0 = none
+
+
+@dataclass
+class Losses:
+    total: torch.Tensor
+    task: float
+    clean: float | None
+    correct: torch.Tensor        # [n_slots] greedy hits by slot
+    counted: torch.Tensor        # [n_slots]
+
+
+class Objective:
+    gate_all: bool
+    mask_id: int
+
+    def block_width(self, progress: float) -> int:
+        raise NotImplementedError
+
+    def rows(self, seq: Sequence, n_blocks: int, width: int, gen: torch.Generator):
+        """(starts, tokens, targets, slots) of one sequence's noisy rows."""
+        raise NotImplementedError
+
+    def min_answer(self) -> int:
+        raise NotImplementedError
+
+    def make_batch(self, seqs: list[Sequence], rows_per_seq: int, progress: float, gen: torch.Generator) -> Batch:
+        width = self.block_width(progress)
+        n_blocks = max(1, rows_per_seq // width)
+        L = max(len(s.tokens) for s in seqs)
+        clean = torch.zeros(len(seqs), L, dtype=torch.long)
+        clean_t = torch.full((len(seqs), L), IGNORE, dtype=torch.long)
+        parts = []
+        for i, s in enumerate(seqs):
+            clean[i, :len(s.tokens)] = torch.tensor(s.tokens)
+            clean_t[i, s.prompt_len - 1:len(s.tokens) - 1] = torch.tensor(s.tokens[s.prompt_len:])
+            parts.append(self.rows(s, n_blocks, width, gen))
+        starts = [p[0] for p in parts]
+        noisy = torch.stack([p[1] for p in parts])
+        bidirectional = isinstance(self, Block)
+        mask = torch.stack([(block_rows_mask if bidirectional else noisy_rows_mask)(st, width, L) for st in starts])
+        gate = torch.ones_like(noisy, dtype=torch.bool) if self.gate_all else noisy == self.mask_id
+        return Batch(clean, clean_t, noisy, torch.stack([block_positions(st, width) for st in starts]), mask,
+                     gate, torch.stack([p[2] for p in parts]), torch.stack([p[3] for p in parts]))
+
+    def loss(self, model, batch: Batch, n_slots: int) -> Losses:
+        kv = TwoPassKV()
+        B, L = batch.clean.shape
+        pos = torch.arange(L)[None].expand(B, L)
+        clean_loss = None
+        if self.gate_all:
+            logits = model(batch.clean, pos, kv, lora_gate=torch.ones(B, L, dtype=torch.bool))
+            clean_loss = F.cross_entropy(logits.flatten(0, 1), batch.clean_targets.flatten(), ignore_index=IGNORE)
+        else:
+            with torch.no_grad():   # the base model: its K/V are constants of this step
+                model(batch.clean, pos, kv, logits_rows=[0])
+        kv.recording = False
+        logits = model(batch.noisy, batch.positions, kv, mask=batch.mask[:, None], lora_gate=batch.gate)
+        task = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE)
+        total = task
+        if clean_loss is not None:
+            total = task + (task.detach() / (clean_loss.detach() + 1e-8)) * clean_loss
+        with torch.no_grad():
+            hit = (logits.argmax(-1) == batch.targets) & (batch.targets != IGNORE)
+            slot = batch.slot.clamp(max=n_slots)
+            correct = torch.zeros(n_slots + 1).index_add_(0, slot.flatten(), hit.flatten().float())[1:]
+            counted = torch.zeros(n_slots + 1).index_add_(0, slot.flatten(), (batch.targets != IGNORE).flatten().float())[1:]
+        return Losses(total, float(task.detach()), None if clean_loss is None else float(clean_loss.detach()),
+                      correct, counted)
+
+
+def _starts(lo: int, hi: int, k: int, gen: torch.Generator) -> list[int]:
+    """k block starts in [lo, hi] (distinct while the range allows, then with repeats), sorted."""
+    n = hi - lo + 1
+    if n >= k:
+        picks = torch.randperm(n, generator=gen)[:k]
+    else:
+        picks = torch.randint(n, (k,), generator=gen)
+    return sorted((picks + lo).tolist())
+
+
+class IDLM(Objective):
+    def __init__(self, mask_id: int, gate_all: bool, curriculum: tuple[int, ...] = (2, 3, 4)):
+        self.mask_id, self.gate_all, self.curriculum = mask_id, gate_all, curriculum
+
+    def block_width(self, progress: float) -> int:
+        stage = min(int(progress * len(self.curriculum)), len(self.curriculum) - 1)
+        return self.curriculum[stage] - 1          # b = N - 1 MASKs
+
+    def min_answer(self) -> int:
+        return max(self.curriculum) + 1
+
+    def rows(self, seq, n_blocks, width, gen):
+        toks = seq.tokens
+        starts = _starts(seq.prompt_len, len(toks) - 1 - width, n_blocks, gen)
+        targets = torch.tensor([toks[s + j + 1] for s in starts for j in range(width)])
+        slots = torch.arange(1, width + 1).repeat(len(starts))
+        return starts, torch.full((len(starts) * width,), self.mask_id, dtype=torch.long), targets, slots
+
+
+class Block(Objective):
+    def __init__(self, mask_id: int, gate_all: bool, block_size: int, shift: bool):
+        self.mask_id, self.gate_all, self.size, self.shift = mask_id, gate_all, block_size, shift
+
+    def block_width(self, progress: float) -> int:
+        return self.size
+
+    def min_answer(self) -> int:
+        return self.size + 1
+
+    def rows(self, seq, n_blocks, width, gen):
+        toks = seq.tokens
+        starts = _starts(seq.prompt_len, len(toks) - width, n_blocks, gen)
+        first = 1 if self.shift else 0          # right-shifted: slot 0 is the filled AR token
+        tokens, targets, slots = [], [], []
+        for s in starts:
+            block = toks[s:s + width]
+            ratio = 1.0 - float(torch.rand((), generator=gen))          # t in (0, 1]
+            masked = (torch.rand(width, generator=gen) < ratio).tolist()
+            masked[:first] = [False] * first
+            if not any(masked):
+                masked[first + int(torch.randint(width - first, (), generator=gen))] = True
+            tokens += [self.mask_id if m else t for m, t in zip(masked, block)]
+            row_t = [IGNORE] * width
+            row_slot = [0] * width
+            for j in range(first, width):
+                if masked[j]:
+                    row = j - 1 if self.shift else j
+                    row_t[row], row_slot[row] = block[j], j + 1 - first
+            targets += row_t
+            slots += row_slot
+        return starts, torch.tensor(tokens), torch.tensor(targets), torch.tensor(slots)
