@@ -24,7 +24,8 @@ app.add_typer(train_app, name="train")
 # -- options shared by the generation commands -----------------------------------------------
 PRESET = typer.Option(None, "--preset", help="A strategy preset name or TOML file.")
 MODEL = typer.Option("default", "--model", help="'default', a model preset, a HF directory or a .gguf.")
-ADAPTER = typer.Option(None, "--adapter", help="A PEFT LoRA adapter directory.")
+ADAPTER = typer.Option(None, "--adapter", help="A PEFT LoRA adapter directory or a shipped adapter's name; 'none' = the plain "
+                       "model. Default: on the default model, each strategy's shipped adapter (presets/adapters).")
 DRAFT_MODEL = typer.Option(None, "--draft-model", help="simsd: the draft dLLM (default: self draft).")
 DRAFT_ADAPTER = typer.Option(None, "--draft-adapter", help="simsd: an adapter for the draft model.")
 MAX_NEW_TOKENS = typer.Option(None, "--max-new-tokens")
@@ -246,7 +247,7 @@ def compare(
     strategies: str = typer.Option("ar,isd", "--strategy", "-s", help="Comma-separated strategies or presets."),
     preset: Optional[str] = typer.Option(None, "--preset", help="Add a strategy preset to the runs."),
     model: str = typer.Option("default", "--model"),
-    adapter: Optional[str] = typer.Option(None, "--adapter"),
+    adapter: Optional[str] = ADAPTER,
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help="simsd: the draft dLLM."),
     draft_adapter: Optional[str] = typer.Option(None, "--draft-adapter", help="simsd: an adapter for the draft."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens"),
@@ -299,7 +300,7 @@ def bench(
     strategies: str = typer.Option("ar,isd", "--strategy", "-s", help="Comma-separated strategies or presets."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="One prompt per line (or JSONL with 'prompt')."),
     model: str = typer.Option("default", "--model"),
-    adapter: Optional[str] = typer.Option(None, "--adapter"),
+    adapter: Optional[str] = ADAPTER,
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     temperature: Optional[float] = typer.Option(None, "--temperature"),
     seed: int = typer.Option(0, "--seed"),

@@ -98,6 +98,7 @@ class Run:
     def __init__(self, engine: Engine, strategy: Strategy, settings: Settings, prompt_text: str,
                  prompt_ids: list[int], *, trace_path: str | None = None, kv=None,
                  on_finish: Callable[["Run"], None] | None = None):
+        engine = engine.for_strategy(strategy.name)      # the adapter this strategy runs with
         kv_len = kv_length_needed(engine, strategy, settings, prompt_ids)
         if kv is not None and kv.max_len < kv_len:
             kv = kv.grown(kv_len)
@@ -147,6 +148,7 @@ class Run:
             self.out.stop_reason = CANCELLED
             self._finish()
             return []
+        self.engine.activate()                      # runs sharing the model may use different adapters
         t = time.perf_counter()
         self.ctx.resume_clock()
         try:
@@ -254,7 +256,7 @@ class Conversation:
         history; a run that fails or is never finished leaves the history as it was."""
         messages = self.messages + [{"role": "user", "content": user_text}]
         ids = encode_messages(self.engine, messages, self.chat)
-        key = strategy.kv_signature()
+        key = (strategy.kv_signature(), self.engine.for_strategy(strategy.name).adapter)
         kv, self._kv = self._kv, None          # the run owns the cache until it finishes
         if kv is not None and key == self._kv_key and strategy.causal_kv(self.engine.config):
             shared = 0

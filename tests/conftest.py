@@ -25,10 +25,11 @@ def hf_gguf():
 
 @pytest.fixture(scope="session")
 def default_engine():
-    """Our engine on the embedded default (converted into the user cache on first use)."""
+    """Our engine on the embedded default (converted into the user cache on first use), without the shipped
+    adapters (`--adapter none`): the exactness tests read the plain model."""
     from studio.engine.engine import Engine
     default_gguf_file()
-    return Engine.load("default")
+    return Engine.load("default", adapter="none")
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,6 +27,9 @@ def _init_torch() -> None:
 
 @dataclass
 class Engine:
+    """A model with one adapter choice. Engines made by `with_adapter`/`for_strategy` share the model
+    (weights, tokenizer) and differ only in the adapter, which `activate` installs before each step, so
+    runs with different adapters can interleave (compare in lock-step, chat switching strategies)."""
     model: Transformer
     tokenizer: object
     config: ModelConfig
@@ -34,11 +37,17 @@ class Engine:
     source: str
     load_s: float
     from_cache: bool
-    adapter: str | None = None
+    adapter: str | None = None            # the attached adapter's path
+    lora: object = None                   # its LoadedAdapter
+    adapter_choice: str | None = None     # what the user asked: None = the shipped adapter per strategy (default
+                                          # model), "none" = never, else a fixed adapter for every strategy
+    _views: dict = field(default_factory=dict, repr=False)   # adapter path -> engine, shared by all views
 
     @classmethod
     def load(cls, spec: str = "default", adapter: str | None = None, progress=None) -> "Engine":
-        """`spec`: a model preset name (presets/models), 'default', a HF directory or a .gguf file."""
+        """`spec`: a model preset name (presets/models), 'default', a HF directory or a .gguf file.
+        `adapter`: a PEFT directory or a shipped adapter's name (used for every strategy), 'none', or None:
+        each strategy gets the adapter shipped for it and this model, if any (presets/adapters)."""
         _init_torch()
         t0 = time.perf_counter()
         preset = load_model_preset(spec)
@@ -57,12 +66,40 @@ class Engine:
                            f"{'missing' if missing else 'unexpected'} tensor {bad!r}")
         model.eval().requires_grad_(False)
         engine = cls(model=model, tokenizer=files.tokenizer, config=cfg, name=preset.name if preset else cfg.name,
-                     source=files.source, load_s=0.0, from_cache=files.from_cache)
-        if adapter:
+                     source=files.source, load_s=0.0, from_cache=files.from_cache, adapter_choice=adapter)
+        if adapter and adapter != "none":
+            from studio.adapters import adapter_path
             from studio.engine.lora import attach_adapter
-            attach_adapter(engine, adapter)
+            attach_adapter(engine, adapter_path(adapter))
         engine.load_s = time.perf_counter() - t0
         return engine
+
+    def activate(self) -> None:
+        """Install this engine's adapter on the shared model (a no-op when it is already there)."""
+        if getattr(self.model, "active_adapter", None) is not self.lora:
+            from studio.engine.lora import install
+            install(self.model, self.lora)
+        self.model.config = self.config
+
+    def with_adapter(self, path: str | None) -> "Engine":
+        """This model with the adapter at `path` (None: no adapter), sharing the weights; made once per path."""
+        base = self._views.setdefault(None, self)
+        if path not in self._views:
+            from studio.engine.lora import load_adapter
+            loaded = load_adapter(self.model, path)
+            cfg = base.config if loaded.mask_token_id is None else \
+                dataclasses.replace(base.config, mask_token_id=loaded.mask_token_id)
+            self._views[path] = dataclasses.replace(base, config=cfg, adapter=loaded.path, lora=loaded,
+                                                    adapter_choice=loaded.path)
+        return self._views[path]
+
+    def for_strategy(self, strategy: str) -> "Engine":
+        """The engine a run of `strategy` uses: a fixed adapter choice applies to every strategy; otherwise
+        the adapter shipped for this model and strategy, if there is one."""
+        if self.adapter_choice is not None:
+            return self
+        from studio.adapters import shipped_for
+        return self.with_adapter(shipped_for(self.name, strategy))
 
     def model_meta(self) -> dict:
         p = self.model.lm_head.weight

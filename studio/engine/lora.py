@@ -202,26 +202,53 @@ def _check_targets(targets, lora: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 # attaching
 # ---------------------------------------------------------------------------------------------
-def attach_adapter(engine, path: str | Path) -> Adapter:
-    """Load the adapter at `path` onto engine.model (replacing any attached one); sets engine.adapter."""
+@dataclass
+class LoadedAdapter:
+    """An adapter checked against one model, its tensors on the model's device and dtype: what `install`
+    puts on the model (cheap, so engines sharing one model can switch adapters between steps)."""
+    path: str
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    scale: float
+    rows: torch.Tensor | None       # embedding rows appended after the base vocabulary
+    mask_token_id: int | None
+
+
+def load_adapter(model: nn.Module, path: str | Path) -> LoadedAdapter:
+    """Read `path` and check it against `model` (BadInput, and the model untouched, when it does not fit)."""
     adapter = read_adapter(path)
-    model = engine.model
-    # Check everything before changing anything: a refused adapter leaves the model as it was.
     modules = _fitting_modules(model, adapter)
-    new_rows = _new_embedding_rows(model, adapter)
-    detach_adapter(model)
-    for name, (A, B) in adapter.lora.items():
-        m = modules[name]
-        m.lora_A = A.to(device=m.weight.device, dtype=m.weight.dtype).contiguous()
-        m.lora_B = B.to(device=m.weight.device, dtype=m.weight.dtype).contiguous()
-        m.lora_scale = float(adapter.scale)
-    if new_rows is not None:
-        _append_embedding_rows(model, new_rows)
-    if adapter.mask_token_id is not None:
-        cfg = dataclasses.replace(model.config, mask_token_id=adapter.mask_token_id)
-        model.config = engine.config = cfg
-    engine.adapter = str(adapter.path)
-    return adapter
+    rows = _new_embedding_rows(model, adapter)
+    w = model.lm_head.weight
+    pairs = {name: (A.to(device=w.device, dtype=modules[name].weight.dtype).contiguous(),
+                    B.to(device=w.device, dtype=modules[name].weight.dtype).contiguous())
+             for name, (A, B) in adapter.lora.items()}
+    if rows is not None:
+        rows = rows.to(device=w.device, dtype=model.model.embed_tokens.weight.dtype)
+    return LoadedAdapter(str(adapter.path), pairs, float(adapter.scale), rows, adapter.mask_token_id)
+
+
+def install(model: nn.Module, loaded: LoadedAdapter | None) -> None:
+    """Put `loaded` on the model (None: the base model): LoRA on every adapted Linear, the others cleared,
+    its MASK rows in the embedding table. Rows left from another adapter stay: base tokens never read them."""
+    for name, m in model.named_modules():
+        if isinstance(m, Linear):
+            pair = loaded.modules.get(name) if loaded else None
+            m.lora_A, m.lora_B = pair if pair else (None, None)
+            m.lora_scale = loaded.scale if pair else 0.0
+    if loaded is not None and loaded.rows is not None:
+        _write_embedding_rows(model, loaded.rows)
+    model.active_adapter = loaded
+
+
+def attach_adapter(engine, path: str | Path) -> LoadedAdapter:
+    """Load the adapter at `path` onto engine.model (replacing any attached one); sets engine.adapter,
+    engine.lora and the MASK id of engine.config."""
+    loaded = load_adapter(engine.model, path)   # checks everything before changing anything
+    engine.lora, engine.adapter, engine.adapter_choice = loaded, loaded.path, loaded.path
+    if loaded.mask_token_id is not None:
+        engine.config = dataclasses.replace(engine.config, mask_token_id=loaded.mask_token_id)
+    engine.activate()
+    return loaded
 
 
 def _fitting_modules(model: nn.Module, adapter: Adapter) -> dict[str, Linear]:
@@ -270,11 +297,16 @@ def _new_embedding_rows(model: nn.Module, adapter: Adapter) -> torch.Tensor | No
     return rows
 
 
-def _append_embedding_rows(model: nn.Module, rows: torch.Tensor) -> None:
-    """Embedding table = base rows + `rows`; the head keeps the base rows (MASK is input-only)."""
+def _write_embedding_rows(model: nn.Module, rows: torch.Tensor) -> None:
+    """Rows V.. of the embedding table = `rows` (the table grows when it has fewer); the head keeps the
+    base rows (MASK is input-only)."""
     emb, head = model.model.embed_tokens, model.lm_head
     old = emb.weight
-    V = head.weight.shape[0]
+    V, k = head.weight.shape[0], rows.shape[0]
+    if old.shape[0] >= V + k:
+        with torch.no_grad():
+            old[V:V + k].copy_(rows)
+        return
     tied = head.weight.data_ptr() == old.data_ptr()
     table = torch.cat([old.detach()[:V], rows.to(device=old.device, dtype=old.dtype)])
     emb.weight = nn.Parameter(table, requires_grad=old.requires_grad)
@@ -285,10 +317,7 @@ def _append_embedding_rows(model: nn.Module, rows: torch.Tensor) -> None:
 
 def detach_adapter(model: nn.Module) -> None:
     """Remove the LoRA terms (the base model again). Added MASK rows stay: base tokens never read them."""
-    for m in model.modules():
-        if isinstance(m, Linear):
-            m.lora_A = m.lora_B = None
-            m.lora_scale = 0.0
+    install(model, None)
 
 
 def merge_adapter_weights(model: nn.Module) -> dict[str, torch.Tensor]:
