@@ -11,10 +11,11 @@ train_app = typer.Typer(no_args_is_help=True, help="Convert an AR model into a p
 
 def _progress(description: str, total: int):
     """A rich progress bar with the fields the training commands report."""
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     return Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=False)
+                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=Console(stderr=True))
 
 
 @train_app.command("data")
@@ -99,8 +100,6 @@ def _run_training(kind: str, data_dir: Path, out: Path, model: str, gate: str, r
         raise BadInput("--lr and --alpha must be positive")
     seqs = data.load_sequences(data_dir)
     engine = Engine.load(model)
-    if engine.config.mask_token_id is not None:
-        raise BadInput(f"model {engine.name!r} already has a MASK token: train adapters for AR models only")
     mask_id = engine.model.lm_head.weight.shape[0]
     if kind == "idlm":
         if cfg.stride < 2:
@@ -117,8 +116,11 @@ def _run_training(kind: str, data_dir: Path, out: Path, model: str, gate: str, r
         def tick(r) -> None:
             acc = " ".join(f"{a:.2f}" for a in r.accuracy[:max(1, r.width)])
             clean = "" if r.clean is None else f" clean {r.clean:.3f}"
-            bar.update(task, completed=r.step, info=f"loss {r.task:.3f}{clean} · acc {acc} · "
-                                                       f"{r.rows_per_s:.0f} rows/s · lr {r.lr:.1e}")
+            info = f"loss {r.task:.3f}{clean} · acc {acc} · {r.rows_per_s:.0f} rows/s · lr {r.lr:.1e}"
+            bar.update(task, completed=r.step, info=info)
+            if not bar.console.is_terminal and (r.step % 10 == 0 or r.step == cfg.steps):   # a log, not a bar
+                bar.console.print(f"step {r.step}/{cfg.steps} · {info} · {time.perf_counter() - t0:.0f} s",
+                                  highlight=False, markup=False)
 
         try:
             state = train(engine.model, seqs, objective, cfg, out, resume=resume, time_budget_s=budget, on_step=tick)
@@ -166,3 +168,40 @@ def block_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("def
     _run_training("block", data, out, model, gate, resume, time_budget, block_size=block_size, steps=steps,
                   batch_size=batch_size, rows_per_seq=rows, lr=lr, r=rank, alpha=alpha, seed=seed,
                   save_every=save_every)
+
+
+@train_app.command("eval")
+def eval_cmd(
+    adapter: str = typer.Argument(..., help="An adapter directory or a shipped adapter's name."),
+    model: str = typer.Option("default", "--model"),
+    strategies: Optional[str] = typer.Option(None, "--strategies", "-s",
+                                             help="Strategies/presets to run (default: those the adapter was trained for)."),
+    n_prompts: int = typer.Option(40, "--n-prompts", help="How many held-out prompts (never trained on)."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="A file of prompts, one per line, instead."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+):
+    """TPF, acceptance by draft position, tok/s vs ar and agreement with ar on held-out prompts (greedy)."""
+    import json
+
+    from studio.adapters import adapter_path
+    from studio.compare import parse_specs
+    from studio.engine.engine import Engine
+    from studio.errors import BadInput
+    from studio.train import evaluate, prompts as builtin
+
+    if n_prompts < 1 or max_new_tokens < 1:
+        raise BadInput("--n-prompts and --max-new-tokens must be >= 1")
+    path = adapter_path(adapter)
+    specs = parse_specs(strategies or evaluate.default_runs(path))
+    texts = builtin.read_prompt_file(prompts) if prompts else builtin.eval_prompts(n_prompts)
+    engine = Engine.load(model, adapter=path)
+    with _progress("eval", len(texts) * len(specs)) as bar:
+        task = bar.add_task("eval", total=len(texts) * len(specs), info="")
+        report = evaluate.evaluate(engine, texts, specs, max_new_tokens,
+                                   progress=lambda i, label: bar.update(task, advance=1, info=f"prompt {i + 1} {label}"))
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        typer.echo(f"{engine.name} + {path}: {len(texts)} held-out prompts, {max_new_tokens} new tokens, greedy\n")
+        typer.echo(evaluate.render(report))
