@@ -14,6 +14,7 @@ next-token loss auto-balanced against the masked loss (Eq. 2: L = L_mask + (L_ma
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,10 @@ class Batch:
     gate: torch.Tensor           # [B, R] LoRA on
     targets: torch.Tensor        # [B, R] IGNORE where a row predicts nothing
     slot: torch.Tensor           # [B, R] 1-based draft slot of each target (accuracy by slot), 0 = none
+
+
+    def to(self, device) -> "Batch":
+        return Batch(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
 
 
 @dataclass
@@ -101,11 +106,12 @@ class Objective:
 
     def loss(self, model, batch: Batch, n_slots: int) -> Losses:
         kv = TwoPassKV()
+        batch = batch.to(model.lm_head.weight.device)
         B, L = batch.clean.shape
-        pos = torch.arange(L)[None].expand(B, L)
+        pos = torch.arange(L, device=batch.clean.device)[None].expand(B, L)
         clean_loss = None
         if self.gate_all:
-            logits = model(batch.clean, pos, kv, lora_gate=torch.ones(B, L, dtype=torch.bool))
+            logits = model(batch.clean, pos, kv, lora_gate=torch.ones_like(batch.clean, dtype=torch.bool))
             clean_loss = F.cross_entropy(logits.flatten(0, 1), batch.clean_targets.flatten(), ignore_index=IGNORE)
         else:
             with torch.no_grad():   # the base model: its K/V are constants of this step
@@ -117,10 +123,11 @@ class Objective:
         if clean_loss is not None:
             total = task + (task.detach() / (clean_loss.detach() + 1e-8)) * clean_loss
         with torch.no_grad():
-            hit = (logits.argmax(-1) == batch.targets) & (batch.targets != IGNORE)
-            slot = batch.slot.clamp(max=n_slots)
+            hit = ((logits.argmax(-1) == batch.targets) & (batch.targets != IGNORE)).cpu()
+            slot = batch.slot.clamp(max=n_slots).cpu()
+            counted_rows = (batch.targets != IGNORE).cpu()
             correct = torch.zeros(n_slots + 1).index_add_(0, slot.flatten(), hit.flatten().float())[1:]
-            counted = torch.zeros(n_slots + 1).index_add_(0, slot.flatten(), (batch.targets != IGNORE).flatten().float())[1:]
+            counted = torch.zeros(n_slots + 1).index_add_(0, slot.flatten(), counted_rows.flatten().float())[1:]
         return Losses(total, float(task.detach()), None if clean_loss is None else float(clean_loss.detach()),
                       correct, counted)
 

@@ -46,9 +46,9 @@ class Trainable:
                 bound = 1 / math.sqrt(m.in_features)
                 A = (torch.rand(r, m.in_features, generator=gen) * 2 - 1) * bound
                 B = torch.zeros(m.out_features, r)
-            dtype = m.weight.dtype
-            m.lora_A = A.to(dtype).clone().requires_grad_(True)
-            m.lora_B = B.to(dtype).clone().requires_grad_(True)
+            like = dict(dtype=m.weight.dtype, device=m.weight.device)
+            m.lora_A = A.to(**like).clone().requires_grad_(True)
+            m.lora_B = B.to(**like).clone().requires_grad_(True)
             m.lora_scale = alpha / r
         emb = model.model.embed_tokens
         V = model.lm_head.weight.shape[0]
@@ -56,7 +56,7 @@ class Trainable:
             row = init.mask_embedding[0]
         else:  # the mean token embedding: a neutral start
             row = emb.weight[:V].detach().float().mean(0)
-        self.mask_row = row.to(emb.weight.dtype).clone().requires_grad_(True)
+        self.mask_row = row.to(dtype=emb.weight.dtype, device=emb.weight.device).clone().requires_grad_(True)
         self._base_embedding = emb
         model.model.embed_tokens = EmbeddingWithMask(emb, self.mask_row)
         self.mask_id = V
