@@ -31,24 +31,34 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class RowGate:
+    """Which rows of a forward get the LoRA term: the flat indices of the gated rows, or every row.
+    Built once per forward; every adapted Linear reads it."""
+
+    def __init__(self, gate: torch.Tensor):
+        self.rows = None if bool(gate.all()) else gate.flatten().nonzero().squeeze(1)
+
+
 class Linear(nn.Linear):
     """nn.Linear with an optional gated LoRA term (attached by studio.engine.lora).
 
-    Rows whose gate is False get exactly the base projection (the low-rank term is zeroed with
-    `where`, not multiplied, so inf/NaN in it cannot leak), which keeps R-ISD's clean rows and
-    their KV bit-identical to the base model.
+    The low-rank term is computed for the gated rows only (gathered, then added back with index_add), so
+    rows whose gate is off get exactly the base projection -- R-ISD's clean rows and their KV stay
+    bit-identical to the base model -- and a forward with 3 MASK rows of 7 pays for 3 rows of LoRA.
     """
     lora_A: torch.Tensor | None = None   # [r, in]
     lora_B: torch.Tensor | None = None   # [out, r]
     lora_scale: float = 0.0
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate: RowGate | None = None) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
         if self.lora_A is None or gate is None:
             return y
-        h = F.linear(x, self.lora_A)
-        h = torch.where(gate[..., None], h, torch.zeros((), dtype=h.dtype, device=h.device))
-        return y + F.linear(h, self.lora_B) * self.lora_scale
+        if gate.rows is None:
+            return y + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scale
+        flat = x.reshape(-1, x.shape[-1])
+        delta = F.linear(F.linear(flat[gate.rows], self.lora_A), self.lora_B) * self.lora_scale
+        return y.reshape(-1, y.shape[-1]).index_add(0, gate.rows, delta.to(y.dtype)).view_as(y)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -164,8 +174,8 @@ class Transformer(nn.Module):
         kv.begin(T)
         if mask is None and T > 1:
             mask = causal(T, kv.length, device=tokens.device)
-        if lora_gate is not None and not bool(lora_gate.any()):
-            lora_gate = None  # nothing gated on: take the plain path
+        # nothing gated on: the plain path; else the gated rows, found once for every layer
+        lora_gate = RowGate(lora_gate) if lora_gate is not None and bool(lora_gate.any()) else None
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
         cos, sin = emb.cos().to(self.lm_head.weight.dtype), emb.sin().to(self.lm_head.weight.dtype)
