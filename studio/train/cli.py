@@ -55,8 +55,15 @@ def data_cmd(
             rate = n_tokens / max(1e-9, time.perf_counter() - t0)
             bar.update(task, completed=done, info=f"{n_tokens} tokens · {rate:.0f} tok/s")
 
-        m = data.generate(engine, texts, out, max_new_tokens, batch_size=batch_size, resume=resume,
-                          progress=tick, meta={"prompts": source})
+        try:
+            m = data.generate(engine, texts, out, max_new_tokens, batch_size=batch_size, resume=resume,
+                              progress=tick, meta={"prompts": source})
+        except KeyboardInterrupt:
+            bar.stop()
+            kept = data.read_manifest(out)["shard_sizes"]
+            typer.echo(f"interrupted: {sum(kept)} sequences in {len(kept)} whole shards kept in {out}; "
+                       "continue with --resume", err=True)
+            raise typer.Exit(130)
     typer.echo(f"{out}: {sum(m['shard_sizes'])} sequences, {m['n_tokens']} tokens "
                f"({m['n_answer_tokens']} answer tokens) in {len(m['shards'])} shards")
 
