@@ -82,3 +82,20 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_goes_on(tmp_path, embedded_data):
     read_adapter(ad)                                     # the adapter files are whole
     r = cli(*args, "--steps", str(state["step"] + 2), "--resume", check_rc=0)
     assert f"step {state['step'] + 2}/{state['step'] + 2} (done)" in r.stdout
+
+
+def test_pack_writes_a_compact_shippable_copy(tmp_path):
+    import torch
+
+    from studio import adapters
+    from tests.adapters import random_mask_adapter
+    from tests.tiny import tiny_model
+    src = random_mask_adapter(tmp_path / "src", tiny_model("llama", dim=32))
+    r = cli("train", "pack", str(src), str(tmp_path / "packed"), "--strategies", "r-isd,isd", check_rc=0)
+    assert "in bf16" in r.stdout
+    a, b = read_adapter(src), read_adapter(tmp_path / "packed")
+    for name, (A, B) in a.lora.items():
+        assert b.lora[name][0].dtype == torch.bfloat16
+        assert torch.allclose(b.lora[name][0].float(), A, rtol=1e-2, atol=1e-3)
+    assert (tmp_path / "packed" / adapters.META).read_text() == 'model = "default"\nstrategies = ["r-isd", "isd"]\n'
+    assert_one_line_error(cli("train", "pack", str(src), str(tmp_path / "packed")), "exists")

@@ -212,3 +212,45 @@ def eval_cmd(
     else:
         typer.echo(f"{engine.name} + {path}: {len(texts)} held-out prompts, {max_new_tokens} new tokens, greedy\n")
         typer.echo(evaluate.render(report))
+
+
+@train_app.command("pack")
+def pack_cmd(
+    adapter: Path = typer.Argument(..., help="A trained adapter directory."),
+    out: Path = typer.Argument(..., help="Where to write the packed copy (must not exist)."),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16 | fp16 | fp32: the stored weights' type."),
+    strategies: Optional[str] = typer.Option(None, "--strategies",
+                                             help="Write studio.toml: the strategies that use it by default."),
+    model: str = typer.Option("default", "--model", help="studio.toml: the model preset it was trained for."),
+):
+    """A compact, shippable copy of an adapter: the PEFT files with weights in --dtype, the training
+    record (train_state.json, train_log.jsonl) alongside, optimizer moments left out."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from studio.engine.lora import CONFIG_FILE, WEIGHTS_FILE, read_adapter
+    from studio.engine.weights import _load_safetensors
+    from studio.errors import BadInput
+
+    types = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if dtype not in types:
+        raise BadInput(f"--dtype must be one of {', '.join(types)}, got {dtype!r}")
+    read_adapter(adapter)                      # a valid adapter, or one line and exit 2
+    if out.exists():
+        raise BadInput(f"{out} exists: choose a new directory")
+    out.mkdir(parents=True)
+    tensors = {k: v.to(types[dtype]).contiguous() for k, v in _load_safetensors(adapter / WEIGHTS_FILE).items()}
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    shutil.copy(adapter / CONFIG_FILE, out / CONFIG_FILE)
+    for f in ("train_state.json", "train_log.jsonl"):
+        if (adapter / f).is_file():
+            shutil.copy(adapter / f, out / f)
+    if strategies:
+        names = [s.strip() for s in strategies.split(",") if s.strip()]
+        (out / "studio.toml").write_text(f"model = {json.dumps(model)}\nstrategies = {json.dumps(names)}\n",
+                                         encoding="utf-8")
+    size = (out / WEIGHTS_FILE).stat().st_size / 1e6
+    typer.echo(f"{out}: {len(tensors)} tensors in {dtype}, {size:.1f} MB")
