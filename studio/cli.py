@@ -407,6 +407,10 @@ def models_info(spec: str = typer.Argument("default", help="'default', a model p
                f"(hidden i predicts token i+1)\nmask token:    {cfg.mask_token_id}\nblock size:    {cfg.block_size}")
     typer.echo(f"eos ids:       {engine.eos_ids()}\nload time:     {engine.load_s:.2f}s"
                f"{' (from cache)' if engine.from_cache else ''}")
+    from studio.adapters import shipped
+    for name, entry in shipped().items():
+        if entry["model"] == engine.name:
+            typer.echo(f"adapter:       {name} (used by {', '.join(entry['strategies'])}): {entry['description']}")
 
 
 def main() -> None:

@@ -8,7 +8,6 @@ from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import make_strategy
 from studio.presets import load_strategy_preset
 from studio.session import Session, Settings, encode_prompt
-from tests.adapters import random_mask_adapter
 from tests.prompts import PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -62,7 +61,7 @@ def test_greedy_isd_equals_greedy_ar_on_ten_prompts(default_engine, stride):
 
 
 # -------------------------------------------------------------------------------------------------
-# the exact strategies on a causal model: greedy r-isd (random adapter), jacobi and jacobi-mr == greedy ar
+# the exact strategies on a causal model: greedy r-isd (the shipped adapter), jacobi and jacobi-mr == greedy ar
 # -------------------------------------------------------------------------------------------------
 N_EXACT = 128
 
@@ -78,13 +77,14 @@ def ar_refs(default_engine):
 
 
 @pytest.fixture(scope="module")
-def adapted_engine(tmp_path_factory, default_engine):
-    """A second engine on the embedded model with a random adapter (LoRA on q/k/v/o/gate/up/down + a MASK row),
-    so the session-wide default_engine never carries one."""
-    path = random_mask_adapter(tmp_path_factory.mktemp("adapter") / "random", default_engine.model, seed=0)
-    engine = Engine.load("default", adapter=str(path))
-    assert default_engine.adapter is None
-    assert engine.config.mask_token_id == default_engine.config.vocab_size   # the adapter's own MASK row
+def adapted_engine():
+    """The embedded model as `dlm-studio run -s r-isd` loads it: with the R-ISD adapter shipped for it
+    (presets/adapters/smollm2-risd, trained: its drafts are accepted often, so every accept/reject/rollback
+    path runs), on an engine of its own so the session-wide default_engine never carries one."""
+    from studio.adapters import shipped_for
+    engine = Engine.load("default").for_strategy("r-isd")
+    assert engine.adapter == shipped_for("default", "r-isd") and engine.adapter.endswith("smollm2-risd")
+    assert engine.config.mask_token_id == engine.model.lm_head.weight.shape[0]   # the adapter's own MASK row
     return engine
 
 
@@ -96,14 +96,18 @@ def _preset_params(name):
 
 @pytest.mark.parametrize("name", ["r-isd", "jacobi", "jacobi-mr"])
 def test_greedy_exact_strategies_equal_greedy_ar_on_ten_prompts(request, default_engine, ar_refs, name):
-    """r-isd: stride 4 with the random adapter gated on at MASK rows only (the clean rows and their KV are
+    """r-isd: stride 4 with the shipped trained adapter gated on at MASK rows only (the clean rows and their KV are
     base-only); jacobi: the jacobi-n16 preset (n = 16, the default); jacobi-mr: the jacobi-mr-cpu preset."""
     if name == "r-isd":
         engine, params = request.getfixturevalue("adapted_engine"), {"stride": 4}
     else:
         engine, params = default_engine, _preset_params({"jacobi": "jacobi-n16", "jacobi-mr": "jacobi-mr-cpu"}[name])
+    accepted = verified = 0
     for prompt, ids, ar in ar_refs:
         got = _run(engine, name, ids, params, n=N_EXACT)
+        accepted += sum(len(e["pos"]) for e in got.events if e["t"] == "accept")
+        verified += sum(len(e["pos"]) for e in got.events if e["t"] == "accept") + \
+            sum(e["t"] == "reject" for e in got.events)
         # near-ties are judged on the base model: that is the law every one of these strategies follows
         assert_same_or_near_tie(default_engine, ids, ar, got.token_ids, f"{name} {prompt!r}")
         forwards = [e for e in got.events if e["t"] == "forward" and e["role"] != "prefill"]
@@ -113,3 +117,5 @@ def test_greedy_exact_strategies_equal_greedy_ar_on_ten_prompts(request, default
             assert all(f["lora_rows"] == 3 for f in forwards)   # the N-1 MASK rows, never a clean row
         else:
             assert all(f["role"] == "jacobi" and f["lora_rows"] == 0 for f in forwards)
+    if name == "r-isd":   # the trained adapter's drafts are mostly accepted: exactness under real acceptance
+        assert accepted > 0.4 * verified, (accepted, verified)

@@ -97,5 +97,6 @@ def test_pack_writes_a_compact_shippable_copy(tmp_path):
     for name, (A, B) in a.lora.items():
         assert b.lora[name][0].dtype == torch.bfloat16
         assert torch.allclose(b.lora[name][0].float(), A, rtol=1e-2, atol=1e-3)
-    assert (tmp_path / "packed" / adapters.META).read_text() == 'model = "default"\nstrategies = ["r-isd", "isd"]\n'
+    assert (tmp_path / "packed" / adapters.META).read_text() == \
+        'model = "default"\nstrategies = ["r-isd", "isd"]\ndescription = ""\n'
     assert_one_line_error(cli("train", "pack", str(src), str(tmp_path / "packed")), "exists")

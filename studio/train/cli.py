@@ -222,6 +222,7 @@ def pack_cmd(
     strategies: Optional[str] = typer.Option(None, "--strategies",
                                              help="Write studio.toml: the strategies that use it by default."),
     model: str = typer.Option("default", "--model", help="studio.toml: the model preset it was trained for."),
+    description: str = typer.Option("", "--description", help="studio.toml: one line about it."),
 ):
     """A compact, shippable copy of an adapter: the PEFT files with weights in --dtype, the training
     record (train_state.json, train_log.jsonl) alongside, optimizer moments left out."""
@@ -250,7 +251,7 @@ def pack_cmd(
             shutil.copy(adapter / f, out / f)
     if strategies:
         names = [s.strip() for s in strategies.split(",") if s.strip()]
-        (out / "studio.toml").write_text(f"model = {json.dumps(model)}\nstrategies = {json.dumps(names)}\n",
-                                         encoding="utf-8")
+        (out / "studio.toml").write_text(f"model = {json.dumps(model)}\nstrategies = {json.dumps(names)}\n"
+                                         f"description = {json.dumps(description)}\n", encoding="utf-8")
     size = (out / WEIGHTS_FILE).stat().st_size / 1e6
     typer.echo(f"{out}: {len(tensors)} tensors in {dtype}, {size:.1f} MB")
