@@ -79,7 +79,7 @@ class Engine:
         if getattr(self.model, "active_adapter", None) is not self.lora:
             from studio.engine.lora import install
             install(self.model, self.lora)
-        self.model.config = self.config
+            self.model.config = self.config
 
     def with_adapter(self, path: str | None) -> "Engine":
         """This model with the adapter at `path` (None: no adapter), sharing the weights; made once per path."""
