@@ -9,8 +9,8 @@ CPU the clean pass of an R-ISD adapter is the base model: no gradient, computed 
 a sample of noisy blocks needs a backward. `noisy_rows_mask` is the noisy rows' part of the layout over
 [clean K/V | noisy rows], for blocks starting anywhere (inference opens a block after any token); with
 the aligned starts 0, b, 2b, … it is exactly App. E's noisy rows (a test checks it against a brute-force
-reading of the reference's `allowed`). `block_rows_mask` is the block-diffusion variant: bidirectional
-inside a block, as `blockdiff`, `s2d2` and `simsd` draft.
+reading of the reference's `allowed`). With `bidirectional=True` it is the block-diffusion variant:
+bidirectional inside a block, as `blockdiff`, `s2d2` and `simsd` draft.
 """
 from __future__ import annotations
 
@@ -42,11 +42,6 @@ def noisy_rows_mask(starts: list[int], b: int, n_clean: int, bidirectional: bool
     same = row_blk[:, None] == row_blk[None, :]
     own = same if bidirectional else same & (row_off[None, :] <= row_off[:, None])
     return torch.cat([see_clean, own], dim=1)
-
-
-def block_rows_mask(starts: list[int], b: int, n_clean: int) -> torch.Tensor:
-    """Block diffusion: like `noisy_rows_mask`, bidirectional inside each block."""
-    return noisy_rows_mask(starts, b, n_clean, bidirectional=True)
 
 
 def block_positions(starts: list[int], b: int) -> torch.Tensor:

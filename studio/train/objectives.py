@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from studio.train.data import Sequence
-from studio.train.layout import block_positions, block_rows_mask, noisy_rows_mask
+from studio.train.layout import block_positions, noisy_rows_mask
 
 IGNORE = -100
 
@@ -74,6 +74,7 @@ class Losses:
 class Objective:
     gate_all: bool
     mask_id: int
+    bidirectional = False        # noisy rows see their whole block (block diffusion) or a causal prefix (I-DLM)
 
     def block_width(self, progress: float) -> int:
         raise NotImplementedError
@@ -98,8 +99,7 @@ class Objective:
             parts.append(self.rows(s, n_blocks, width, gen))
         starts = [p[0] for p in parts]
         noisy = torch.stack([p[1] for p in parts])
-        bidirectional = isinstance(self, Block)
-        mask = torch.stack([(block_rows_mask if bidirectional else noisy_rows_mask)(st, width, L) for st in starts])
+        mask = torch.stack([noisy_rows_mask(st, width, L, self.bidirectional) for st in starts])
         gate = torch.ones_like(noisy, dtype=torch.bool) if self.gate_all else noisy == self.mask_id
         return Batch(clean, clean_t, noisy, torch.stack([block_positions(st, width) for st in starts]), mask,
                      gate, torch.stack([p[2] for p in parts]), torch.stack([p[3] for p in parts]))
@@ -162,6 +162,8 @@ class IDLM(Objective):
 
 
 class Block(Objective):
+    bidirectional = True
+
     def __init__(self, mask_id: int, gate_all: bool, block_size: int, shift: bool):
         self.mask_id, self.gate_all, self.size, self.shift = mask_id, gate_all, block_size, shift
 
