@@ -184,6 +184,28 @@ def test_resume_continues_exactly_where_an_uninterrupted_run_would_be(tmp_path):
               tmp_path / "whole", resume=True)
 
 
+def test_init_starts_from_a_trained_adapter_with_a_new_schedule(tmp_path):
+    engine = _ar_engine(seed=5)
+    seqs = _seqs(engine, n=16)
+    cfg = TrainConfig(kind="idlm", gate="mask", steps=12, batch_size=4, rows_per_seq=6, r=2, alpha=4, lr=1e-2,
+                      save_every=12)
+    first = []
+    train(tiny_model("llama", vocab=V, seed=5), seqs, IDLM(V, False), cfg, tmp_path / "a", on_step=first.append)
+    warm = dataclasses.replace(cfg, gate="all", steps=2, start_stride=4, init=str(tmp_path / "a"))
+    cont = []
+    state = train(tiny_model("llama", vocab=V, seed=5), seqs, IDLM(V, True, curriculum=(4,)), warm,
+                  tmp_path / "b", on_step=cont.append)
+    assert state["step"] == 2 and state["config"]["init"] == str(tmp_path / "a")
+    assert cont[0].lr > first[-1].lr and cont[0].width == 3       # a schedule of its own, N = 4 from the start
+    fresh = []
+    train(tiny_model("llama", vocab=V, seed=5), seqs, IDLM(V, True, curriculum=(4,)),
+          dataclasses.replace(warm, init=None), tmp_path / "c", on_step=fresh.append)
+    assert cont[0].task < fresh[0].task                           # the same first batch, a trained start
+    with pytest.raises(BadInput, match="has rank 2"):
+        train(tiny_model("llama", vocab=V, seed=5), seqs, IDLM(V, True), dataclasses.replace(warm, r=4),
+              tmp_path / "d")
+
+
 @pytest.mark.filterwarnings("ignore:Unexpected keyword arguments")   # peft ignores our mask_token_id
 def test_the_saved_adapter_loads_in_peft_on_the_transformers_model_of_the_same_weights(tmp_path):
     pytest.importorskip("peft")

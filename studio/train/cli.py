@@ -109,9 +109,9 @@ def _run_training(kind: str, data_dir: Path, out: Path, model: str, gate: str, r
     engine = Engine.load(model)
     mask_id = engine.model.lm_head.weight.shape[0]
     if kind == "idlm":
-        if cfg.stride < 2:
-            raise BadInput("--stride must be >= 2")
-        objective = IDLM(mask_id, gate == "all", curriculum=tuple(range(2, cfg.stride + 1)))
+        if not 2 <= cfg.start_stride <= cfg.stride:
+            raise BadInput(f"the curriculum needs 2 <= --start-stride <= --stride, got {cfg.start_stride}..{cfg.stride}")
+        objective = IDLM(mask_id, gate == "all", curriculum=tuple(range(cfg.start_stride, cfg.stride + 1)))
     else:
         if cfg.block_size < 2:
             raise BadInput("--block-size must be >= 2")
@@ -121,7 +121,7 @@ def _run_training(kind: str, data_dir: Path, out: Path, model: str, gate: str, r
         task = bar.add_task("train", total=cfg.steps, info="")
 
         def tick(r) -> None:
-            acc = " ".join(f"{a:.2f}" for a in r.accuracy[:max(1, r.width)])
+            acc = " ".join(f"{a:.2f}" for a in r.accuracy)
             clean = "" if r.clean is None else f" clean {r.clean:.3f}"
             info = f"loss {r.task:.3f}{clean} · acc {acc} · {r.rows_per_s:.0f} rows/s · lr {r.lr:.1e}"
             bar.update(task, completed=r.step, info=info)
@@ -152,29 +152,40 @@ SEED = typer.Option(0, "--seed")
 SAVE_EVERY = typer.Option(25, "--save-every", help="Checkpoint every this many steps.")
 BUDGET = typer.Option(None, "--time-budget", help="Stop (and checkpoint) after this long: 90s, 45m, 2h.")
 RESUME = typer.Option(False, "--resume", help="Continue the run in --out where it stopped.")
+INIT = typer.Option(None, "--init", help="Start from this adapter's LoRA and MASK row (same rank; a new "
+                    "optimizer and schedule), e.g. an r-isd adapter on to --gate all.")
 
 
 @train_app.command("idlm")
 def idlm_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("default", "--model"), gate: str = GATE,
-             stride: int = typer.Option(4, "--stride", help="The last stage of the curriculum N = 2 .. stride."),
+             stride: int = typer.Option(4, "--stride", help="The last stage of the curriculum N = start .. stride."),
+             start_stride: int = typer.Option(2, "--start-stride", help="The first stage of the curriculum."),
              steps: int = STEPS, batch_size: int = BATCH, rows: int = ROWS, lr: float = LR, rank: int = RANK,
              alpha: float = ALPHA, seed: int = SEED, save_every: int = SAVE_EVERY,
-             time_budget: Optional[str] = BUDGET, resume: bool = RESUME):
+             time_budget: Optional[str] = BUDGET, resume: bool = RESUME, init: Optional[Path] = INIT):
     """The introspective-consistency recipe (I-DLM App. E): adapters for isd (--gate all) and r-isd (--gate mask)."""
-    _run_training("idlm", data, out, model, gate, resume, time_budget, stride=stride, steps=steps,
-                  batch_size=batch_size, rows_per_seq=rows, lr=lr, r=rank, alpha=alpha, seed=seed,
-                  save_every=save_every)
+    _run_training("idlm", data, out, model, gate, resume, time_budget, stride=stride, start_stride=start_stride,
+                  steps=steps, batch_size=batch_size, rows_per_seq=rows, lr=lr, r=rank, alpha=alpha, seed=seed,
+                  save_every=save_every, init=_init_path(init))
 
 
 @train_app.command("block")
 def block_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("default", "--model"), gate: str = GATE,
               block_size: int = typer.Option(4, "--block-size"), steps: int = STEPS, batch_size: int = BATCH,
               rows: int = ROWS, lr: float = LR, rank: int = RANK, alpha: float = ALPHA, seed: int = SEED,
-              save_every: int = SAVE_EVERY, time_budget: Optional[str] = BUDGET, resume: bool = RESUME):
+              save_every: int = SAVE_EVERY, time_budget: Optional[str] = BUDGET, resume: bool = RESUME,
+              init: Optional[Path] = INIT):
     """Block diffusion (SDAR-style, random mask ratios): an adapter for blockdiff, s2d2 and simsd."""
     _run_training("block", data, out, model, gate, resume, time_budget, block_size=block_size, steps=steps,
                   batch_size=batch_size, rows_per_seq=rows, lr=lr, r=rank, alpha=alpha, seed=seed,
-                  save_every=save_every)
+                  save_every=save_every, init=_init_path(init))
+
+
+def _init_path(init: Optional[Path]) -> Optional[str]:
+    """--init as recorded in train_state.json: a shipped adapter's name or a directory, made absolute."""
+    from studio.adapters import adapter_path
+
+    return None if init is None else str(Path(adapter_path(str(init))).resolve())
 
 
 @train_app.command("eval")
@@ -205,8 +216,13 @@ def eval_cmd(
     engine = Engine.load(model, adapter=path)
     with _progress("eval", len(texts) * len(specs)) as bar:
         task = bar.add_task("eval", total=len(texts) * len(specs), info="")
-        report = evaluate.evaluate(engine, texts, specs, max_new_tokens,
-                                   progress=lambda i, label: bar.update(task, advance=1, info=f"prompt {i + 1} {label}"))
+
+        def tick(i: int, label: str) -> None:
+            bar.update(task, advance=1, info=f"prompt {i + 1} {label}")
+            if not bar.console.is_terminal and label == specs[-1].label:   # a log line per prompt, not a bar
+                bar.console.print(f"eval: prompt {i + 1}/{len(texts)} done", highlight=False, markup=False)
+
+        report = evaluate.evaluate(engine, texts, specs, max_new_tokens, progress=tick)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     else:

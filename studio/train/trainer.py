@@ -15,7 +15,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable
 
@@ -44,10 +44,12 @@ class TrainConfig:
     r: int = 16
     alpha: float = 32.0
     seed: int = 0
-    stride: int = 4              # idlm: the last curriculum stage N (curriculum 2 .. N)
+    stride: int = 4              # idlm: the last curriculum stage N (curriculum start_stride .. N)
+    start_stride: int = 2        # idlm: the first stage (= stride: train at N only, e.g. from --init)
     block_size: int = 4          # block
     save_every: int = 25
     max_len: int = 320           # sequences are cut to this many tokens
+    init: str | None = None      # an adapter to start from (its LoRA and MASK row; fresh optimizer and schedule)
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -119,7 +121,8 @@ def train(model, seqs: list[Sequence], objective: Objective, cfg: TrainConfig, o
             torch.nn.utils.clip_grad_norm_([t for _, t in tensors], 1.0)
             opt.step()
             step += 1
-            acc = (losses.correct / losses.counted.clamp(min=1)).tolist()
+            n_counted = int(losses.counted.nonzero().max()) + 1 if losses.counted.any() else 0
+            acc = (losses.correct / losses.counted.clamp(min=1))[:n_counted].tolist()   # slots this objective has
             report = StepReport(step, float(losses.total.detach()), losses.task, losses.clean, lr, width, acc,
                                 int((batch.targets != -100).sum()) / max(1e-9, time.perf_counter() - t0))
             state["step"] = step
@@ -149,7 +152,8 @@ def _start(root: Path, cfg: TrainConfig, n_seqs: int, resume: bool):
             raise BadInput(f"nothing to resume in {root} (no {STATE_JSON})")
         state = json.loads(f.read_text(encoding="utf-8"))
         saved = state.get("config", {})
-        differ = [k for k, v in asdict(cfg).items() if k != "steps" and saved.get(k) != v]
+        defaults = {f.name: f.default for f in fields(TrainConfig)}   # settings added since it was saved
+        differ = [k for k, v in asdict(cfg).items() if k != "steps" and saved.get(k, defaults[k]) != v]
         if differ:
             raise BadInput(f"cannot resume {root}: it was trained with {differ[0]}={saved.get(differ[0])!r}, "
                            f"now {getattr(cfg, differ[0])!r}")
@@ -157,9 +161,14 @@ def _start(root: Path, cfg: TrainConfig, n_seqs: int, resume: bool):
         return state, read_adapter(root)
     if (root / STATE_JSON).exists():
         raise BadInput(f"{root} already holds a training run: --resume to continue it, or another --out")
+    init = None
+    if cfg.init is not None:
+        init = read_adapter(cfg.init)
+        if init.r != cfg.r:
+            raise BadInput(f"--init {cfg.init} has rank {init.r}; train it on with --rank {init.r}")
     root.mkdir(parents=True, exist_ok=True)
     (root / LOG).write_text("", encoding="utf-8")
-    return {"config": asdict(cfg), "step": 0, "n_sequences": n_seqs}, None
+    return {"config": asdict(cfg), "step": 0, "n_sequences": n_seqs}, init
 
 
 def _save(root: Path, trainable: Trainable, opt, tensors, state: dict) -> None:
