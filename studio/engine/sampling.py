@@ -17,11 +17,15 @@ Verification rules (`verify_chain`), applied to drafts d_0..d_{k-1} left to righ
 With tau = 0 the sampled and deterministic rules are exact (the committed token is distributed as p); tau > 0
 is the lossy relaxed acceptance of the I-DLM paper. Randomness comes only from the caller's generator: one
 `torch.rand(1, generator=gen)` per verified draft, in order, then one multinomial draw for a correction.
+`verify_chain_with_noise` applies the same rules to randomness the caller supplies (one uniform per draft and
+one row of Gumbel noise per draft, the correction being a Gumbel-max draw): the oracle of the fused Triton
+kernel (`studio.engine.kernels`), which takes the same uniforms and noise.
 """
 from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -175,26 +179,29 @@ def p_minus_draft_distribution(p: Tensor, d: int) -> Tensor | None:
 
 
 def _uniform(gen: torch.Generator) -> float:
-    return float(torch.rand(1, generator=gen).item())
+    return float(torch.rand(1, generator=gen, device=gen.device).item())
 
 
-def _accepts(u: float, p_d: float, q_d: float, tau: float, gamma: float) -> bool:
-    if gamma == 1.0:
-        # u < min(1, (1+tau) p/q) written without a division; u < 1 makes the min implicit. Python floats are
-        # float64, so u * q_d (two float32 values) is exact. For deterministic drafts q_d = 1.
-        return u * q_d < (1.0 + tau) * p_d
-    return q_d > 0 and u < min(1.0, ((1.0 + tau) * p_d / q_d) ** gamma)
+def gumbel_noise(shape: tuple[int, ...], gen: torch.Generator) -> Tensor:
+    """Standard Gumbel noise -log(-log(u)), float32, on the generator's device. Always finite: u = 0 is raised to
+    the smallest normal float, so a zero-probability token can never win a `gumbel_max` draw by a -inf tie."""
+    u = torch.rand(shape, generator=gen, device=gen.device).clamp_(min=torch.finfo(torch.float32).tiny)
+    return -torch.log(-torch.log(u))
 
 
-def verify_chain(drafts: list[int], p: Tensor, q: Tensor | None, proposal: Proposal, params: SamplingParams,
-                 gen: torch.Generator, tau: float = 0.0, reference: bool = False, gamma: float = 1.0) -> ChainResult:
-    """Verify drafts d_0..d_{k-1} left to right; stop at the first rejection.
+def gumbel_max(dist: Tensor, noise: Tensor) -> int:
+    """One draw from the (not necessarily normalised) row `dist`: argmax of log(dist) + noise, lowest index on
+    ties. With standard Gumbel noise this is distributed as dist / dist.sum()."""
+    return int(torch.argmax(torch.log(dist.to(torch.float32)) + noise).item())
 
-    p[i] is the processed target distribution at draft i and q[i] the processed distribution draft i was drawn
-    from (ignored for deterministic drafts unless reference=True). p and q may have more rows than there are
-    drafts (e.g. a bonus position); the extra rows are ignored. See the module docstring for the rules.
-    gamma != 1 is S2D2's lossy tempering: accept iff u < min(1, ((1+tau) p(d)/q(d))^gamma).
-    """
+
+def scores_with_q(proposal: Proposal, params: SamplingParams, reference: bool) -> bool:
+    """Whether verification reads the draft distribution q: sampled drafts, and the reference scoring."""
+    return not params.greedy and (proposal is Proposal.SAMPLED or reference)
+
+
+def check_chain_args(drafts, p: Tensor, q: Tensor | None, uses_q: bool, tau: float, gamma: float) -> list[int]:
+    """Validate a chain's arguments (p and q: [>= k, V] probabilities or logits); returns the drafts as ints."""
     drafts = [int(d) for d in drafts]
     k = len(drafts)
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or math.isnan(tau) or tau < 0:
@@ -206,13 +213,40 @@ def verify_chain(drafts: list[int], p: Tensor, q: Tensor | None, proposal: Propo
     vocab = p.shape[1]
     if any(d < 0 or d >= vocab for d in drafts):
         raise ValueError(f"draft token out of range [0, {vocab}): {drafts}")
-    uses_q = not params.greedy and (proposal is Proposal.SAMPLED or reference)
     if uses_q:
         if q is None:
             raise ValueError("q is required for sampled drafts and for reference scoring")
         if q.dim() != 2 or q.shape[0] < k or q.shape[1] != vocab:
             raise ValueError(f"q must be [>= {k}, {vocab}], got shape {tuple(q.shape)}")
+    return drafts
 
+
+def check_noise(params: SamplingParams, uniforms: Tensor | None, gumbel: Tensor | None, k: int, vocab: int) -> None:
+    """Sampled verification of k drafts needs uniforms [>= k] and gumbel [>= k, vocab]; greedy needs neither."""
+    if params.greedy:
+        return
+    if uniforms is None or gumbel is None:
+        raise ValueError("sampled verification needs uniforms and gumbel noise")
+    if uniforms.numel() < k or gumbel.dim() != 2 or gumbel.shape[0] < k or gumbel.shape[1] != vocab:
+        raise ValueError(f"uniforms must be [>= {k}] and gumbel [>= {k}, {vocab}], "
+                         f"got {tuple(uniforms.shape)} and {tuple(gumbel.shape)}")
+
+
+def _accepts(u: float, p_d: float, q_d: float, tau: float, gamma: float) -> bool:
+    if gamma == 1.0:
+        # u < min(1, (1+tau) p/q) written without a division; u < 1 makes the min implicit. Python floats are
+        # float64, so u * q_d (two float32 values) is exact. For deterministic drafts q_d = 1.
+        return u * q_d < (1.0 + tau) * p_d
+    return q_d > 0 and u < min(1.0, ((1.0 + tau) * p_d / q_d) ** gamma)
+
+
+def _verify(drafts, p: Tensor, q: Tensor | None, proposal: Proposal, params: SamplingParams,
+            uniform: Callable[[int], float], draw: Callable[[Tensor, int], int],
+            tau: float, reference: bool, gamma: float) -> ChainResult:
+    """The rules of `verify_chain`, with the randomness injected: uniform(i) is the uniform of draft i, and
+    draw(dist, i) draws the correction at draft i from the row `dist`. Both are called only when needed."""
+    uses_q = scores_with_q(proposal, params, reference)
+    drafts = check_chain_args(drafts, p, q, uses_q, tau, gamma)
     result = ChainResult(n_accepted=0, correction=None)
 
     for i, d in enumerate(drafts):
@@ -234,8 +268,7 @@ def verify_chain(drafts: list[int], p: Tensor, q: Tensor | None, proposal: Propo
             result.correction, result.resampled_from = target, "argmax"
             return result
 
-        u = _uniform(gen)
-        if _accepts(u, p_d, q_d, tau, gamma):
+        if _accepts(uniform(i), p_d, q_d, tau, gamma):
             result.n_accepted += 1
             continue
 
@@ -245,7 +278,31 @@ def verify_chain(drafts: list[int], p: Tensor, q: Tensor | None, proposal: Propo
             dist, source = p_minus_draft_distribution(p[i], d), "p_minus_draft"
         if dist is None:
             dist, source = p[i], "p"
-        result.correction, result.resampled_from = sample(dist, gen), source
+        result.correction, result.resampled_from = draw(dist, i), source
         return result
 
     return result
+
+
+def verify_chain(drafts: list[int], p: Tensor, q: Tensor | None, proposal: Proposal, params: SamplingParams,
+                 gen: torch.Generator, tau: float = 0.0, reference: bool = False, gamma: float = 1.0) -> ChainResult:
+    """Verify drafts d_0..d_{k-1} left to right; stop at the first rejection.
+
+    p[i] is the processed target distribution at draft i and q[i] the processed distribution draft i was drawn
+    from (ignored for deterministic drafts unless reference=True). p and q may have more rows than there are
+    drafts (e.g. a bonus position); the extra rows are ignored. See the module docstring for the rules.
+    gamma != 1 is S2D2's lossy tempering: accept iff u < min(1, ((1+tau) p(d)/q(d))^gamma).
+    """
+    return _verify(drafts, p, q, proposal, params, uniform=lambda i: _uniform(gen),
+                   draw=lambda dist, i: sample(dist, gen), tau=tau, reference=reference, gamma=gamma)
+
+
+def verify_chain_with_noise(drafts: list[int], p: Tensor, q: Tensor | None, proposal: Proposal,
+                            params: SamplingParams, uniforms: Tensor | None, gumbel: Tensor | None, tau: float = 0.0,
+                            reference: bool = False, gamma: float = 1.0) -> ChainResult:
+    """`verify_chain` with explicit randomness: uniforms[i] is draft i's uniform and a correction at draft i is
+    `gumbel_max(dist, gumbel[i])`. uniforms [>= k] and gumbel [>= k, V] (finite: see `gumbel_noise`) may be None
+    when greedy, which uses no randomness."""
+    check_noise(params, uniforms, gumbel, len(drafts), p.shape[-1])
+    return _verify(drafts, p, q, proposal, params, uniform=lambda i: float(uniforms[i].item()),
+                   draw=lambda dist, i: gumbel_max(dist, gumbel[i]), tau=tau, reference=reference, gamma=gamma)
