@@ -76,3 +76,19 @@ class KVCache:
         self.length = to_len
         self.written = 0
         return old, to_len
+
+
+class SlotView:
+    """A KVCache seen through fixed shapes, as a CUDA graph needs them: a forward writes its new K/V at
+    the slots held in the device tensor `slots` [T] and attends over the first `n_visible` slots (a
+    fixed bucket, whose stale and unwritten slots the caller's mask hides). The host-side lengths are
+    the cache's own business: the caller still calls `begin` and `commit`."""
+
+    def __init__(self, kv: KVCache, slots: torch.Tensor, n_visible: int):
+        self.kv, self.slots, self.n_visible = kv, slots, n_visible
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.kv.k[layer], self.kv.v[layer]
+        keys.index_copy_(2, self.slots, k)
+        values.index_copy_(2, self.slots, v)
+        return keys[:, :, :self.n_visible], values[:, :, :self.n_visible]

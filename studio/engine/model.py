@@ -33,10 +33,12 @@ class RMSNorm(nn.Module):
 
 class RowGate:
     """Which rows of a forward get the LoRA term: the flat indices of the gated rows, or every row.
-    Built once per forward; every adapted Linear reads it."""
+    Built once per forward; every adapted Linear reads it. `dense=True` (CUDA graphs) takes a 0/1
+    float gate instead: every row computes the low-rank term, times its gate -- fixed shapes, no nonzero()."""
 
-    def __init__(self, gate: torch.Tensor):
-        self.rows = None if bool(gate.all()) else gate.flatten().nonzero().squeeze(1)
+    def __init__(self, gate: torch.Tensor, dense: bool = False):
+        self.mult = gate[..., None] if dense else None   # [B, T, 1]
+        self.rows = None if dense or bool(gate.all()) else gate.flatten().nonzero().squeeze(1)
 
 
 class Linear(nn.Linear):
@@ -55,7 +57,8 @@ class Linear(nn.Linear):
         if self.lora_A is None or gate is None:
             return y
         if gate.rows is None:
-            return y + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scale
+            delta = F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scale
+            return y + delta if gate.mult is None else y + delta * gate.mult   # gate 0: y + 0 == y exactly
         flat = x.reshape(-1, x.shape[-1])
         delta = F.linear(F.linear(flat[gate.rows], self.lora_A), self.lora_B) * self.lora_scale
         return y.reshape(-1, y.shape[-1]).index_add(0, gate.rows, delta.to(y.dtype)).view_as(y)
@@ -175,14 +178,22 @@ class Transformer(nn.Module):
         if mask is None and T > 1:
             mask = causal(T, kv.length, device=tokens.device)
         # nothing gated on: the plain path; else the gated rows, found once for every layer
-        lora_gate = RowGate(lora_gate) if lora_gate is not None and bool(lora_gate.any()) else None
+        gate = RowGate(lora_gate) if lora_gate is not None and bool(lora_gate.any()) else None
+        rows = None if logits_rows is None else torch.as_tensor(logits_rows, device=tokens.device)
+        return self.run(tokens, positions, kv, mask, gate, rows)
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, kv, mask: torch.Tensor | None,
+            gate: RowGate | None, rows: torch.Tensor | None) -> torch.Tensor:
+        """The forward proper, on prepared inputs: tokens, positions [B, T]; `kv` anything whose
+        write(layer, k, v) stores the new K/V and returns what to attend over -- the KVCache, or a
+        fixed-shape `SlotView` of it (studio.engine.graphs captures this call on one)."""
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
         cos, sin = emb.cos().to(self.lm_head.weight.dtype), emb.sin().to(self.lm_head.weight.dtype)
 
         x = self.model.embed_tokens(tokens)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, kv, i, mask, lora_gate)
-        if logits_rows is not None:
-            x = x[:, torch.as_tensor(logits_rows, device=x.device)]
+            x = layer(x, cos, sin, kv, i, mask, gate)
+        if rows is not None:
+            x = x[:, rows]
         return self.lm_head(self.model.norm(x)).float()
