@@ -2,6 +2,9 @@
 
 For every prompt and repeat, every strategy runs once in turn, so slow drifts of the machine hit all
 strategies alike. Speedups are per-prompt ratios of medians; spread is reported, never hidden.
+Under `--oracle-accept P` (runs whose settings carry `oracle_accept`) accept decisions are Bernoulli(P) draws:
+the engine's efficiency (speedup / TPF) at a controlled acceptance, with the expected TPF beside the measured
+one where a strategy knows it; the outputs are not the model's, so agreement with ar is not reported.
 """
 from __future__ import annotations
 
@@ -69,10 +72,11 @@ def hf_generate(engine, prompt_ids: list[int], n_new: int, exact_length: bool = 
     """Greedy `transformers` generate on our weights; the new token ids. The attention mask is explicit:
     transformers would otherwise take prompt tokens equal to its pad id for padding."""
     import torch
-    x = torch.tensor([prompt_ids])
+    model = _hf_model(engine)
+    x = torch.tensor([prompt_ids], device=model.device)
     with torch.inference_mode():
-        out = _hf_model(engine).generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n_new,
-                                         min_new_tokens=n_new if exact_length else None, do_sample=False)
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n_new,
+                             min_new_tokens=n_new if exact_length else None, do_sample=False)
     return out[0, len(prompt_ids):].tolist()
 
 
@@ -95,7 +99,8 @@ _HF_CACHE: dict = {}
 
 
 def _hf_model(engine):
-    """A transformers model sharing our weights (built once per engine)."""
+    """A transformers model with our weights, on our device in our dtype (built once per engine)."""
+    import torch
     import transformers as tf
     key = id(engine)
     if key not in _HF_CACHE:
@@ -107,7 +112,9 @@ def _hf_model(engine):
                   max_position_embeddings=c.max_seq_len, rms_norm_eps=c.rms_eps, rope_theta=c.rope_theta,
                   rope_scaling=c.rope_scaling, tie_word_embeddings=c.tie_embeddings,
                   eos_token_id=engine.eos_ids() or None, pad_token_id=(engine.eos_ids() or [0])[0], **extra)
-        model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+        w = engine.model.lm_head.weight
+        with torch.device(w.device):
+            model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=w.dtype).eval()
         model.load_state_dict(engine.model.state_dict(), strict=False)
         _HF_CACHE[key] = model
     return _HF_CACHE[key]
@@ -122,8 +129,9 @@ def run_bench(engine, prompts: list[str], specs: list[RunSpec], make_run, repeat
     with `label, strategy, params`, spreads (`median, min, max, n`) of `tok_s`, `tpf`, `accept_rate` (None
     when the strategy verifies nothing) over every sample, `speedup_vs_ar` and `speedup_vs_transformers`
     (spreads over prompts of median(strategy tok/s) / median(baseline tok/s) on that prompt),
-    `exact_match_vs_ar` (share of runs whose tokens equal ar's on the same prompt and repeat) and
-    `per_prompt` (the raw samples, one entry per repeat)."""
+    `exact_match_vs_ar` (share of runs whose tokens equal ar's on the same prompt and repeat; None for every
+    run but ar under the oracle), `expected_tpf` (under the oracle, `Strategy.expected_tpf(P)`, else None) and
+    `per_prompt` (the raw samples, one entry per repeat); `oracle_accept` (P, or None)."""
     specs = sorted(specs, key=lambda s: s.strategy != "ar")  # ar first on every prompt: the others compare to it
     if not specs or specs[0].label != "ar":
         raise BadInput("bench needs the ar baseline (parse_specs adds it)")
@@ -166,7 +174,9 @@ def run_bench(engine, prompts: list[str], specs: list[RunSpec], make_run, repeat
 def _report(engine, prompts, runs, samples, hf, repeats, warmup) -> dict:
     ar_med = [statistics.median(s.tok_s) for s in samples["ar"]]
     hf_med = [statistics.median(x) for x in hf] if all(hf) else None
+    oracle = runs["ar"][1].oracle_accept
     out = {"model": engine.model_meta(), "prompts": prompts, "repeats": repeats, "warmup": warmup,
+           "oracle_accept": oracle,
            "transformers_tok_s": spread([x for xs in hf for x in xs]) if hf_med else None,
            "transformers_per_prompt": hf if hf_med else None, "strategies": []}
     for label, (strategy, settings) in runs.items():
@@ -181,7 +191,9 @@ def _report(engine, prompts, runs, samples, hf, repeats, warmup) -> dict:
             "accept_rate": spread([x for s in per_prompt for x in s.accept]),
             "speedup_vs_ar": spread([m / a if a else None for m, a in zip(med, ar_med)]),
             "speedup_vs_transformers": spread([m / h if h else None for m, h in zip(med, hf_med)]) if hf_med else None,
-            "exact_match_vs_ar": sum(x for s in per_prompt for x in s.same_as_ar) / (len(prompts) * repeats),
+            "exact_match_vs_ar": None if oracle is not None and label != "ar" else
+                                 sum(x for s in per_prompt for x in s.same_as_ar) / (len(prompts) * repeats),
+            "expected_tpf": None if oracle is None else strategy.expected_tpf(oracle),
             # the raw samples the numbers above come from: per prompt, one entry per repeat
             "per_prompt": [{"tok_s": s.tok_s, "tpf": s.tpf, "accept_rate": s.accept, "same_as_ar": s.same_as_ar}
                            for s in per_prompt],
@@ -194,27 +206,46 @@ def format_spread(s: dict | None, digits: int = 2) -> str:
     return "—" if not s else f"{s['median']:.{digits}f} [{s['min']:.{digits}f}–{s['max']:.{digits}f}]"
 
 
+def table_rows(report: dict) -> tuple[list[str], list[list[str]]]:
+    """The bench table as the terminal and the HTML page show it: the header, then one row of cells per
+    strategy. Under the oracle an expected-TPF column follows TPF, and "= ar" is "—" (outputs mean nothing)."""
+    oracle = report["oracle_accept"] is not None
+    head = ["strategy", "tok/s", "TPF", *(["TPF expected"] if oracle else []), "accept", "× ar", "× transformers",
+            "= ar"]
+    rows = []
+    for r in report["strategies"]:
+        expected = ["—" if r["expected_tpf"] is None else f"{r['expected_tpf']:.2f}"] if oracle else []
+        same = "—" if r["exact_match_vs_ar"] is None else f"{r['exact_match_vs_ar']:.0%}"
+        rows.append([r["label"], format_spread(r["tok_s"], 1), format_spread(r["tpf"]), *expected,
+                     format_spread(r["accept_rate"]), format_spread(r["speedup_vs_ar"]),
+                     format_spread(r["speedup_vs_transformers"]), same])
+    return head, rows
+
+
+def report_title(report: dict) -> str:
+    oracle = report["oracle_accept"]
+    return (f"bench: {len(report['prompts'])} prompts × {report['repeats']} repeats"
+            + ("" if oracle is None else f", oracle acceptance {oracle:g} (outputs not meaningful)"))
+
+
 def write_bench_html(report: dict, path) -> Path:
     """A self-contained HTML page (plotly.js inlined, opens offline): the bench table and its figure."""
     import html as _html
     import plotly.io as pio
     from studio.viz.figures import bench_figure
 
-    cell = format_spread
     hf = report["transformers_tok_s"]
-    head = ["strategy", "tok/s", "TPF", "accept", "× ar", "× transformers", "= ar"]
-    rows = [[r["label"], cell(r["tok_s"], 1), cell(r["tpf"]), cell(r["accept_rate"]), cell(r["speedup_vs_ar"]),
-             cell(r["speedup_vs_transformers"]), f"{r['exact_match_vs_ar']:.0%}"] for r in report["strategies"]]
-    table = ("<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"
+    head, rows = table_rows(report)
+    cells = ("<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"
              + "".join("<tr>" + "".join(f"<td>{_html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
              + "</table>")
-    title = f"dlm-studio bench: {len(report['prompts'])} prompts × {report['repeats']} repeats"
-    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{_html.escape(title)}</title><style>"
+    heading = f"dlm-studio {report_title(report)}"
+    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{_html.escape(heading)}</title><style>"
             "body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse}"
             "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}td:first-child,th:first-child{text-align:left}"
-            f"</style></head><body><h1>{_html.escape(title)}</h1>"
+            f"</style></head><body><h1>{_html.escape(heading)}</h1>"
             f"<p>model {_html.escape(report['model']['name'])} · median [min–max] over prompts and repeats · "
-            f"transformers generate: {cell(hf, 1)} tok/s</p>{table}"
+            f"transformers generate: {format_spread(hf, 1)} tok/s</p>{cells}"
             + pio.to_html(bench_figure(report), full_html=False, include_plotlyjs=True, config={"displaylogo": False})
             + "<h2>Prompts</h2><ol>" + "".join(f"<li>{_html.escape(p)}</li>" for p in report["prompts"])
             + "</ol></body></html>")

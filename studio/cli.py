@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from studio.device_options import DEVICE, DTYPE
 from studio.errors import BadInput
 from studio.runconfig import build_run
 from studio.traces.cli import trace_app
@@ -21,9 +22,10 @@ app.add_typer(models_app, name="models")
 app.add_typer(trace_app, name="trace")
 app.add_typer(train_app, name="train")
 
-# -- options shared by the generation commands -----------------------------------------------
+# -- options shared by the generation commands (and DEVICE, DTYPE from studio.device_options) ----
 PRESET = typer.Option(None, "--preset", help="A strategy preset name or TOML file.")
-MODEL = typer.Option("default", "--model", help="'default', a model preset, a HF directory or a .gguf.")
+MODEL = typer.Option("default", "--model", help="'default', a model preset, a HF directory, a .gguf, or random:NAME "
+                    "(random weights of smollm2-135m, qwen3-0.6b, qwen3-8b or llama3-8b: for speed measurements).")
 ADAPTER = typer.Option(None, "--adapter", help="A PEFT LoRA adapter directory or a shipped adapter's name; 'none' = the plain "
                        "model. Default: on the default model, each strategy's shipped adapter (presets/adapters).")
 DRAFT_MODEL = typer.Option(None, "--draft-model", help="simsd: the draft dLLM (default: self draft).")
@@ -38,23 +40,24 @@ STOP = typer.Option([], "--stop", help="Stop string (repeatable).")
 RAW = typer.Option(False, "--raw", help="Do not apply the chat template.")
 
 
-def load_draft(model: str, draft_model: Optional[str], draft_adapter: Optional[str]):
-    """The SimSD drafter engine of `--draft-model` (default: the target model) with `--draft-adapter`;
-    None without either flag (SimSD then drafts with the target itself)."""
+def load_draft(model: str, draft_model: Optional[str], draft_adapter: Optional[str], device: str, dtype: str):
+    """The SimSD drafter engine of `--draft-model` (default: the target model) with `--draft-adapter`, on the
+    target's device and dtype; None without either flag (SimSD then drafts with the target itself)."""
     if draft_model is None and draft_adapter is None:
         return None
     from studio.engine.engine import Engine
-    return Engine.load(draft_model or model, adapter=draft_adapter)
+    return Engine.load(draft_model or model, adapter=draft_adapter, device=device, dtype=dtype)
 
 
-def attach_draft(strategies, engine, model: str, draft_model: Optional[str], draft_adapter: Optional[str]) -> None:
+def attach_draft(strategies, engine, model: str, draft_model: Optional[str], draft_adapter: Optional[str],
+                 device: str, dtype: str) -> None:
     """Give the SimSD runs among `strategies` their drafter (see `load_draft`)."""
     if draft_model is None and draft_adapter is None:
         return
     takers = [s for s in strategies if hasattr(s, "use_draft")]
     if not takers:
         raise BadInput("--draft-model/--draft-adapter apply to simsd runs only")
-    draft = load_draft(model, draft_model, draft_adapter)
+    draft = load_draft(model, draft_model, draft_adapter, device, dtype)
     for s in takers:
         s.use_draft(draft, engine.config)
 
@@ -101,6 +104,8 @@ def run(
     param: list[str] = PARAM,
     stop: list[str] = STOP,
     raw: bool = RAW,
+    device: str = DEVICE,
+    dtype: str = DTYPE,
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write the step trace (JSON Lines)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ):
@@ -110,8 +115,8 @@ def run(
     from studio.viz.text import run_summary_line
 
     strat, settings = build_run(strategy, preset, param, max_new_tokens, temperature, top_k, top_p, seed, stop)
-    engine = Engine.load(model, adapter=adapter)
-    attach_draft([strat], engine, model, draft_model, draft_adapter)
+    engine = Engine.load(model, adapter=adapter, device=device, dtype=dtype)
+    attach_draft([strat], engine, model, draft_model, draft_adapter, device, dtype)
     ids = encode_prompt(engine, prompt, chat=not raw)
     sinks = []
     live = LiveMetrics(strat.name) if sys.stderr.isatty() and not as_json else None
@@ -153,11 +158,13 @@ def chat(
     param: list[str] = PARAM,
     stop: list[str] = STOP,
     raw: bool = RAW,
+    device: str = DEVICE,
+    dtype: str = DTYPE,
     plain: bool = typer.Option(False, "--plain", help="A line REPL instead of the TUI (also when not on a terminal)."),
 ):
     """Multi-turn chat: the TUI's chat screen on a terminal, a plain line REPL otherwise (or with --plain)."""
     session = _chat_session(strategy, preset, model, adapter, draft_model, draft_adapter, max_new_tokens,
-                            temperature, top_k, top_p, seed, param, stop, raw)
+                            temperature, top_k, top_p, seed, param, stop, raw, device, dtype)
     if plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
         from studio.repl import chat_repl
         chat_repl(session)
@@ -182,6 +189,8 @@ def tui(
     param: list[str] = PARAM,
     stop: list[str] = STOP,
     raw: bool = RAW,
+    device: str = DEVICE,
+    dtype: str = DTYPE,
     trace: Optional[Path] = typer.Option(None, "--trace", help="Open this trace on the replay screen (no model load)."),
 ):
     """The Textual studio: chat with live token grid, metrics and inspector; compare; trace replay."""
@@ -191,7 +200,7 @@ def tui(
         StudioApp(None, trace=read_trace(trace, allow_truncated=True)).run()
         return
     session = _chat_session(strategy, preset, model, adapter, draft_model, draft_adapter, max_new_tokens,
-                            temperature, top_k, top_p, seed, param, stop, raw)
+                            temperature, top_k, top_p, seed, param, stop, raw, device, dtype)
     StudioApp(session).run()
 
 
@@ -202,6 +211,8 @@ def web(
     model: str = MODEL,
     adapter: Optional[str] = ADAPTER,
     raw: bool = RAW,
+    device: str = DEVICE,
+    dtype: str = DTYPE,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to serve on (127.0.0.1: this machine only)."),
     port: int = typer.Option(7860, "--port"),
 ):
@@ -217,7 +228,7 @@ def web(
 
     choice = RunChoice(strategy if strategy or preset else "ar", preset)
     choice.build()
-    engine = Engine.load(model, adapter=adapter)
+    engine = Engine.load(model, adapter=adapter, device=device, dtype=dtype)
     reserve_cores_for_drawing()   # the server renders every frame's HTML beside the decode thread
     app_ = build_app(engine, choice, chat_template=not raw)
     typer.echo(f"dlm-studio web on http://{host}:{port}/ (Ctrl+C stops)", err=True)
@@ -228,7 +239,7 @@ def web(
 
 
 def _chat_session(strategy, preset, model, adapter, draft_model, draft_adapter, max_new_tokens, temperature,
-                  top_k, top_p, seed, param, stop, raw):
+                  top_k, top_p, seed, param, stop, raw, device, dtype):
     """Validate the run choice, then load the model: a ChatSession for the chat REPL and the TUI."""
     from studio.chat import ChatSession, RunChoice
     from studio.engine.engine import Engine
@@ -237,8 +248,9 @@ def _chat_session(strategy, preset, model, adapter, draft_model, draft_adapter, 
     choice = RunChoice(strategy if strategy or preset else "ar", preset, dict(parse_param(p) for p in param),
                        temperature, top_k, top_p, max_new_tokens, seed, tuple(stop))
     choice.build()
-    engine = Engine.load(model, adapter=adapter)
-    return ChatSession(engine, choice, chat=not raw, draft=load_draft(model, draft_model, draft_adapter))
+    engine = Engine.load(model, adapter=adapter, device=device, dtype=dtype)
+    return ChatSession(engine, choice, chat=not raw,
+                       draft=load_draft(model, draft_model, draft_adapter, device, dtype))
 
 
 @app.command()
@@ -257,6 +269,8 @@ def compare(
     seed: int = typer.Option(0, "--seed"),
     stop: list[str] = typer.Option([], "--stop"),
     raw: bool = typer.Option(False, "--raw"),
+    device: str = DEVICE,
+    dtype: str = DTYPE,
     trace_dir: Optional[Path] = typer.Option(None, "--trace-dir", help="Keep one trace per run here."),
     html: Optional[Path] = typer.Option(None, "--html", help="Write a self-contained HTML report."),
     as_json: bool = typer.Option(False, "--json"),
@@ -271,8 +285,8 @@ def compare(
     def make_run(spec):
         return build_run(spec.strategy, spec.preset, [], max_new_tokens, temperature, top_k, top_p, seed, stop)
     runs = {spec.label: make_run(spec) for spec in specs}  # validate everything before loading the model
-    engine = Engine.load(model, adapter=adapter)
-    attach_draft([strat for strat, _ in runs.values()], engine, model, draft_model, draft_adapter)
+    engine = Engine.load(model, adapter=adapter, device=device, dtype=dtype)
+    attach_draft([strat for strat, _ in runs.values()], engine, model, draft_model, draft_adapter, device, dtype)
     ids = encode_prompt(engine, prompt, chat=not raw)
     if trace_dir:
         trace_dir.mkdir(parents=True, exist_ok=True)
@@ -307,6 +321,11 @@ def bench(
     repeats: int = typer.Option(3, "--repeats"),
     warmup: int = typer.Option(1, "--warmup"),
     no_transformers: bool = typer.Option(False, "--no-transformers", help="Skip the transformers baseline."),
+    oracle_accept: Optional[float] = typer.Option(
+        None, "--oracle-accept", help="P in (0, 1]: accept every verified draft with probability P instead of by the "
+        "model (outputs become meaningless): speed at a controlled acceptance, the expected TPF printed beside."),
+    device: str = DEVICE,
+    dtype: str = DTYPE,
     html: Optional[Path] = typer.Option(None, "--html", help="Write a self-contained HTML report."),
     as_json: bool = typer.Option(False, "--json"),
 ):
@@ -322,10 +341,11 @@ def bench(
     specs = parse_specs(strategies)
     texts = load_prompts(prompts)
     def make_run(spec):
-        return build_run(spec.strategy, spec.preset, [], max_new_tokens, temperature, None, None, seed, [])
+        return build_run(spec.strategy, spec.preset, [], max_new_tokens, temperature, None, None, seed, [],
+                         oracle_accept=oracle_accept)
     for spec in specs:
         make_run(spec)
-    engine = Engine.load(model, adapter=adapter)
+    engine = Engine.load(model, adapter=adapter, device=device, dtype=dtype)
     err = Console(stderr=True)
     per_round = len(specs) + (0 if no_transformers else 1)
     total = warmup * len(specs) + repeats * len(texts) * per_round
@@ -344,19 +364,18 @@ def bench(
 
 
 def _bench_table(report: dict):
+    from rich.markup import escape
     from rich.table import Table
-    from studio.bench import format_spread as fmt
+    from studio.bench import format_spread, report_title, table_rows
     hf = report["transformers_tok_s"]
-    t = Table(title=f"bench: {len(report['prompts'])} prompts × {report['repeats']} repeats "
-                    "(median \\[min–max])", title_justify="left")
-    for col in ("strategy", "tok/s", "TPF", "accept", "× ar", "× transformers", "= ar"):
+    head, rows = table_rows(report)
+    t = Table(title=escape(f"{report_title(report)} (median [min–max])"), title_justify="left")
+    for col in head:
         t.add_column(col, justify="left" if col == "strategy" else "right")
-    for s in report["strategies"]:
-        t.add_row(s["label"], fmt(s["tok_s"], 1), fmt(s["tpf"], 2), fmt(s["accept_rate"], 2),
-                  fmt(s["speedup_vs_ar"], 2), fmt(s["speedup_vs_transformers"], 2),
-                  f"{100 * s['exact_match_vs_ar']:.0f}%")
+    for row in rows:
+        t.add_row(*row)
     if hf:
-        t.caption = f"transformers generate: {fmt(hf, 1)} tok/s"
+        t.caption = f"transformers generate: {format_spread(hf, 1)} tok/s"
     return t
 
 
@@ -369,10 +388,12 @@ def demo(
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     trace_dir: Path = typer.Option(Path("traces"), "--trace-dir", help="Traces and the HTML report go here."),
     html: bool = typer.Option(True, "--html/--no-html", help="Write TRACE_DIR/demo-report.html."),
+    device: str = DEVICE,
+    dtype: str = DTYPE,
 ):
     """The compare demo on the embedded model: the prompt through every strategy, greedy, with traces and a report."""
     from studio.demo import DEMO_PROMPT as default_prompt, demo_command
-    demo_command(prompt or default_prompt, strategies, max_new_tokens, trace_dir, html)
+    demo_command(prompt or default_prompt, strategies, max_new_tokens, trace_dir, html, device, dtype)
 
 
 @models_app.command("list")

@@ -28,9 +28,10 @@ def parse_param(text: str) -> tuple[str, object]:
 
 def build_run(strategy: str | None, preset: str | None, params: Iterable[str] | Mapping[str, object],
               max_new_tokens: int | None, temperature: float | None, top_k: int | None, top_p: float | None,
-              seed: int, stop: Iterable[str]):
+              seed: int, stop: Iterable[str], oracle_accept: float | None = None):
     """Merge preset and overrides into (Strategy, Settings); overrides win. `params`: `KEY=VALUE` strings
-    or a mapping. BadInput for an unknown strategy, preset or parameter, or a value out of range."""
+    or a mapping; `oracle_accept`: bench's acceptance oracle (Settings). BadInput for an unknown strategy,
+    preset or parameter, or a value out of range."""
     from studio.engine.sampling import SamplingParams
     from studio.engine.strategies import make_strategy
     from studio.presets import load_strategy_preset
@@ -48,4 +49,4 @@ def build_run(strategy: str | None, preset: str | None, params: Iterable[str] | 
             sampling[key] = value
     mnt = max_new_tokens or (base.max_new_tokens if base else None) or DEFAULT_MAX_NEW_TOKENS
     return make_strategy(name, merged), Settings(max_new_tokens=mnt, sampling=SamplingParams(**sampling),
-                                                 seed=seed, stop=tuple(stop))
+                                                 seed=seed, stop=tuple(stop), oracle_accept=oracle_accept)

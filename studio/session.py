@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from studio import events as ev
+from studio.engine.device import synchronize
 from studio.engine.engine import Engine
 from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import DecodeContext, Output, Strategy
@@ -28,10 +29,13 @@ class Settings:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int = 0
     stop: tuple[str, ...] = ()
+    oracle_accept: float | None = None   # bench: accept decisions are Bernoulli(P) draws (the output means nothing)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise BadInput(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.oracle_accept is not None and not 0 < self.oracle_accept <= 1:
+            raise BadInput(f"--oracle-accept must be in (0, 1], got {self.oracle_accept}")
 
 
 @dataclass
@@ -107,7 +111,7 @@ class Run:
         self.header = self._header(prompt_text)
         self.out = Output(engine.tokenizer, settings.max_new_tokens, frozenset(engine.eos_ids()), tuple(settings.stop))
         self.ctx = DecodeContext(engine.model, engine.tokenizer, settings.sampling, settings.seed, self.out,
-                                 engine.config.mask_token_id, kv_len, kv=kv)
+                                 engine.config.mask_token_id, kv_len, kv=kv, oracle_accept=settings.oracle_accept)
         self._writer = ev.TraceWriter(trace_path, self.header) if trace_path else None
         self._on_finish = on_finish
         self._cancel = threading.Event()
@@ -123,6 +127,8 @@ class Run:
         s = self.settings
         params = dict(self.strategy.header_params(), temperature=s.sampling.temperature, top_k=s.sampling.top_k,
                       top_p=s.sampling.top_p, max_new_tokens=s.max_new_tokens)
+        if s.oracle_accept is not None:   # a trace made under the oracle says so
+            params["oracle_accept"] = s.oracle_accept
         return {"strategy": self.strategy.name, "params": params, "model": self.engine.model_meta(),
                 "tokenizer": self.engine.tokenizer_meta(),
                 "prompt": {"text": prompt_text, "token_ids": self.prompt_ids}, "seed": s.seed}
@@ -155,10 +161,12 @@ class Run:
             if not self.started:
                 self.started = True
                 self.strategy.start(self.ctx, self.prompt_ids)
+                synchronize(self.ctx.device)
                 self.prefill_s = time.perf_counter() - t
                 self._prefill_tokens = len(self.out.token_ids)
             else:
                 self.strategy.step(self.ctx)
+                synchronize(self.ctx.device)
                 self.decode_s += time.perf_counter() - t
         except BaseException:
             if self._writer:

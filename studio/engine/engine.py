@@ -10,7 +10,10 @@ from pathlib import Path
 import torch
 
 from studio.engine.config import ModelConfig
+from studio.engine.device import resolve_device, resolve_dtype
 from studio.engine.model import Transformer
+from studio.engine.random_models import build_random, is_random, random_config
+from studio.engine.tokenizer import ByteIdTokenizer
 from studio.engine.weights import load_model_files
 from studio.errors import BadInput
 from studio.presets import load_model_preset
@@ -23,6 +26,14 @@ def _init_torch() -> None:
     if not _threads_set:
         torch.set_num_threads(os.cpu_count() or 1)
         _threads_set = True
+
+
+def to_device(model: Transformer, device: torch.device, dtype: torch.dtype) -> None:
+    """Move and cast the weights in place. The RoPE frequencies stay fp32: rounded to bf16 they would
+    shift every position's angle."""
+    inv_freq = model.inv_freq
+    model.to(device=device, dtype=dtype)
+    model.inv_freq = inv_freq.to(device)
 
 
 @dataclass
@@ -44,12 +55,35 @@ class Engine:
     _views: dict = field(default_factory=dict, repr=False)   # adapter path -> engine, shared by all views
 
     @classmethod
-    def load(cls, spec: str = "default", adapter: str | None = None, progress=None) -> "Engine":
-        """`spec`: a model preset name (presets/models), 'default', a HF directory or a .gguf file.
+    def load(cls, spec: str = "default", adapter: str | None = None, progress=None, device: str = "auto",
+             dtype: str = "auto") -> "Engine":
+        """`spec`: a model preset name (presets/models), 'default', a HF directory, a .gguf file or
+        `random:NAME` (random weights of a published shape, studio.engine.random_models).
         `adapter`: a PEFT directory or a shipped adapter's name (used for every strategy), 'none', or None:
-        each strategy gets the adapter shipped for it and this model, if any (presets/adapters)."""
+        each strategy gets the adapter shipped for it and this model, if any (presets/adapters).
+        `device`: auto | cpu | cuda; `dtype`: auto | fp32 | bf16 | fp16 (studio.engine.device). The adapter
+        attaches after the model is placed, so it lands on the model's device and dtype."""
         _init_torch()
         t0 = time.perf_counter()
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        if is_random(spec):
+            cfg = random_config(spec)
+            engine = cls(model=build_random(cfg, dev, dt), tokenizer=ByteIdTokenizer(cfg.vocab_size), config=cfg,
+                         name=cfg.name, source="random weights", load_s=0.0, from_cache=False, adapter_choice=adapter)
+        else:
+            engine = cls._from_files(spec, progress, adapter)
+            to_device(engine.model, dev, dt)
+        if adapter and adapter != "none":
+            from studio.adapters import adapter_path
+            from studio.engine.lora import attach_adapter
+            attach_adapter(engine, adapter_path(adapter))
+        engine.load_s = time.perf_counter() - t0
+        return engine
+
+    @classmethod
+    def _from_files(cls, spec: str, progress, adapter: str | None) -> "Engine":
+        """The model of a preset, 'default', a directory or a GGUF, in fp32 on the CPU."""
         preset = load_model_preset(spec)
         if preset and preset.source != "default" and not Path(preset.source).expanduser().exists():
             raise BadInput(f"model preset {preset.name!r}: no weights at {preset.source}. {preset.note}".strip())
@@ -65,14 +99,8 @@ class Engine:
             raise BadInput(f"weights do not match the {cfg.arch} architecture: "
                            f"{'missing' if missing else 'unexpected'} tensor {bad!r}")
         model.eval().requires_grad_(False)
-        engine = cls(model=model, tokenizer=files.tokenizer, config=cfg, name=preset.name if preset else cfg.name,
-                     source=files.source, load_s=0.0, from_cache=files.from_cache, adapter_choice=adapter)
-        if adapter and adapter != "none":
-            from studio.adapters import adapter_path
-            from studio.engine.lora import attach_adapter
-            attach_adapter(engine, adapter_path(adapter))
-        engine.load_s = time.perf_counter() - t0
-        return engine
+        return cls(model=model, tokenizer=files.tokenizer, config=cfg, name=preset.name if preset else cfg.name,
+                   source=files.source, load_s=0.0, from_cache=files.from_cache, adapter_choice=adapter)
 
     def activate(self) -> None:
         """Install this engine's adapter on the shared model (a no-op when it is already there)."""

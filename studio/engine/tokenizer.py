@@ -6,6 +6,7 @@ Two ways in:
     with `save_dir` (the model cache).
   * `Tokenizer.from_gguf_fields(fields)` / `Tokenizer.from_gguf_reader(reader)`: rebuilds the byte-level
     BPE llama.cpp describes in GGUF metadata (`tokenizer.ggml.*`).
+`ByteIdTokenizer` stands in for models that come without tokenizer files (`random:` shape-only models).
 
 The chat template is rendered the way transformers does it: a Jinja `ImmutableSandboxedEnvironment`
 with trim_blocks/lstrip_blocks, `loopcontrols`, a `{% generation %}` tag that just renders its body,
@@ -360,3 +361,23 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(name={self.name!r}, vocab_size={self.vocab_size}, eos_ids={self.eos_ids}, bos_id={self.bos_id})"
+
+
+class ByteIdTokenizer:
+    """For models without tokenizer files (`random:` models): a prompt encodes to its UTF-8 byte values
+    (mod the vocabulary), an id decodes to the text `<id>`. No chat template, no EOS."""
+    name = "bytes"
+    chat_template = None
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.eos_ids: list[int] = []
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [b % self.vocab_size for b in text.encode("utf-8")]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return "".join(self.token_text(i) for i in ids)
+
+    def token_text(self, token_id: int) -> str:
+        return f"<{int(token_id)}>"

@@ -6,6 +6,8 @@ from typing import Optional
 
 import typer
 
+from studio.device_options import DEVICE, DTYPE
+
 train_app = typer.Typer(no_args_is_help=True, help="Convert an AR model into a parallel decoder: data, training, evaluation.")
 
 
@@ -28,6 +30,8 @@ def data_cmd(
     batch_size: int = typer.Option(64, "--batch-size", help="Prompts decoded at once (one stationary batch)."),
     seed: int = typer.Option(0, "--seed", help="Which sample of the built-in prompts."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run in --out."),
+    device: str = DEVICE,
+    dtype: str = DTYPE,
 ):
     """The base model's own greedy answers (chat template applied), as token-id shards."""
     import time
@@ -46,7 +50,7 @@ def data_cmd(
             raise BadInput(f"{prompts} contains a held-out evaluation prompt: {overlap[0]!r}")
     else:
         texts, source = builtin.training_prompts(n_prompts, seed), f"builtin seed={seed}"
-    engine = Engine.load(model)
+    engine = Engine.load(model, device=device, dtype=dtype)
     t0 = time.perf_counter()
     with _progress("data", len(texts)) as bar:
         task = bar.add_task("data", total=len(texts), info="")
@@ -86,7 +90,7 @@ def _parse_budget(text: Optional[str]) -> Optional[float]:
 
 
 def _run_training(kind: str, data_dir: Path, out: Path, model: str, gate: str, resume: bool,
-                  time_budget: Optional[str], **settings) -> None:
+                  time_budget: Optional[str], device: str, dtype: str, **settings) -> None:
     """Shared body of `train idlm` and `train block`: load, train with a progress bar, summarise."""
     import time
 
@@ -106,7 +110,7 @@ def _run_training(kind: str, data_dir: Path, out: Path, model: str, gate: str, r
     if not cfg.lr > 0 or not cfg.alpha > 0:
         raise BadInput("--lr and --alpha must be positive")
     seqs = data.load_sequences(data_dir)
-    engine = Engine.load(model)
+    engine = Engine.load(model, device=device, dtype=dtype)
     mask_id = engine.model.lm_head.weight.shape[0]
     if kind == "idlm":
         if not 2 <= cfg.start_stride <= cfg.stride:
@@ -162,11 +166,12 @@ def idlm_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("defa
              start_stride: int = typer.Option(2, "--start-stride", help="The first stage of the curriculum."),
              steps: int = STEPS, batch_size: int = BATCH, rows: int = ROWS, lr: float = LR, rank: int = RANK,
              alpha: float = ALPHA, seed: int = SEED, save_every: int = SAVE_EVERY,
-             time_budget: Optional[str] = BUDGET, resume: bool = RESUME, init: Optional[Path] = INIT):
+             time_budget: Optional[str] = BUDGET, resume: bool = RESUME, init: Optional[Path] = INIT,
+             device: str = DEVICE, dtype: str = DTYPE):
     """The introspective-consistency recipe (I-DLM App. E): adapters for isd (--gate all) and r-isd (--gate mask)."""
-    _run_training("idlm", data, out, model, gate, resume, time_budget, stride=stride, start_stride=start_stride,
-                  steps=steps, batch_size=batch_size, rows_per_seq=rows, lr=lr, r=rank, alpha=alpha, seed=seed,
-                  save_every=save_every, init=_init_path(init))
+    _run_training("idlm", data, out, model, gate, resume, time_budget, device, dtype, stride=stride,
+                  start_stride=start_stride, steps=steps, batch_size=batch_size, rows_per_seq=rows, lr=lr, r=rank,
+                  alpha=alpha, seed=seed, save_every=save_every, init=_init_path(init))
 
 
 @train_app.command("block")
@@ -174,10 +179,10 @@ def block_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("def
               block_size: int = typer.Option(4, "--block-size"), steps: int = STEPS, batch_size: int = BATCH,
               rows: int = ROWS, lr: float = LR, rank: int = RANK, alpha: float = ALPHA, seed: int = SEED,
               save_every: int = SAVE_EVERY, time_budget: Optional[str] = BUDGET, resume: bool = RESUME,
-              init: Optional[Path] = INIT):
+              init: Optional[Path] = INIT, device: str = DEVICE, dtype: str = DTYPE):
     """Block diffusion (SDAR-style, random mask ratios): an adapter for blockdiff, s2d2 and simsd."""
-    _run_training("block", data, out, model, gate, resume, time_budget, block_size=block_size, steps=steps,
-                  batch_size=batch_size, rows_per_seq=rows, lr=lr, r=rank, alpha=alpha, seed=seed,
+    _run_training("block", data, out, model, gate, resume, time_budget, device, dtype, block_size=block_size,
+                  steps=steps, batch_size=batch_size, rows_per_seq=rows, lr=lr, r=rank, alpha=alpha, seed=seed,
                   save_every=save_every, init=_init_path(init))
 
 
@@ -198,6 +203,8 @@ def eval_cmd(
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="A file of prompts, one per line, instead."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    device: str = DEVICE,
+    dtype: str = DTYPE,
 ):
     """TPF, acceptance by draft position, tok/s vs ar and agreement with ar on held-out prompts (greedy)."""
     import json
@@ -213,7 +220,7 @@ def eval_cmd(
     path = adapter_path(adapter)
     specs = parse_specs(strategies or evaluate.default_runs(path))
     texts = builtin.read_prompt_file(prompts) if prompts else builtin.eval_prompts(n_prompts)
-    engine = Engine.load(model, adapter=path)
+    engine = Engine.load(model, adapter=path, device=device, dtype=dtype)
     with _progress("eval", len(texts) * len(specs)) as bar:
         task = bar.add_task("eval", total=len(texts) * len(specs), info="")
 

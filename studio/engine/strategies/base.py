@@ -11,7 +11,8 @@ from typing import Any, ClassVar
 import torch
 
 from studio import events as ev
-from studio.engine.sampling import SamplingParams
+from studio.engine.oracle import oracle_chain
+from studio.engine.sampling import ChainResult, Proposal, SamplingParams, verify_chain
 from studio.errors import BadInput
 from studio.params import parse_params
 
@@ -65,15 +66,18 @@ class DecodeContext:
     """Model + KV cache + sampler + output for one generation, with event bookkeeping.
 
     Events are buffered and handed out between steps (`drain`), so rendering never runs inside the
-    timed decode loop.
+    timed decode loop. Every tensor of the run (KV, masks, gates, the sampler's generator) lives on the
+    model's device. `oracle_accept` = P replaces every accept decision by a Bernoulli(P) draw (bench).
     """
 
     def __init__(self, model, tokenizer, sampling: SamplingParams, seed: int, output: Output,
-                 mask_id: int | None, kv_len: int, kv=None):
+                 mask_id: int | None, kv_len: int, kv=None, oracle_accept: float | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.sampling = sampling
-        self.gen = torch.Generator().manual_seed(seed)
+        self.device = model.lm_head.weight.device
+        self.gen = torch.Generator(device=self.device).manual_seed(seed)
+        self.oracle_accept = oracle_accept
         self.out = output
         self.mask_id = mask_id
         # `kv` may arrive holding a committed prefix of the prompt (a chat's earlier turns): the prefill
@@ -82,7 +86,6 @@ class DecodeContext:
         self._reusable: int | None = self.kv.length
         self._skipped = 0      # prompt tokens the prefill did not recompute; the next commit counts them
         self._adapters: dict[int, bool] = {}   # id(model) -> has a LoRA adapter attached
-        self.device = model.lm_head.weight.device
         self.step = 0          # index of the last forward (0 = prefill)
         self._elapsed_s = 0.0  # the run's own clock: it runs only while the run is advancing, so a run
         self._since: float | None = None   # stepped in lock-step with others stamps only its own time
@@ -109,9 +112,10 @@ class DecodeContext:
         return out
 
     # -- model ----------------------------------------------------------------------------
-    def forward(self, role: str, tokens: list[int], positions: list[int] | None = None,
+    def forward(self, role: str, tokens: list[int], positions: list[int] | torch.Tensor | None = None,
                 mask=None, lora_gate: list[bool] | None = None, logits_rows=None, model=None, kv=None) -> torch.Tensor:
         """One model forward over new tokens written after the committed KV. Returns logits [R, V].
+        `positions` (default: the slots) may be a tensor already on the device (a mask builder's).
         `model`/`kv` default to the run's own; a second model (SimSD's drafter) passes its own pair."""
         model, kv = model or self.model, kv or self.kv
         if role != "prefill":
@@ -120,14 +124,15 @@ class DecodeContext:
             tokens, positions, mask, lora_gate, logits_rows = self._skip_reused(
                 role, tokens, positions, mask, lora_gate, logits_rows)
         L = kv.length
-        pos = list(range(L, L + len(tokens))) if positions is None else list(positions)
+        pos = torch.arange(L, L + len(tokens), device=self.device) if positions is None else \
+            torch.as_tensor(positions, device=self.device)
         gate = None
         if lora_gate is not None and self._has_adapter(model):
             gate = torch.tensor(lora_gate, dtype=torch.bool, device=self.device)
         t = time.perf_counter()
         with torch.inference_mode():
-            logits = model(torch.tensor(tokens, device=self.device), torch.tensor(pos, device=self.device),
-                           kv, mask=mask, lora_gate=gate, logits_rows=logits_rows)[0]
+            logits = model(torch.tensor(tokens, device=self.device), pos, kv, mask=mask, lora_gate=gate,
+                           logits_rows=logits_rows)[0]
         if torch.isnan(logits).any():
             raise BadInput(f"model produced NaN logits at forward {self.step} ({role})")
         self.event("forward", role=role, n_tokens=len(tokens), lora_rows=0 if gate is None else int(gate.sum()),
@@ -172,9 +177,22 @@ class DecodeContext:
         frm, to = self.kv.rollback(to_len)
         self.event("kv", op="rollback", from_len=frm, to_len=to)
 
-    def report_chain(self, pos: list[int], drafts: list[int], res) -> None:
-        """The verdict of one `verify_chain` as events: accept for the accepted prefix, then reject +
-        resample at the first rejection. `pos[i]` is draft i's output position."""
+    def verify(self, pos: list[int], drafts: list[int], p: torch.Tensor, q: torch.Tensor | None,
+               proposal: Proposal, sampling: SamplingParams | None = None, **rule) -> ChainResult:
+        """Verify `drafts` left to right against the target distributions `p` (one row per draft; `q` the
+        distributions they were drawn from) by the exact rule of DESIGN §4 (`sampling.verify_chain`; `rule`:
+        its tau, reference, gamma; `sampling` defaults to the run's), or under the oracle by Bernoulli draws;
+        the verdict becomes events. `pos[i]` is draft i's output position. Every strategy verifies here."""
+        sampling = sampling or self.sampling
+        if self.oracle_accept is None:
+            res = verify_chain(drafts, p, q, proposal, sampling, self.gen, **rule)
+        else:
+            res = oracle_chain(drafts, p, q, sampling, self.gen, self.oracle_accept)
+        self._report_chain(pos, drafts, res)
+        return res
+
+    def _report_chain(self, pos: list[int], drafts: list[int], res: ChainResult) -> None:
+        """Accept for the accepted prefix, then reject + resample at the first rejection."""
         a = res.n_accepted
         if a:
             self.event("accept", pos=pos[:a], tok=drafts[:a], p=res.p_draft[:a], q=res.q_draft[:a])
@@ -230,6 +248,11 @@ class Strategy:
     def header_params(self) -> dict:
         """The parameters a trace header records."""
         return dict(vars(self.params))
+
+    def expected_tpf(self, accept: float) -> float | None:
+        """Tokens per forward when every verified draft is accepted with probability `accept`, where a
+        closed form is known (bench --oracle-accept prints it beside the measured TPF); else None."""
+        return None
 
     def kv_headroom(self, config=None) -> int:
         """Slots a single forward may need beyond the committed length (`config`: the model's ModelConfig)."""

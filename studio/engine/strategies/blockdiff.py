@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from studio.engine.masks import block_causal, causal, partially_causal_draft
-from studio.engine.sampling import SamplingParams, process_logits, sample, sample_token
+from studio.engine.sampling import Proposal, SamplingParams, process_logits, sample, sample_token
 from studio.engine.strategies.base import DecodeContext, Strategy
 from studio.errors import BadInput
 
@@ -83,7 +83,7 @@ class Draft:
         return cls(slots, tokens.tolist(), q.gather(1, tokens[:, None])[:, 0].tolist(), q, q)
 
     def subset(self, idx: list[int]) -> "Draft":
-        pick = torch.tensor(idx, dtype=torch.long)
+        pick = torch.tensor(idx, dtype=torch.long, device=self.dist.device)
         return Draft([self.slots[i] for i in idx], [self.tokens[i] for i in idx], [self.conf[i] for i in idx],
                      None if self.q is None else self.q[pick], self.dist[pick])
 
@@ -186,13 +186,15 @@ class BlockDiffusion(Strategy):
 
     def _prefill(self, ctx: DecodeContext, tokens: list[int]) -> torch.Tensor:
         n = len(tokens)
-        logits = ctx.forward("prefill", tokens, mask=self._commit_mask(n, 0), lora_gate=self.gate(tokens, ctx.mask_id),
-                             logits_rows=[n - 1])
+        logits = ctx.forward("prefill", tokens, mask=self._commit_mask(ctx, n, 0),
+                             lora_gate=self.gate(tokens, ctx.mask_id), logits_rows=[n - 1])
         ctx.commit(n)
         return logits
 
-    def _commit_mask(self, n: int, n_past: int) -> torch.Tensor:
-        return causal(n, n_past) if self.causal_cache else block_causal(n, n_past, self.B, offset=0)
+    def _commit_mask(self, ctx: DecodeContext, n: int, n_past: int) -> torch.Tensor:
+        if self.causal_cache:
+            return causal(n, n_past, device=ctx.device)
+        return block_causal(n, n_past, self.B, offset=0, device=ctx.device)
 
     def _open(self, ctx: DecodeContext, start: int, filled: list[int]) -> None:
         n_mask = self.B - len(filled)
@@ -205,7 +207,7 @@ class BlockDiffusion(Strategy):
     def _close(self, ctx: DecodeContext) -> None:
         """Commit forward: write the finished block's KV (and, right-shifted, predict the next block's slot 0)."""
         b = self.block
-        logits = ctx.forward("commit", b.tokens, mask=self._commit_mask(b.size, b.start),
+        logits = ctx.forward("commit", b.tokens, mask=self._commit_mask(ctx, b.size, b.start),
                              lora_gate=self.gate(b.tokens, ctx.mask_id), logits_rows=[b.size - 1])
         ctx.commit(b.size)
         self._commit_draft_model(ctx)
@@ -256,7 +258,7 @@ class BlockDiffusion(Strategy):
         slots = b.masked_slots() if slots is None else slots
         rows = [j - 1 for j in slots] if self.shift else slots
         gate = self.gate(tokens, ctx.mask_id if mask_id is None else mask_id)
-        logits = ctx.forward(role, tokens, mask=self._draft_mask(slots), lora_gate=gate,
+        logits = ctx.forward(role, tokens, mask=self._draft_mask(ctx, slots), lora_gate=gate,
                              logits_rows=rows, model=model, kv=kv)
         logits = self._no_mask(ctx, logits)
         if credit and self.params.decoder == "credit":
@@ -271,11 +273,11 @@ class BlockDiffusion(Strategy):
             return [True] * len(tokens)
         return [t == mask_id for t in tokens]
 
-    def _draft_mask(self, slots: list[int]) -> torch.Tensor:
+    def _draft_mask(self, ctx: DecodeContext, slots: list[int]) -> torch.Tensor:
         b = self.block
         if self.params.causal_prefix:
-            return partially_causal_draft(b.size, b.start, slots[0] if slots else b.size)
-        return block_causal(b.size, b.start, b.size)
+            return partially_causal_draft(b.size, b.start, slots[0] if slots else b.size, device=ctx.device)
+        return block_causal(b.size, b.start, b.size, device=ctx.device)
 
     @staticmethod
     def _no_mask(ctx: DecodeContext, logits: torch.Tensor) -> torch.Tensor:
@@ -287,11 +289,11 @@ class BlockDiffusion(Strategy):
     def _with_credit(self, slots: list[int], logits: torch.Tensor) -> torch.Tensor:
         p = self.params
         if self.credit is None:
-            self.credit = torch.zeros(self.B, logits.shape[-1])
+            self.credit = torch.zeros(self.B, logits.shape[-1], device=logits.device)
         else:
             self.credit *= p.credit_beta
         top_p, top_v = torch.softmax(logits.float(), dim=-1).max(dim=-1)
-        rows = torch.tensor(slots, dtype=torch.long)
+        rows = torch.tensor(slots, dtype=torch.long, device=logits.device)
         self.credit[rows, top_v] += top_p ** p.credit_gamma
         return logits + p.credit_alpha * torch.log1p(self.credit[rows])
 
@@ -312,13 +314,17 @@ class BlockDiffusion(Strategy):
     def _propose(self, ctx: DecodeContext, slots: list[int], drafts: list[int], q: torch.Tensor | None,
                  src: str) -> None:
         """The drafts about to be verified, with q(d) (1.0 for greedy drafts)."""
-        q_of = [1.0] * len(drafts) if q is None else q.gather(1, torch.tensor(drafts)[:, None])[:, 0].tolist()
+        if q is None:
+            q_of = [1.0] * len(drafts)
+        else:
+            q_of = q.gather(1, torch.tensor(drafts, device=q.device)[:, None])[:, 0].tolist()
         ctx.event("propose", pos=[self.out_pos(j) for j in slots], tok=drafts, q=q_of, src=src)
 
-    def _fill_verified(self, ctx: DecodeContext, slots: list[int], drafts: list[int], res) -> int:
-        """Report a verified chain over `slots` and fill its accepted drafts and correction into the block.
-        Returns the number of slots filled."""
-        ctx.report_chain([self.out_pos(j) for j in slots], drafts, res)
+    def _verify_fill(self, ctx: DecodeContext, slots: list[int], drafts: list[int], p: torch.Tensor,
+                     q: torch.Tensor | None, sampling: SamplingParams | None = None, **rule) -> int:
+        """Verify the sampled drafts at `slots` (`ctx.verify`) and fill the accepted ones and the correction
+        into the block. Returns the number of slots filled."""
+        res = ctx.verify([self.out_pos(j) for j in slots], drafts, p, q, Proposal.SAMPLED, sampling, **rule)
         filled = drafts[:res.n_accepted] + ([] if res.correction is None else [res.correction])
         for j, t in zip(slots, filled):
             self.block.fill(j, t)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from studio.engine.sampling import Proposal, process_logits, sample, sample_token, verify_chain
+from studio.engine.sampling import Proposal, process_logits, sample, sample_token
 from studio.engine.strategies.base import DecodeContext, Strategy
 from studio.errors import BadInput
 
@@ -73,10 +73,10 @@ class ISD(Strategy):
         k, n_mask = len(self.drafts), self.params.stride - 1
         logits = ctx.forward("verify", [self.pending] + self.drafts + [ctx.mask_id] * n_mask,
                              lora_gate=self._gate(1 + k, n_mask))
-        res = verify_chain(self.drafts, self._target_probs(ctx, logits[:k]), self.q, self._proposal(ctx),
-                           ctx.sampling, ctx.gen, tau=self.params.tau, reference=self.params.mode == "reference")
-        a, base = res.n_accepted, self.pending_pos + 1
-        ctx.report_chain(list(range(base, base + k)), self.drafts, res)
+        base = self.pending_pos + 1
+        res = ctx.verify(list(range(base, base + k)), self.drafts, self._target_probs(ctx, logits[:k]), self.q,
+                         self._proposal(ctx), tau=self.params.tau, reference=self.params.mode == "reference")
+        a = res.n_accepted
         if a < k:
             accepted = self.drafts[:a]
             ctx.commit(1 + a)
@@ -102,13 +102,13 @@ class ISD(Strategy):
     def _propose(self, ctx: DecodeContext, mask_logits: torch.Tensor, first_pos: int):
         """Draft tokens from the MASK rows, with the distribution q each was drawn from."""
         if self._argmax_drafts(ctx):
-            drafts = mask_logits.argmax(-1).tolist()
+            tokens = mask_logits.argmax(-1)
             q = self._draft_q_reference(ctx, mask_logits) if self.params.mode == "reference" else None
-            q_of = [1.0] * len(drafts) if q is None else q.gather(1, torch.tensor(drafts)[:, None])[:, 0].tolist()
         else:
             q = process_logits(mask_logits, ctx.sampling)
-            drafts = sample(q, ctx.gen).tolist()
-            q_of = q.gather(1, torch.tensor(drafts)[:, None])[:, 0].tolist()
+            tokens = sample(q, ctx.gen)
+        drafts = tokens.tolist()
+        q_of = [1.0] * len(drafts) if q is None else q.gather(1, tokens[:, None])[:, 0].tolist()
         ctx.event("propose", pos=list(range(first_pos, first_pos + len(drafts))), tok=drafts, q=q_of, src="mask")
         return drafts, q
 
@@ -133,6 +133,9 @@ class ISD(Strategy):
 
     def _gate(self, n_clean: int, n_mask: int) -> list[bool]:
         return [self.gate_clean_rows] * n_clean + [True] * n_mask
+
+    def expected_tpf(self, accept: float) -> float:
+        return expected_tpf(accept, self.params.stride)
 
 
 class RISD(ISD):

@@ -89,7 +89,7 @@ from dataclasses import dataclass
 
 import torch
 
-from studio.engine.sampling import Proposal, process_logits, sample_token, verify_chain
+from studio.engine.sampling import Proposal, process_logits, sample_token
 from studio.engine.strategies.base import DecodeContext, Strategy
 from studio.errors import BadInput
 
@@ -127,9 +127,9 @@ class _JacobiBase(Strategy):
                 base: int) -> tuple[int, list[int]]:
         """Verify deterministic drafts at output positions base.. against p (one row per draft); emit the
         verdict events. Returns (accepted count, the new tokens: accepted drafts + correction or bonus)."""
-        res = verify_chain(drafts, p, None, Proposal.DETERMINISTIC, ctx.sampling, ctx.gen)
-        a, k = res.n_accepted, len(drafts)
-        ctx.report_chain(list(range(base, base + k)), drafts, res)
+        k = len(drafts)
+        res = ctx.verify(list(range(base, base + k)), drafts, p, None, Proposal.DETERMINISTIC)
+        a = res.n_accepted
         if a < k:
             return a, drafts[:a] + [res.correction]
         bonus, _ = sample_token(bonus_logits, ctx.sampling, ctx.gen)

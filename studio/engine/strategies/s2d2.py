@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from studio.engine.masks import s2d2_verifier
-from studio.engine.sampling import Proposal, process_logits, verify_chain
+from studio.engine.sampling import process_logits
 from studio.engine.strategies.base import DecodeContext
 from studio.engine.strategies.blockdiff import BlockDiffusion, Draft
 from studio.engine.strategies.routing import RouteInput, make_policy
@@ -90,8 +90,7 @@ class S2D2(BlockDiffusion):
         p = process_logits(logits, ctx.sampling)
         q = None if d.q is None else d.q[:span]
         self._propose(ctx, slots, drafts, q, "diffusion")
-        res = verify_chain(drafts, p, q, Proposal.SAMPLED, ctx.sampling, ctx.gen, gamma=self.params.gamma)
-        return list(range(self._fill_verified(ctx, slots, drafts, res)))
+        return list(range(self._verify_fill(ctx, slots, drafts, p, q, gamma=self.params.gamma)))
 
     def verifier_logits(self, ctx: DecodeContext, filled: list[int], slots: list[int]) -> torch.Tensor:
         """The model in block-size-1 mode at `slots` of the draft-filled block: logits [len(slots), V]."""
@@ -100,9 +99,9 @@ class S2D2(BlockDiffusion):
             n = slots[-1]
             return ctx.forward("verify", filled[:n], lora_gate=self.gate(filled[:n], ctx.mask_id),
                                logits_rows=[j - 1 for j in slots])
-        mask, positions = s2d2_verifier(b.size, b.start)
+        mask, positions = s2d2_verifier(b.size, b.start, device=ctx.device)
         tokens = filled + [ctx.mask_id] * b.size
-        return ctx.forward("verify", tokens, positions=positions.tolist(), mask=mask,
+        return ctx.forward("verify", tokens, positions=positions, mask=mask,
                            lora_gate=self.gate(tokens, ctx.mask_id), logits_rows=[b.size + j for j in slots])
 
 

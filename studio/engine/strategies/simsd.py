@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from studio.engine.masks import simsd_temporal
-from studio.engine.sampling import Proposal, SamplingParams, process_logits, verify_chain
+from studio.engine.sampling import SamplingParams, process_logits
 from studio.engine.strategies.base import DecodeContext
 from studio.engine.strategies.blockdiff import BlockDiffusion, transfer_counts, top_k
 from studio.errors import BadInput
@@ -95,7 +95,7 @@ class SimSD(BlockDiffusion):
         """Write `tokens` into the drafter's own cache (prefill and block commits)."""
         if tokens:
             n = len(tokens)
-            ctx.forward(role, tokens, mask=self._commit_mask(n, self.dkv.length),
+            ctx.forward(role, tokens, mask=self._commit_mask(ctx, n, self.dkv.length),
                         lora_gate=self.gate(tokens, self.draft_mask_id),
                         logits_rows=[n - 1], model=self.draft_model, kv=self.dkv)
             self.dkv.commit(n)
@@ -132,8 +132,7 @@ class SimSD(BlockDiffusion):
 
         logits = self._no_mask(ctx, self._target_logits(ctx, work, slots, revealed, order))
         params = SamplingParams(0.0) if self.params.acceptance == "greedy-match" else ctx.sampling
-        res = verify_chain(drafts, process_logits(logits, params), q, Proposal.SAMPLED, params, ctx.gen)
-        self._fill_verified(ctx, order, drafts, res)
+        self._verify_fill(ctx, order, drafts, process_logits(logits, params), q, params)
 
     def _draft_round(self, ctx: DecodeContext, slots: list[int]):
         """The drafter reveals γ of `slots`. Returns ({slot: (step, token)}, {slot: q row or None})."""
@@ -168,9 +167,9 @@ class SimSD(BlockDiffusion):
                                logits_rows=[j - 1 for j in order])
         c = slots[0]                                  # filled prefix = the layout's context rows
         step_map = [revealed[j][0] if j in revealed else -1 for j in slots]
-        mask, positions = simsd_temporal(step_map, n_past=b.start, context=c)
+        mask, positions = simsd_temporal(step_map, n_past=b.start, context=c, device=ctx.device)
         data = [work[j] if j in revealed else ctx.mask_id for j in slots]
         tokens = work[:c] + data + [ctx.mask_id] * len(slots)
         rows = [c + len(slots) + (j - c) for j in order]   # the mask copy D~ of each drafted slot
-        return ctx.forward("verify", tokens, positions=positions.tolist(), mask=mask,
+        return ctx.forward("verify", tokens, positions=positions, mask=mask,
                            lora_gate=self.gate(tokens, ctx.mask_id), logits_rows=rows)

@@ -1,0 +1,35 @@
+"""Where a model runs and in what precision: the `--device` / `--dtype` choices of every generation command."""
+from __future__ import annotations
+
+import torch
+
+from studio.errors import BadInput
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` = CUDA when available, else the CPU. BadInput for `cuda` on a machine without it."""
+    if name not in DEVICES:
+        raise BadInput(f"--device must be one of {', '.join(DEVICES)}, got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise BadInput("--device cuda: no CUDA device is available (torch sees none); use --device cpu")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` = bf16 on CUDA, fp32 on the CPU (DESIGN §3)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise BadInput(f"--dtype must be one of auto, {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device`, so a wall-clock reading covers it (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,68 @@
+"""Shape-only models (`--model random:NAME`): a published architecture with seeded random weights, so speed
+can be measured without a checkpoint. The weights are allocated once, on the target device, in the target
+dtype (an 8B model is never materialised in fp32 on the CPU first)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from studio.engine.config import ModelConfig
+from studio.engine.model import Transformer, rope_inv_freq
+from studio.errors import BadInput
+
+PREFIX = "random:"
+# the shapes of the published config.json files (Hugging Face hub)
+SHAPES: dict[str, dict] = {
+    "smollm2-135m": {"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
+                     "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                     "intermediate_size": 1536, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
+                     "tie_word_embeddings": True, "max_position_embeddings": 8192},
+    "qwen3-0.6b": {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 1024,
+                   "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                   "intermediate_size": 3072, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                   "tie_word_embeddings": True, "max_position_embeddings": 40960},
+    "qwen3-8b": {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 4096,
+                 "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                 "intermediate_size": 12288, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                 "tie_word_embeddings": False, "max_position_embeddings": 40960},
+    "llama3-8b": {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+                  "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                  "intermediate_size": 14336, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+                  "tie_word_embeddings": False, "max_position_embeddings": 8192},
+}
+INIT_STD = 0.02   # transformers' initializer_range: a deep random stack keeps finite activations in bf16/fp16
+
+
+def is_random(spec: str) -> bool:
+    return spec.startswith(PREFIX)
+
+
+def random_config(spec: str) -> ModelConfig:
+    """The ModelConfig of `random:NAME`. No EOS (runs go to --max-new-tokens, as a speed measurement
+    wants); the last id is the MASK, so every strategy can run."""
+    name = spec.removeprefix(PREFIX)
+    if name not in SHAPES:
+        raise BadInput(f"unknown random model {name!r} (available: {', '.join(PREFIX + n for n in SHAPES)})")
+    cfg = ModelConfig.from_hf(SHAPES[name], name=PREFIX + name)
+    return dataclasses.replace(cfg, eos_ids=[], bos_id=None, mask_token_id=cfg.vocab_size - 1)
+
+
+def build_random(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Transformer:
+    """A Transformer of shape `cfg` with N(0, INIT_STD) matrices, unit norm gains and zero biases."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    model.inv_freq = rope_inv_freq(cfg).to(device)   # a computed buffer, fp32 as on a loaded model
+    if cfg.tie_embeddings:   # to_empty gives shared parameters separate storage
+        model.lm_head.weight = model.model.embed_tokens.weight
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, INIT_STD, generator=gen)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.fill_(1.0)
+    return model.eval().requires_grad_(False)
