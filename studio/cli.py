@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from studio.device_options import DEVICE, DTYPE
+from studio.device_options import DEVICE, DTYPE, GRAPHS
 from studio.errors import BadInput
 from studio.runconfig import build_run
 from studio.traces.cli import trace_app
@@ -106,6 +106,7 @@ def run(
     raw: bool = RAW,
     device: str = DEVICE,
     dtype: str = DTYPE,
+    graphs: bool = GRAPHS,
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write the step trace (JSON Lines)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ):
@@ -115,7 +116,7 @@ def run(
     from studio.viz.text import run_summary_line
 
     strat, settings = build_run(strategy, preset, param, max_new_tokens, temperature, top_k, top_p, seed, stop)
-    engine = Engine.load(model, adapter=adapter, device=device, dtype=dtype)
+    engine = Engine.load(model, adapter=adapter, device=device, dtype=dtype, graphs=graphs)
     attach_draft([strat], engine, model, draft_model, draft_adapter, device, dtype)
     ids = encode_prompt(engine, prompt, chat=not raw)
     sinks = []
@@ -160,11 +161,12 @@ def chat(
     raw: bool = RAW,
     device: str = DEVICE,
     dtype: str = DTYPE,
+    graphs: bool = GRAPHS,
     plain: bool = typer.Option(False, "--plain", help="A line REPL instead of the TUI (also when not on a terminal)."),
 ):
     """Multi-turn chat: the TUI's chat screen on a terminal, a plain line REPL otherwise (or with --plain)."""
     session = _chat_session(strategy, preset, model, adapter, draft_model, draft_adapter, max_new_tokens,
-                            temperature, top_k, top_p, seed, param, stop, raw, device, dtype)
+                            temperature, top_k, top_p, seed, param, stop, raw, device, dtype, graphs)
     if plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
         from studio.repl import chat_repl
         chat_repl(session)
@@ -191,6 +193,7 @@ def tui(
     raw: bool = RAW,
     device: str = DEVICE,
     dtype: str = DTYPE,
+    graphs: bool = GRAPHS,
     trace: Optional[Path] = typer.Option(None, "--trace", help="Open this trace on the replay screen (no model load)."),
 ):
     """The Textual studio: chat with live token grid, metrics and inspector; compare; trace replay."""
@@ -200,7 +203,7 @@ def tui(
         StudioApp(None, trace=read_trace(trace, allow_truncated=True)).run()
         return
     session = _chat_session(strategy, preset, model, adapter, draft_model, draft_adapter, max_new_tokens,
-                            temperature, top_k, top_p, seed, param, stop, raw, device, dtype)
+                            temperature, top_k, top_p, seed, param, stop, raw, device, dtype, graphs)
     StudioApp(session).run()
 
 
@@ -213,6 +216,7 @@ def web(
     raw: bool = RAW,
     device: str = DEVICE,
     dtype: str = DTYPE,
+    graphs: bool = GRAPHS,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to serve on (127.0.0.1: this machine only)."),
     port: int = typer.Option(7860, "--port"),
 ):
@@ -228,7 +232,7 @@ def web(
 
     choice = RunChoice(strategy if strategy or preset else "ar", preset)
     choice.build()
-    engine = Engine.load(model, adapter=adapter, device=device, dtype=dtype)
+    engine = Engine.load(model, adapter=adapter, device=device, dtype=dtype, graphs=graphs)
     reserve_cores_for_drawing()   # the server renders every frame's HTML beside the decode thread
     app_ = build_app(engine, choice, chat_template=not raw)
     typer.echo(f"dlm-studio web on http://{host}:{port}/ (Ctrl+C stops)", err=True)
@@ -239,7 +243,7 @@ def web(
 
 
 def _chat_session(strategy, preset, model, adapter, draft_model, draft_adapter, max_new_tokens, temperature,
-                  top_k, top_p, seed, param, stop, raw, device, dtype):
+                  top_k, top_p, seed, param, stop, raw, device, dtype, graphs):
     """Validate the run choice, then load the model: a ChatSession for the chat REPL and the TUI."""
     from studio.chat import ChatSession, RunChoice
     from studio.engine.engine import Engine
@@ -248,7 +252,7 @@ def _chat_session(strategy, preset, model, adapter, draft_model, draft_adapter, 
     choice = RunChoice(strategy if strategy or preset else "ar", preset, dict(parse_param(p) for p in param),
                        temperature, top_k, top_p, max_new_tokens, seed, tuple(stop))
     choice.build()
-    engine = Engine.load(model, adapter=adapter, device=device, dtype=dtype)
+    engine = Engine.load(model, adapter=adapter, device=device, dtype=dtype, graphs=graphs)
     return ChatSession(engine, choice, chat=not raw,
                        draft=load_draft(model, draft_model, draft_adapter, device, dtype))
 
@@ -271,6 +275,7 @@ def compare(
     raw: bool = typer.Option(False, "--raw"),
     device: str = DEVICE,
     dtype: str = DTYPE,
+    graphs: bool = GRAPHS,
     trace_dir: Optional[Path] = typer.Option(None, "--trace-dir", help="Keep one trace per run here."),
     html: Optional[Path] = typer.Option(None, "--html", help="Write a self-contained HTML report."),
     as_json: bool = typer.Option(False, "--json"),
@@ -285,7 +290,7 @@ def compare(
     def make_run(spec):
         return build_run(spec.strategy, spec.preset, [], max_new_tokens, temperature, top_k, top_p, seed, stop)
     runs = {spec.label: make_run(spec) for spec in specs}  # validate everything before loading the model
-    engine = Engine.load(model, adapter=adapter, device=device, dtype=dtype)
+    engine = Engine.load(model, adapter=adapter, device=device, dtype=dtype, graphs=graphs)
     attach_draft([strat for strat, _ in runs.values()], engine, model, draft_model, draft_adapter, device, dtype)
     ids = encode_prompt(engine, prompt, chat=not raw)
     if trace_dir:
@@ -326,6 +331,7 @@ def bench(
         "model (outputs become meaningless): speed at a controlled acceptance, the expected TPF printed beside."),
     device: str = DEVICE,
     dtype: str = DTYPE,
+    graphs: bool = GRAPHS,
     html: Optional[Path] = typer.Option(None, "--html", help="Write a self-contained HTML report."),
     as_json: bool = typer.Option(False, "--json"),
 ):
@@ -345,7 +351,7 @@ def bench(
                          oracle_accept=oracle_accept)
     for spec in specs:
         make_run(spec)
-    engine = Engine.load(model, adapter=adapter, device=device, dtype=dtype)
+    engine = Engine.load(model, adapter=adapter, device=device, dtype=dtype, graphs=graphs)
     err = Console(stderr=True)
     per_round = len(specs) + (0 if no_transformers else 1)
     total = warmup * len(specs) + repeats * len(texts) * per_round
@@ -390,10 +396,11 @@ def demo(
     html: bool = typer.Option(True, "--html/--no-html", help="Write TRACE_DIR/demo-report.html."),
     device: str = DEVICE,
     dtype: str = DTYPE,
+    graphs: bool = GRAPHS,
 ):
     """The compare demo on the embedded model: the prompt through every strategy, greedy, with traces and a report."""
     from studio.demo import DEMO_PROMPT as default_prompt, demo_command
-    demo_command(prompt or default_prompt, strategies, max_new_tokens, trace_dir, html, device, dtype)
+    demo_command(prompt or default_prompt, strategies, max_new_tokens, trace_dir, html, device, dtype, graphs)
 
 
 @models_app.command("list")

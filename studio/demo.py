@@ -91,13 +91,13 @@ def run_demo(engine, prompt: str = DEMO_PROMPT, strategies: str | None = None, m
 
 
 def demo_command(prompt: str, strategies: str | None, max_new_tokens: int, trace_dir: Path, html: bool = True,
-                 device: str = "auto", dtype: str = "auto") -> None:
+                 device: str = "auto", dtype: str = "auto", graphs: bool = True) -> None:
     """The body of `dlm-studio demo`: validate every run before loading the embedded model, then run."""
     from studio.runconfig import build_run
     from studio.engine.engine import Engine
 
     for s in demo_specs(strategies):
         build_run(s.strategy, s.preset, [], max_new_tokens, 0.0, None, None, 0, [])
-    engine = Engine.load("default", device=device, dtype=dtype)
+    engine = Engine.load("default", device=device, dtype=dtype, graphs=graphs)
     out = run_demo(engine, prompt, strategies, max_new_tokens, trace_dir, html)
     typer.echo(f"replay a run in the terminal: dlm-studio trace replay {out['traces'][-1]} --speed 2", err=True)

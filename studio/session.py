@@ -111,7 +111,8 @@ class Run:
         self.header = self._header(prompt_text)
         self.out = Output(engine.tokenizer, settings.max_new_tokens, frozenset(engine.eos_ids()), tuple(settings.stop))
         self.ctx = DecodeContext(engine.model, engine.tokenizer, settings.sampling, settings.seed, self.out,
-                                 engine.config.mask_token_id, kv_len, kv=kv, oracle_accept=settings.oracle_accept)
+                                 engine.config.mask_token_id, kv_len, kv=kv, oracle_accept=settings.oracle_accept,
+                                 graphs=engine.graphs)
         self._writer = ev.TraceWriter(trace_path, self.header) if trace_path else None
         self._on_finish = on_finish
         self._cancel = threading.Event()

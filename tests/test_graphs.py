@@ -191,3 +191,35 @@ def test_each_adapter_gets_its_own_graphs_and_a_new_table_drops_them(device):
     install(model, random_adapter(model, seed=2, rows=torch.randn(1, model.config.dim, device=device)))
     eager, graphed = twin.forward(torch.tensor([1, 2, V], device=device), gate=gate)
     assert close(eager, graphed, device) and len(twin.runner.graphs) == 1
+
+
+@pytest.mark.parametrize("name, params", [("ar", {}), ("isd", {"stride": 4}), ("r-isd", {"stride": 3}),
+                                          ("jacobi", {"block_size": 4}), ("s2d2", {"block_size": 4, "steps": 4})])
+def test_runs_with_graphs_on_decode_exactly_as_eager(tmp_path, monkeypatch, name, params):
+    """The wiring (`Engine.graphs` -> DecodeContext): a whole run's decode forwards replay graphs, the prefill
+    and wide forwards may run eagerly, and the tokens, forwards and KV moves equal an eager run's."""
+    from studio.engine.lora import attach_adapter
+    from studio.engine.sampling import SamplingParams
+    from studio.engine.strategies import make_strategy
+    from studio.session import Session, Settings
+    from tests.test_risd import random_adapter as adapter_dir
+    from tests.tiny import tiny_engine
+
+    runners = []
+    init = GraphRunner.__init__
+    monkeypatch.setattr(GraphRunner, "__init__", lambda self, *a, **k: (init(self, *a, **k), runners.append(self))[0])
+    runs = []
+    for graphs in (False, True):
+        engine = tiny_engine("llama", vocab=V, seed=5)
+        attach_adapter(engine, adapter_dir(tmp_path / f"ad-{graphs}", engine.model, seed=5))
+        engine.graphs = graphs
+        settings = Settings(max_new_tokens=40, sampling=SamplingParams(0.0))
+        session = Session(engine, make_strategy(name, params), settings)
+        runs.append(session.run("", [1, 2, 3, 4, 5]))
+    eager, graphed = runs
+    kinds = lambda r: [(e["t"], e.get("role"), e.get("op"), e.get("to_len")) for e in r.events if e["t"] in ("forward", "kv")]
+    assert graphed.token_ids == eager.token_ids and len(set(eager.token_ids)) > 2
+    assert kinds(graphed) == kinds(eager)
+    forwards = [e for e in graphed.events if e["t"] == "forward"]
+    (runner,) = runners
+    assert runner.replays + runner.fallbacks == len(forwards) and runner.replays >= len(forwards) - 2

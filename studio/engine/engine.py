@@ -52,17 +52,19 @@ class Engine:
     lora: object = None                   # its LoadedAdapter
     adapter_choice: str | None = None     # what the user asked: None = the shipped adapter per strategy (default
                                           # model), "none" = never, else a fixed adapter for every strategy
+    graphs: bool = False                  # decode-sized forwards through CUDA graphs (studio.engine.graphs)
     _views: dict = field(default_factory=dict, repr=False)   # adapter path -> engine, shared by all views
 
     @classmethod
     def load(cls, spec: str = "default", adapter: str | None = None, progress=None, device: str = "auto",
-             dtype: str = "auto") -> "Engine":
+             dtype: str = "auto", graphs: bool = True) -> "Engine":
         """`spec`: a model preset name (presets/models), 'default', a HF directory, a .gguf file or
         `random:NAME` (random weights of a published shape, studio.engine.random_models).
         `adapter`: a PEFT directory or a shipped adapter's name (used for every strategy), 'none', or None:
         each strategy gets the adapter shipped for it and this model, if any (presets/adapters).
         `device`: auto | cpu | cuda; `dtype`: auto | fp32 | bf16 | fp16 (studio.engine.device). The adapter
-        attaches after the model is placed, so it lands on the model's device and dtype."""
+        attaches after the model is placed, so it lands on the model's device and dtype. `graphs`: CUDA graphs
+        for decode-sized forwards, on CUDA only (on the CPU a graph would only add copies)."""
         _init_torch()
         t0 = time.perf_counter()
         dev = resolve_device(device)
@@ -78,6 +80,7 @@ class Engine:
             from studio.adapters import adapter_path
             from studio.engine.lora import attach_adapter
             attach_adapter(engine, adapter_path(adapter))
+        engine.graphs = graphs and dev.type == "cuda"
         engine.load_s = time.perf_counter() - t0
         return engine
 

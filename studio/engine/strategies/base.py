@@ -71,7 +71,7 @@ class DecodeContext:
     """
 
     def __init__(self, model, tokenizer, sampling: SamplingParams, seed: int, output: Output,
-                 mask_id: int | None, kv_len: int, kv=None, oracle_accept: float | None = None):
+                 mask_id: int | None, kv_len: int, kv=None, oracle_accept: float | None = None, graphs: bool = False):
         self.model = model
         self.tokenizer = tokenizer
         self.sampling = sampling
@@ -83,6 +83,12 @@ class DecodeContext:
         # `kv` may arrive holding a committed prefix of the prompt (a chat's earlier turns): the prefill
         # then computes only what follows it (see `_skip_reused`)
         self.kv = kv if kv is not None else model.new_cache(kv_len)
+        # graphs: the run's own decode-sized forwards replay CUDA graphs captured on this cache (the prefill,
+        # and a second model such as SimSD's drafter, fall back to eager inside the runner)
+        self._runner = None
+        if graphs:
+            from studio.engine.graphs import GraphRunner
+            self._runner = GraphRunner(model, self.kv)
         self._reusable: int | None = self.kv.length
         self._skipped = 0      # prompt tokens the prefill did not recompute; the next commit counts them
         self._adapters: dict[int, bool] = {}   # id(model) -> has a LoRA adapter attached
@@ -130,9 +136,10 @@ class DecodeContext:
         if lora_gate is not None and self._has_adapter(model):
             gate = torch.tensor(lora_gate, dtype=torch.bool, device=self.device)
         t = time.perf_counter()
+        run = self._runner.forward if self._runner is not None and model is self.model else model
         with torch.inference_mode():
-            logits = model(torch.tensor(tokens, device=self.device), pos, kv, mask=mask, lora_gate=gate,
-                           logits_rows=logits_rows)[0]
+            logits = run(torch.tensor(tokens, device=self.device), pos, kv, mask=mask, lora_gate=gate,
+                         logits_rows=logits_rows)[0]
         if torch.isnan(logits).any():
             raise BadInput(f"model produced NaN logits at forward {self.step} ({role})")
         self.event("forward", role=role, n_tokens=len(tokens), lora_rows=0 if gate is None else int(gate.sum()),
