@@ -2,6 +2,9 @@
 
 For every prompt and repeat, every strategy runs once in turn, so slow drifts of the machine hit all
 strategies alike. Speedups are per-prompt ratios of medians; spread is reported, never hidden.
+With `concurrency` C > 1 the prompts run in stationary batches of C (studio.engine.batch: ar, isd, r-isd,
+greedy) instead: speed is a batch's throughput (its new tokens / its wall time, prefill included) and
+speedups are per-batch ratios to ar at the same concurrency; TPF, acceptance and agreement stay per sequence.
 Under `--oracle-accept P` (runs whose settings carry `oracle_accept`) accept decisions are Bernoulli(P) draws:
 the engine's efficiency (speedup / TPF) at a controlled acceptance, with the expected TPF beside the measured
 one where a strategy knows it; the outputs are not the model's, so agreement with ar is not reported.
@@ -15,8 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from studio.compare import RunSpec, first_difference
+from studio.engine.batch import decode_strategy_batch, round_shape
+from studio.engine.device import synchronize
 from studio.errors import BadInput
-from studio.session import Session, encode_prompt
+from studio.session import Session, encode_prompt, kv_length_needed
 
 BUILTIN_PROMPTS = [
     "What is the capital of France?",                                      # chat
@@ -120,8 +125,20 @@ def _hf_model(engine):
     return _HF_CACHE[key]
 
 
+def check_concurrency(runs, concurrency: int) -> None:
+    """BadInput unless every (strategy, settings) run can decode in stationary batches of `concurrency`."""
+    if concurrency < 1:
+        raise BadInput(f"--concurrency must be >= 1, got {concurrency}")
+    if concurrency == 1:
+        return
+    for strategy, settings in runs:
+        round_shape(strategy, settings.sampling)
+        if settings.oracle_accept is not None:
+            raise BadInput("--oracle-accept applies to batch-1 runs only (--concurrency 1)")
+
+
 def run_bench(engine, prompts: list[str], specs: list[RunSpec], make_run, repeats: int = 3, warmup: int = 1,
-              with_transformers: bool = True, progress=None) -> dict:
+              with_transformers: bool = True, progress=None, concurrency: int = 1) -> dict:
     """Returns the --json report:
 
     `model, prompts, repeats, warmup`; `transformers_tok_s` (spread over every transformers sample, None when
@@ -131,13 +148,23 @@ def run_bench(engine, prompts: list[str], specs: list[RunSpec], make_run, repeat
     (spreads over prompts of median(strategy tok/s) / median(baseline tok/s) on that prompt),
     `exact_match_vs_ar` (share of runs whose tokens equal ar's on the same prompt and repeat; None for every
     run but ar under the oracle), `expected_tpf` (under the oracle, `Strategy.expected_tpf(P)`, else None) and
-    `per_prompt` (the raw samples, one entry per repeat); `oracle_accept` (P, or None)."""
+    `per_prompt` (the raw samples, one entry per repeat); `oracle_accept` (P, or None).
+
+    `concurrency` C > 1 (`check_concurrency`; no transformers baseline): `batches` lists the prompt indices of each
+    stationary batch and every strategy's `batch_tok_s` its throughput samples (one list per batch, one entry per
+    repeat); `tok_s` and `speedup_vs_ar` are then spreads over those batches, `per_prompt` has no `tok_s` (None),
+    and `tpf`, `accept_rate`, `exact_match_vs_ar` are per sequence, as at C = 1. At C = 1 both fields are None."""
     specs = sorted(specs, key=lambda s: s.strategy != "ar")  # ar first on every prompt: the others compare to it
     if not specs or specs[0].label != "ar":
         raise BadInput("bench needs the ar baseline (parse_specs adds it)")
     runs = {s.label: make_run(s) for s in specs}
-    n_new = max(settings.max_new_tokens for _, settings in runs.values())
+    check_concurrency(runs.values(), concurrency)
     ids = [encode_prompt(engine, p) for p in prompts]
+    if concurrency > 1:
+        samples, batches, batch_tok_s = _bench_batched(engine, ids, runs, repeats, warmup, concurrency, progress)
+        return _report(engine, prompts, runs, samples, [[] for _ in prompts], repeats, warmup,
+                       concurrency, batches, batch_tok_s)
+    n_new = max(settings.max_new_tokens for _, settings in runs.values())
     samples = {label: [Samples() for _ in prompts] for label in runs}
     hf = [[] for _ in prompts]
     for w in range(warmup):
@@ -171,22 +198,67 @@ def run_bench(engine, prompts: list[str], specs: list[RunSpec], make_run, repeat
     return _report(engine, prompts, runs, samples, hf, repeats, warmup)
 
 
-def _report(engine, prompts, runs, samples, hf, repeats, warmup) -> dict:
-    ar_med = [statistics.median(s.tok_s) for s in samples["ar"]]
+def _bench_batched(engine, ids: list[list[int]], runs: dict, repeats: int, warmup: int, concurrency: int, progress):
+    """The prompts in stationary batches of `concurrency` (in order), every strategy once per batch and repeat.
+    Returns (per-prompt Samples without tok/s, the batches' prompt indices, per label and batch the throughputs)."""
+    for strategy, settings in runs.values():
+        for p in ids:
+            kv_length_needed(engine.for_strategy(strategy.name), strategy, settings, p)
+    batches = [list(range(i, min(i + concurrency, len(ids)))) for i in range(0, len(ids), concurrency)]
+    samples = {label: [Samples() for _ in ids] for label in runs}
+    tok_s = {label: [[] for _ in batches] for label in runs}
+    for _ in range(warmup):
+        for label, (strategy, settings) in runs.items():
+            _timed_batch(engine, strategy, settings, [ids[i] for i in batches[0]])
+            if progress:
+                progress("warm-up", label)
+    for rep in range(repeats):
+        for b, batch in enumerate(batches):
+            for label, (strategy, settings) in runs.items():
+                results, wall_s = _timed_batch(engine, strategy, settings, [ids[i] for i in batch])
+                tok_s[label][b].append(sum(len(r.tokens) for r in results) / wall_s)
+                if label == "ar":
+                    ar_tokens = [r.tokens for r in results]
+                for i, r, ar in zip(batch, results, ar_tokens):
+                    s = samples[label][i]
+                    s.tpf.append(r.tpf)
+                    s.accept.append(r.accept_rate)
+                    s.same_as_ar.append(r.tokens == ar)
+                if progress:
+                    progress(f"repeat {rep + 1}/{repeats}", label)
+    return samples, batches, tok_s
+
+
+def _timed_batch(engine, strategy, settings, prompt_ids: list[list[int]]):
+    """One stationary batch: its per-sequence results and its wall time, prefill included (device synchronised)."""
+    engine.for_strategy(strategy.name).activate()      # an adapter switch is not decoding time
+    device = engine.model.lm_head.weight.device
+    synchronize(device)
+    t = time.perf_counter()
+    results = decode_strategy_batch(engine, strategy, settings.sampling, prompt_ids, settings.max_new_tokens)
+    synchronize(device)
+    return results, time.perf_counter() - t
+
+
+def _report(engine, prompts, runs, samples, hf, repeats, warmup, concurrency=1, batches=None,
+            batch_tok_s=None) -> dict:
+    # the unit speeds are compared on: a prompt run alone, or a stationary batch
+    speed = batch_tok_s or {label: [s.tok_s for s in per_prompt] for label, per_prompt in samples.items()}
+    ar_med = [statistics.median(x) for x in speed["ar"]]
     hf_med = [statistics.median(x) for x in hf] if all(hf) else None
     oracle = runs["ar"][1].oracle_accept
     out = {"model": engine.model_meta(), "prompts": prompts, "repeats": repeats, "warmup": warmup,
-           "oracle_accept": oracle,
+           "oracle_accept": oracle, "concurrency": concurrency, "batches": batches,
            "transformers_tok_s": spread([x for xs in hf for x in xs]) if hf_med else None,
            "transformers_per_prompt": hf if hf_med else None, "strategies": []}
     for label, (strategy, settings) in runs.items():
         per_prompt = samples[label]
-        med = [statistics.median(s.tok_s) for s in per_prompt]
+        med = [statistics.median(x) for x in speed[label]]
         out["strategies"].append({
             "label": label, "strategy": strategy.name,
             "params": dict(strategy.header_params(), temperature=settings.sampling.temperature,
                            max_new_tokens=settings.max_new_tokens),
-            "tok_s": spread([x for s in per_prompt for x in s.tok_s]),
+            "tok_s": spread([x for xs in speed[label] for x in xs]),
             "tpf": spread([x for s in per_prompt for x in s.tpf]),
             "accept_rate": spread([x for s in per_prompt for x in s.accept]),
             "speedup_vs_ar": spread([m / a if a else None for m, a in zip(med, ar_med)]),
@@ -195,8 +267,9 @@ def _report(engine, prompts, runs, samples, hf, repeats, warmup) -> dict:
                                  sum(x for s in per_prompt for x in s.same_as_ar) / (len(prompts) * repeats),
             "expected_tpf": None if oracle is None else strategy.expected_tpf(oracle),
             # the raw samples the numbers above come from: per prompt, one entry per repeat
-            "per_prompt": [{"tok_s": s.tok_s, "tpf": s.tpf, "accept_rate": s.accept, "same_as_ar": s.same_as_ar}
-                           for s in per_prompt],
+            "per_prompt": [{"tok_s": None if batches else s.tok_s, "tpf": s.tpf, "accept_rate": s.accept,
+                            "same_as_ar": s.same_as_ar} for s in per_prompt],
+            "batch_tok_s": batch_tok_s[label] if batches else None,
         })
     return out
 
@@ -210,7 +283,8 @@ def table_rows(report: dict) -> tuple[list[str], list[list[str]]]:
     """The bench table as the terminal and the HTML page show it: the header, then one row of cells per
     strategy. Under the oracle an expected-TPF column follows TPF, and "= ar" is "—" (outputs mean nothing)."""
     oracle = report["oracle_accept"] is not None
-    head = ["strategy", "tok/s", "TPF", *(["TPF expected"] if oracle else []), "accept", "× ar", "× transformers",
+    speed = "tok/s" if report["concurrency"] == 1 else "batch tok/s"
+    head = ["strategy", speed, "TPF", *(["TPF expected"] if oracle else []), "accept", "× ar", "× transformers",
             "= ar"]
     rows = []
     for r in report["strategies"]:
@@ -223,8 +297,9 @@ def table_rows(report: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def report_title(report: dict) -> str:
-    oracle = report["oracle_accept"]
+    oracle, c = report["oracle_accept"], report["concurrency"]
     return (f"bench: {len(report['prompts'])} prompts × {report['repeats']} repeats"
+            + ("" if c == 1 else f", stationary batches of {c} (batch tok/s: new tokens ÷ the batch's wall time)")
             + ("" if oracle is None else f", oracle acceptance {oracle:g} (outputs not meaningful)"))
 
 

@@ -329,6 +329,9 @@ def bench(
     oracle_accept: Optional[float] = typer.Option(
         None, "--oracle-accept", help="P in (0, 1]: accept every verified draft with probability P instead of by the "
         "model (outputs become meaningless): speed at a controlled acceptance, the expected TPF printed beside."),
+    concurrency: int = typer.Option(
+        1, "--concurrency", help="C > 1: decode the prompts in stationary batches of C (ar, isd, r-isd; greedy) and "
+        "report each batch's throughput and its ratio to ar at the same concurrency (no transformers baseline)."),
     device: str = DEVICE,
     dtype: str = DTYPE,
     graphs: bool = GRAPHS,
@@ -338,7 +341,7 @@ def bench(
     """Speed and agreement of strategies against ar (and transformers generate), measured in one run."""
     from rich.console import Console
     from rich.progress import Progress
-    from studio.bench import load_prompts, run_bench
+    from studio.bench import check_concurrency, load_prompts, run_bench
     from studio.compare import parse_specs
     from studio.engine.engine import Engine
 
@@ -349,17 +352,18 @@ def bench(
     def make_run(spec):
         return build_run(spec.strategy, spec.preset, [], max_new_tokens, temperature, None, None, seed, [],
                          oracle_accept=oracle_accept)
-    for spec in specs:
-        make_run(spec)
+    check_concurrency([make_run(spec) for spec in specs], concurrency)   # bad input fails before the model loads
+    with_transformers = not no_transformers and concurrency == 1
     engine = Engine.load(model, adapter=adapter, device=device, dtype=dtype, graphs=graphs)
     err = Console(stderr=True)
-    per_round = len(specs) + (0 if no_transformers else 1)
-    total = warmup * len(specs) + repeats * len(texts) * per_round
+    per_round = len(specs) + with_transformers
+    units = (len(texts) + concurrency - 1) // concurrency    # runs per strategy and repeat: prompts, or batches
+    total = warmup * len(specs) + repeats * units * per_round
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("bench", total=total)
         def progress(phase, label):
             bar.update(task, advance=1, description=f"{phase}: {label}")
-        report = run_bench(engine, texts, specs, make_run, repeats, warmup, not no_transformers, progress)
+        report = run_bench(engine, texts, specs, make_run, repeats, warmup, with_transformers, progress, concurrency)
     if html:
         from studio.bench import write_bench_html
         typer.echo(f"report: {write_bench_html(report, html)}", err=True)

@@ -80,15 +80,22 @@ class KVCache:
 
 class SlotView:
     """A KVCache seen through fixed shapes, as a CUDA graph needs them: a forward writes its new K/V at
-    the slots held in the device tensor `slots` [T] and attends over the first `n_visible` slots (a
-    fixed bucket, whose stale and unwritten slots the caller's mask hides). The host-side lengths are
-    the cache's own business: the caller still calls `begin` and `commit`."""
+    the slots held in the device tensor `slots` and attends over the first `n_visible` slots (a fixed
+    bucket, whose stale and unwritten slots the caller's mask hides). `slots` [T]: the same slots for
+    every batch row (the cache's own lengths are the caller's business: it still calls `begin` and
+    `commit`); [B, T]: each sequence of a batch writes at its own slots (studio.engine.batch, which
+    keeps one length per sequence itself)."""
 
     def __init__(self, kv: KVCache, slots: torch.Tensor, n_visible: int):
         self.kv, self.slots, self.n_visible = kv, slots, n_visible
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.kv.k[layer], self.kv.v[layer]
-        keys.index_copy_(2, self.slots, k)
-        values.index_copy_(2, self.slots, v)
+        if self.slots.dim() == 1:
+            keys.index_copy_(2, self.slots, k)
+            values.index_copy_(2, self.slots, v)
+        else:
+            at = self.slots[:, None, :, None].expand_as(k)   # [B, H_kv, T, D]: sequence b, row t -> slots[b, t]
+            keys.scatter_(2, at, k)
+            values.scatter_(2, at, v)
         return keys[:, :, :self.n_visible], values[:, :, :self.n_visible]
