@@ -92,10 +92,18 @@ def test_plain_repl_reports_bad_turns_and_goes_on():
 
 
 # -- the command on the embedded model -------------------------------------------------------------
+def _deliverable_sigint() -> None:
+    """In the child, before exec: Ctrl+C as a terminal delivers it (default action, not blocked), whatever the
+    test process's own signal state is by then (a disposition or mask set earlier would be inherited)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+
+
 def _chat_process(*args):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, "-m", "studio.cli", "chat", *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=_deliverable_sigint)
 
 
 @pytest.mark.slow
