@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from studio.engine.lora import (TARGETS, attach_adapter, detach_adapter, merge_adapter_weights, read_adapter,
                                 save_adapter)
-from studio.engine.model import Linear, Transformer
+from studio.engine.masks import causal
+from studio.engine.model import Linear, RowGate, Transformer
 from studio.errors import BadInput
 from tests.tiny import FAMILIES, tiny_engine, tiny_model
 
@@ -107,6 +108,30 @@ def test_mixed_gate_off_rows_are_base_on_rows_are_merged(pair):
         tail = merged_model(engine.model)(torch.tensor(TOKENS[6:]), torch.arange(6, 8), kv)[0]
     assert torch.allclose(mixed[6:], tail, atol=1e-5, rtol=0)
     assert (tail - run_chunks(base)[6:]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("pattern", ["tail", "holes"])
+def test_sliced_gathered_and_dense_gates_agree(pair, pattern):
+    """Three ways to apply the gate -- a slice (gated rows in one run: R-ISD's MASK tail), a gather/scatter
+    (rows with holes), the dense 0/1 multiplier (CUDA graphs) -- give bit-identical off rows and the same on rows."""
+    engine, base = pair
+    gate = torch.tensor([False] * 5 + [True] * 3 if pattern == "tail" else [True, False] * 4)
+    tokens, pos = torch.tensor([TOKENS]), torch.arange(8)[None]
+
+    def logits(g: RowGate | None, model=engine.model) -> torch.Tensor:
+        kv = model.new_cache(64)
+        kv.begin(8)
+        with torch.inference_mode():
+            return model.run(tokens, pos, kv, causal(8, 0), g, None)[0]
+
+    sparse = RowGate(gate)
+    assert (sparse.span is not None) == (pattern == "tail")
+    got, dense = logits(sparse), logits(RowGate(gate.float()[None], dense=True))
+    plain = logits(None, base)
+    first_on = int(gate.nonzero()[0])
+    assert torch.equal(got[:first_on], plain[:first_on])   # rows before any gated row read base KV only
+    assert torch.allclose(got, dense, atol=1e-5, rtol=0)
+    assert (got[gate] - plain[gate]).abs().max() > 0.1
 
 
 def test_detach_gives_the_base_model_back(pair):

@@ -24,7 +24,9 @@ _threads_set = False
 def _init_torch() -> None:
     global _threads_set
     if not _threads_set:
-        torch.set_num_threads(os.cpu_count() or 1)
+        # the cores this process may run on (taskset), not all of the machine's: oversubscribed threads
+        # spin against each other
+        torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
         _threads_set = True
 
 
