@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Union, g
 from studio.errors import BadInput
 
 SCHEMA = "dlm-studio.trace/1"
-_SCHEMA_RE = re.compile(r"dlm-studio\.trace/([0-9]+)(?:\.([0-9]+))?")
+_SCHEMA_RE = re.compile(r"dlm-studio\.trace/([0-9]{1,9})(?:\.([0-9]{1,9}))?")  # int() refuses 4300+ digits
 _MAJOR = 1
 
 Event = dict[str, Any]
@@ -603,10 +603,12 @@ class TraceReader:
         complete = raw.endswith(b"\n")
         try:
             obj = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # also ints of 4300+ digits, and nesting too deep to parse
             if not complete:
                 return _PARTIAL
-            why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+            why = (f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else
+                   "not UTF-8" if isinstance(e, UnicodeDecodeError) else
+                   "nested too deeply" if isinstance(e, RecursionError) else "a number too long to read")
             raise _bad(f"{self._where()}: not valid JSON ({why})") from None
         if not isinstance(obj, dict):
             raise _bad(f"{self._where()}: expected a JSON object, got {type(obj).__name__}")

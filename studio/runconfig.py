@@ -16,6 +16,9 @@ def parse_value(raw: str) -> object:
         return tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         return raw
+    except (ValueError, RecursionError):  # a TOML literal Python cannot hold: 4300+ digits, nesting too deep
+        shown = repr(raw) if len(raw) <= 40 else repr(raw[:37]) + "..."
+        raise BadInput(f"value {shown} is too long a number or nested too deeply") from None
 
 
 def parse_param(text: str) -> tuple[str, object]:

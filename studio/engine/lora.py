@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from studio.engine.model import Linear
-from studio.engine.weights import _load_safetensors, _one_line
+from studio.engine.weights import _load_safetensors, _one_line, _short
 from studio.errors import BadInput
 
 CONFIG_FILE = "adapter_config.json"
@@ -53,7 +53,8 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 _PREFIX = "base_model.model."
-_LORA_KEY = re.compile(r"(model\.layers\.\d+\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])\.weight")
+# ASCII layer numbers of at most 9 digits: int() of a 5000-digit one raises ValueError
+_LORA_KEY = re.compile(r"(model\.layers\.[0-9]{1,9}\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])\.weight")
 _EMBED_KEY = "model.embed_tokens.weight"
 _MASK_KEY = "mask_embedding"
 _HEAD_KEY = "lm_head.weight"
@@ -117,27 +118,32 @@ def _read_config(root: Path) -> dict:
         raise BadInput(f"{root} has no {CONFIG_FILE} (not a PEFT adapter directory)")
     try:
         cfg = json.loads(f.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise BadInput(f"invalid {f}: {_one_line(e)}") from None
     if not isinstance(cfg, dict):
         raise BadInput(f"invalid {f}: expected a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":
-        raise BadInput(f"{f}: peft_type {cfg['peft_type']!r} is not supported (only LORA)")
+        raise BadInput(f"{f}: peft_type {_short(cfg['peft_type'])} is not supported (only LORA)")
     for key in ("r", "lora_alpha"):
         v = cfg.get(key)
-        if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0
-                or (key == "r" and not isinstance(v, int))):
-            raise BadInput(f"{f}: {key} must be a positive {'integer' if key == 'r' else 'number'}, got {v!r}")
+        try:
+            ok = not isinstance(v, bool) and isinstance(v, (int, float)) and 0 < float(v) < math.inf
+        except OverflowError:  # an int beyond the float range (10**400): math.isfinite() raised here
+            ok = False
+        if not ok or (key == "r" and not isinstance(v, int)):
+            raise BadInput(f"{f}: {key} must be a positive {'integer' if key == 'r' else 'number'}, got {_short(v)}")
     # Each of these changes what the weights mean; applying the adapter without them would be silently wrong.
     for key, ok in (("fan_in_fan_out", False), ("use_dora", False), ("bias", "none")):
         if cfg.get(key, ok) not in (ok, None):
-            raise BadInput(f"{f}: {key}={cfg[key]!r} is not supported (must be {ok!r})")
+            raise BadInput(f"{f}: {key}={_short(cfg[key])} is not supported (must be {ok!r})")
     for key in ("rank_pattern", "alpha_pattern"):
         if cfg.get(key):
             raise BadInput(f"{f}: {key} is not supported (one r and lora_alpha for every module)")
     saved = cfg.get("modules_to_save") or []
     if isinstance(saved, str):
         saved = [saved]
+    if not isinstance(saved, list):
+        raise BadInput(f"{f}: modules_to_save must be a list of module names, got {_short(saved)}")
     bad = [m for m in saved if str(m).rsplit(".", 1)[-1] not in ("embed_tokens", "lm_head")]
     if bad:
         raise BadInput(f"{f}: modules_to_save {bad[0]!r} is not supported (only embed_tokens / lm_head for a MASK row)")

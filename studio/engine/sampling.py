@@ -47,11 +47,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         t, k, p = self.temperature, self.top_k, self.top_p
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not _finite(t) or t < 0:
             raise BadInput(f"temperature must be a finite number >= 0, got {t!r}")
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise BadInput(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or math.isnan(p) or not (0.0 < p <= 1.0):
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):   # NaN fails the range
             raise BadInput(f"top_p must be in (0, 1] (1 = off), got {p!r}")
 
     @property
@@ -62,6 +62,13 @@ class SamplingParams:
 # --------------------------------------------------------------------------------------------------------------
 # Logits -> probabilities
 # --------------------------------------------------------------------------------------------------------------
+
+def _finite(x: int | float) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:   # an int beyond the float range
+        return False
+
 
 def _stable_desc_order(x: Tensor) -> Tensor:
     """Indices sorting the last dim in descending order; equal values keep ascending index order."""

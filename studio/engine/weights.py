@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -156,6 +157,8 @@ def _open_gguf(path: Path):
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
+            if magic == b"GGUF":
+                _scan_gguf(path, f)
     except OSError as e:
         raise BadInput(f"cannot read {path}: {e.strerror or e}") from None
     if magic != b"GGUF":
@@ -164,6 +167,111 @@ def _open_gguf(path: Path):
         return gguf.GGUFReader(str(path), "r")
     except Exception as e:  # ValueError, IndexError, struct errors ... from a damaged header
         raise BadInput(f"corrupt GGUF file {path} (truncated or damaged): {_one_line(e)}") from None
+
+
+_GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
+_GGUF_STRING, _GGUF_ARRAY, _GGUF_UINT32 = 8, 9, 4
+_GGUF_MAX_DEPTH = 8   # nested arrays (llama.cpp writes none)
+_GGUF_MAX_DIMS = 4    # GGML_MAX_DIMS
+
+
+def _scan_gguf(path: Path, f) -> None:
+    """Walk the GGUF header with every count, length, dimension and offset checked against the file size.
+
+    gguf.GGUFReader trusts them: an array count of 2**60 makes it loop forever past the end of the file,
+    and a tensor's dims or offset are only checked when its data is used. Nothing here is sized by a field
+    before the field is checked, so a damaged header is a BadInput, not a hang or a huge allocation."""
+    import mmap
+    import struct
+
+    import gguf
+
+    size = os.fstat(f.fileno()).st_size
+    bad = f"corrupt GGUF file {path}"
+    if size < 24:
+        raise BadInput(f"{bad}: truncated header ({size} bytes)")
+    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        e = "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"  # GGUFReader's byte-order test
+        version, n_tensors, n_kv = struct.unpack_from(e + "IQQ", buf, 4)
+        if version not in (2, 3):
+            raise BadInput(f"{bad}: unsupported GGUF version {version} (supported: 2, 3)")
+        # the smallest entry is 13 bytes (empty key, type, u8), the smallest tensor info 24
+        if n_kv * 13 > size or n_tensors * 24 > size:
+            raise BadInput(f"{bad}: header claims {n_kv} metadata entries and {n_tensors} tensors, "
+                           f"more than {size} bytes can hold (truncated or damaged)")
+        off = 24
+
+        def take(n: int, what: str) -> int:
+            nonlocal off
+            if n > size - off:
+                raise BadInput(f"{bad}: {what} at byte {off} needs {n} bytes, the file has {size - off} left "
+                               "(truncated or damaged)")
+            off += n
+            return off - n
+
+        def u(fmt: str, what: str) -> int:
+            return struct.unpack_from(e + fmt, buf, take(struct.calcsize(fmt), what))[0]
+
+        def string(what: str) -> bytes:
+            n = u("Q", f"{what} length")
+            return buf[take(n, what):off]
+
+        def value(t: int, what: str, depth: int = 0) -> int | None:
+            if t in _GGUF_SCALAR:
+                at = take(_GGUF_SCALAR[t], what)
+                return struct.unpack_from(e + "I", buf, at)[0] if t == _GGUF_UINT32 else None
+            if t == _GGUF_STRING:
+                take(u("Q", f"{what} length"), what)
+                return None
+            if t != _GGUF_ARRAY:
+                raise BadInput(f"{bad}: {what} has unknown value type {t}")
+            if depth >= _GGUF_MAX_DEPTH:
+                raise BadInput(f"{bad}: {what} nests arrays more than {_GGUF_MAX_DEPTH} deep")
+            item, n = u("I", f"{what} item type"), u("Q", f"{what} length")
+            if item in _GGUF_SCALAR:
+                take(n * _GGUF_SCALAR[item], f"{what} ({n} items)")
+                return None
+            if n * 8 > size - off:  # every string or array item takes at least 8 bytes
+                raise BadInput(f"{bad}: {what} claims {n} items, more than the file can hold (truncated or damaged)")
+            for _ in range(n):
+                value(item, what, depth + 1)
+            return None
+
+        alignment = 32
+        for _ in range(n_kv):
+            key = string("metadata key").decode("utf-8", "replace")
+            what = f"metadata {key[:60]!r}"
+            v = value(u("I", f"{what} type"), what)
+            if key == "general.alignment" and v is not None:
+                alignment = v
+        extents = []
+        for _ in range(n_tensors):
+            name = string("tensor name").decode("utf-8", "replace")
+            what = f"tensor {name[:60]!r}"
+            n_dims = u("I", f"{what} dimension count")
+            if n_dims > _GGUF_MAX_DIMS:
+                raise BadInput(f"{bad}: {what} has {n_dims} dimensions (at most {_GGUF_MAX_DIMS})")
+            dims = [u("Q", f"{what} dimensions") for _ in range(n_dims)]
+            kind, start = u("I", f"{what} type"), u("Q", f"{what} offset")
+            try:
+                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+            except (ValueError, KeyError):
+                raise BadInput(f"{bad}: {what} has unknown tensor type {kind}") from None
+            if dims and dims[0] % block:
+                raise BadInput(f"{bad}: {what} rows of {dims[0]} are not a multiple of its block size {block}")
+            extents.append((what, start, math.prod(dims) * type_size // block))
+        if alignment and not alignment & (alignment - 1):  # else GGUFReader refuses the alignment itself
+            data = off + (-off % alignment)
+            for what, start, n_bytes in extents:
+                if data + start + n_bytes > size:
+                    raise BadInput(f"{bad}: {what} ({n_bytes} bytes at offset {start}) extends past the end of "
+                                   "the file (truncated or damaged)")
+
+
+def _short(v) -> str:
+    """repr(v), at most 60 characters (a damaged field can hold megabytes)."""
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
 
 
 def _one_line(e: BaseException) -> str:
@@ -188,9 +296,9 @@ def read_gguf(path: str | Path, progress: Progress | None = None) -> tuple[Model
     path = Path(path)
     reader = _open_gguf(path)
     arch_raw = _field(reader, "general.architecture")
-    arch = _GGUF_ARCH.get(arch_raw)
+    arch = _GGUF_ARCH.get(arch_raw) if isinstance(arch_raw, str) else None  # any type: a list is unhashable
     if arch is None:
-        raise BadInput(f"unsupported GGUF architecture {arch_raw!r} in {path} (supported: llama, qwen2, qwen3)")
+        raise BadInput(f"unsupported GGUF architecture {_short(arch_raw)} in {path} (supported: llama, qwen2, qwen3)")
 
     def meta(key: str, default=None, required=True):
         v = _field(reader, f"{arch_raw}.{key}", default)
@@ -198,10 +306,30 @@ def read_gguf(path: str | Path, progress: Progress | None = None) -> tuple[Model
             raise BadInput(f"corrupt GGUF file {path}: missing metadata {arch_raw}.{key}")
         return v
 
-    n_heads = int(meta("attention.head_count"))
-    n_kv = int(meta("attention.head_count_kv", n_heads))
-    dim = int(meta("embedding_length"))
-    tokenizer = Tokenizer.from_gguf_reader(reader, name=path.stem)
+    # Metadata values have whatever type the file says: sizes must be positive integers, scales positive
+    # finite numbers, or int()/float() and the shapes built from them fail far from here.
+    def size(key: str, default=None, required=True) -> int | None:
+        v = meta(key, default, required)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise BadInput(f"corrupt GGUF file {path}: {arch_raw}.{key} must be a positive integer, got {_short(v)}")
+        return v
+
+    def real(key: str, default: float | None) -> float:
+        v = meta(key, default, required=False)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            raise BadInput(f"corrupt GGUF file {path}: {arch_raw}.{key} must be a positive finite number, "
+                           f"got {_short(v)}")
+        return float(v)
+
+    n_heads = size("attention.head_count")
+    n_kv = size("attention.head_count_kv", n_heads)
+    dim = size("embedding_length")
+    try:
+        tokenizer = Tokenizer.from_gguf_reader(reader, name=path.stem)
+    except BadInput as e:
+        raise BadInput(f"{path}: {e}") from None
+    except Exception as e:  # tokenizers' own errors, TypeError, UnicodeDecodeError ... from damaged metadata
+        raise BadInput(f"corrupt GGUF file {path}: tokenizer: {_one_line(e)}") from None
 
     state: dict[str, torch.Tensor] = {}
     names = {t.name for t in reader.tensors}
@@ -217,6 +345,8 @@ def read_gguf(path: str | Path, progress: Progress | None = None) -> tuple[Model
         if int(t.data.nbytes) != int(t.n_bytes):
             raise BadInput(f"corrupt GGUF file {path}: tensor {t.name} is truncated "
                            f"({int(t.data.nbytes)} of {int(t.n_bytes)} bytes)")
+        if len(t.shape) not in (1, 2):
+            raise BadInput(f"corrupt GGUF file {path}: tensor {t.name} has {len(t.shape)} dimensions (expected 1 or 2)")
         try:
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
             shape = tuple(int(x) for x in reversed(t.shape.tolist()))
@@ -225,10 +355,13 @@ def read_gguf(path: str | Path, progress: Progress | None = None) -> tuple[Model
             raise BadInput(f"unsupported GGUF tensor type {t.tensor_type.name} for {t.name} in {path}") from None
         except (ValueError, IndexError, TypeError) as e:
             raise BadInput(f"corrupt GGUF file {path}: tensor {t.name}: {_one_line(e)}") from None
-        if arch == "llama" and (hf.endswith("self_attn.q_proj.weight") or hf.endswith("self_attn.q_proj.bias")):
-            arr = unpermute_qk(arr, n_heads)
-        elif arch == "llama" and (hf.endswith("self_attn.k_proj.weight") or hf.endswith("self_attn.k_proj.bias")):
-            arr = unpermute_qk(arr, n_kv)
+        try:
+            if arch == "llama" and (hf.endswith("self_attn.q_proj.weight") or hf.endswith("self_attn.q_proj.bias")):
+                arr = unpermute_qk(arr, n_heads)
+            elif arch == "llama" and (hf.endswith("self_attn.k_proj.weight") or hf.endswith("self_attn.k_proj.bias")):
+                arr = unpermute_qk(arr, n_kv)
+        except BadInput as e:
+            raise BadInput(f"corrupt GGUF file {path}: tensor {t.name}: {e}") from None
         if not arr.flags.writeable or not arr.flags.c_contiguous or not arr.flags.owndata:
             arr = np.array(arr, dtype=np.float32, copy=True, order="C")
         state[hf] = torch.from_numpy(arr)
@@ -237,53 +370,55 @@ def read_gguf(path: str | Path, progress: Progress | None = None) -> tuple[Model
     if emb is None:
         raise BadInput(f"corrupt GGUF file {path}: no token_embd.weight")
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
-    vocab = int(meta("vocab_size", None, required=False) or len(tokens) or emb.shape[0])
-    n_layers = int(meta("block_count"))
-    head_dim = int(meta("rope.dimension_count", None, required=False)
-                   or meta("attention.key_length", None, required=False) or dim // n_heads)
+    vocab = size("vocab_size", None, required=False) or len(tokens) or emb.shape[0]
+    n_layers = size("block_count")
+    head_dim = (size("rope.dimension_count", None, required=False)
+                or size("attention.key_length", None, required=False) or dim // n_heads)
     rope_scaling = None
     kind = meta("rope.scaling.type", None, required=False)
     if kind in ("linear",):
-        rope_scaling = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+        rope_scaling = {"rope_type": "linear", "factor": real("rope.scaling.factor", None)}
     elif kind not in (None, "none"):
-        raise BadInput(f"{path}: unsupported GGUF rope scaling {kind!r}")
+        raise BadInput(f"{path}: unsupported GGUF rope scaling {_short(kind)}")
     eos = [i for i in tokenizer.eos_ids]
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    cfg = ModelConfig(
-        arch=arch,
-        vocab_size=vocab,
-        dim=dim,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=n_kv,
-        head_dim=head_dim,
-        ffn_dim=int(meta("feed_forward_length")),
-        rope_theta=float(meta("rope.freq_base", 10000.0, required=False)),
-        rope_scaling=rope_scaling,
-        rms_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6, required=False)),
-        tie_embeddings="lm_head.weight" not in state,
-        attn_bias="model.layers.0.self_attn.q_proj.bias" in state,
-        qk_norm="model.layers.0.self_attn.q_norm.weight" in state,
-        max_seq_len=int(meta("context_length", 4096, required=False)),
-        bos_id=int(bos) if isinstance(bos, int) else None,
-        eos_ids=eos,
-        name=path.stem,
-    )
+    try:
+        cfg = ModelConfig(
+            arch=arch,
+            vocab_size=vocab,
+            dim=dim,
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_kv_heads=n_kv,
+            head_dim=head_dim,
+            ffn_dim=size("feed_forward_length"),
+            rope_theta=real("rope.freq_base", 10000.0),
+            rope_scaling=rope_scaling,
+            rms_eps=real("attention.layer_norm_rms_epsilon", 1e-6),
+            tie_embeddings="lm_head.weight" not in state,
+            attn_bias="model.layers.0.self_attn.q_proj.bias" in state,
+            qk_norm="model.layers.0.self_attn.q_norm.weight" in state,
+            max_seq_len=size("context_length", 4096, required=False),
+            bos_id=bos if isinstance(bos, int) and not isinstance(bos, bool) and 0 <= bos < vocab else None,
+            eos_ids=eos,
+            name=path.stem,
+        )
+    except BadInput as e:
+        raise BadInput(f"{path}: {e}") from None
     _check_shapes(cfg, state, str(path))
     return cfg, state, tokenizer
 
 
-def _check_shapes(cfg: ModelConfig, sd: dict[str, torch.Tensor], where: str) -> None:
-    """Catch a config/weights mismatch here, as a one-line BadInput, instead of deep in the model."""
-    expect = {
-        "model.embed_tokens.weight": (cfg.vocab_size, cfg.dim),
-        "model.norm.weight": (cfg.dim,),
-    }
+def _expected_shapes(cfg: ModelConfig):
+    """(name, shape) of every weight `cfg` implies, lazily: a damaged n_layers of 2**60 fails at the first
+    missing layer instead of building 2**60 entries."""
+    yield "model.embed_tokens.weight", (cfg.vocab_size, cfg.dim)
+    yield "model.norm.weight", (cfg.dim,)
     if not cfg.tie_embeddings:
-        expect["lm_head.weight"] = (cfg.vocab_size, cfg.dim)
+        yield "lm_head.weight", (cfg.vocab_size, cfg.dim)
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
-        expect.update({
+        yield from {
             p + "self_attn.q_proj.weight": (cfg.n_heads * cfg.head_dim, cfg.dim),
             p + "self_attn.k_proj.weight": (cfg.n_kv_heads * cfg.head_dim, cfg.dim),
             p + "self_attn.v_proj.weight": (cfg.n_kv_heads * cfg.head_dim, cfg.dim),
@@ -293,8 +428,12 @@ def _check_shapes(cfg: ModelConfig, sd: dict[str, torch.Tensor], where: str) -> 
             p + "mlp.down_proj.weight": (cfg.dim, cfg.ffn_dim),
             p + "input_layernorm.weight": (cfg.dim,),
             p + "post_attention_layernorm.weight": (cfg.dim,),
-        })
-    for name, shape in expect.items():
+        }.items()
+
+
+def _check_shapes(cfg: ModelConfig, sd: dict[str, torch.Tensor], where: str) -> None:
+    """Catch a config/weights mismatch here, as a one-line BadInput, instead of deep in the model."""
+    for name, shape in _expected_shapes(cfg):
         t = sd.get(name)
         if t is None:
             raise BadInput(f"{where}: missing weight {name}")

@@ -43,7 +43,10 @@ class S2D2(BlockDiffusion):
 
     def __init__(self, params: dict | None = None):
         params = dict(params or {})
-        route = dict(params.pop("route", None) or {})
+        route = params.pop("route", None) or {}
+        if not isinstance(route, dict):
+            raise BadInput(f"strategy 's2d2' parameter 'route' must be a table like {{c = 1.0}}, got {route!r:.60}")
+        route = dict(route)
         route.update({k.split(".", 1)[1]: params.pop(k) for k in list(params) if k.startswith("route.")})
         super().__init__(dict(params, route=route))
         self.policy = make_policy(self.params.policy, **route)   # validates the policy and its parameters
