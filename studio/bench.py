@@ -36,15 +36,21 @@ def load_prompts(path: Path | None) -> list[str]:
     if path is None:
         return list(BUILTIN_PROMPTS)
     try:
-        lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()]
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
-        raise BadInput(f"cannot read prompts file {path}: {e.strerror}") from None
+        raise BadInput(f"cannot read prompts file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise BadInput(f"prompts file {path} is not UTF-8 text (byte {e.start})") from None
+    # Lines end at \n only (read_text turns \r\n and \r into \n): str.splitlines() also splits at U+2028,
+    # U+0085, \x0b ..., which a JSON string may hold unescaped.
     prompts = []
-    for i, ln in enumerate(lines, 1):
+    for i, ln in enumerate(text.split("\n"), 1):
+        if not ln.strip():
+            continue
         if ln.lstrip().startswith("{"):
             try:
                 prompt = json.loads(ln)["prompt"]
-            except (json.JSONDecodeError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):  # also 4300+ digit ints, nesting too deep
                 raise BadInput(f"{path}:{i}: expected a JSON object with a 'prompt' field") from None
             if not isinstance(prompt, str) or not prompt.strip():
                 raise BadInput(f"{path}:{i}: 'prompt' must be a non-empty string")
@@ -325,5 +331,7 @@ def write_bench_html(report: dict, path) -> Path:
             + "<h2>Prompts</h2><ol>" + "".join(f"<li>{_html.escape(p)}</li>" for p in report["prompts"])
             + "</ol></body></html>")
     path = Path(path)
-    path.write_text(page)
+    from studio.files import atomic_write
+    with atomic_write(path) as f:   # a temporary name renamed into place: never a half-written report
+        f.write(page)
     return path

@@ -1,19 +1,55 @@
-"""The `dlm-studio` command line (DESIGN §2.1). Exit codes: 0 ok, 2 bad input, 1 internal error."""
+"""The `dlm-studio` command line (DESIGN §2.1). Exit codes: 0 ok, 2 bad input, 1 internal error, 130 interrupted
+(Ctrl+C: one line on stderr; traces left truncated, exports either complete or absent)."""
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
-from pathlib import Path
-from typing import Optional
+import threading
 
-import typer
 
-from studio.device_options import DEVICE, DTYPE, GRAPHS
-from studio.errors import BadInput
-from studio.runconfig import build_run
-from studio.traces.cli import trace_app
-from studio.train.cli import train_app
+def _is_the_program() -> bool:
+    """Whether this process is `dlm-studio` (the console script, `python -m studio`), not a caller in process."""
+    main_module = sys.modules.get("__main__")
+    spec = getattr(main_module, "__spec__", None)
+    return ((spec is not None and spec.name in ("studio.__main__", "studio.cli"))
+            or os.path.basename(getattr(main_module, "__file__", None) or "") == "dlm-studio")
+
+
+def _exit_now(code: int):
+    """Exit with `code` at once when this process is `dlm-studio` itself (else raise SystemExit: a caller in
+    process keeps running). Not sys.exit: after a KeyboardInterrupt that went through code run by eval/exec
+    (CPython makes namedtuples and dataclasses that way, e.g. while a module imports), CPython's own exit
+    kills the process with SIGINT instead (status -2, not 130). atexit hooks run and stdio is flushed first."""
+    if not _is_the_program():
+        raise SystemExit(code)
+    import atexit
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:   # a closed pipe: nothing more to say there
+            pass
+    os._exit(code)
+
+
+try:   # Ctrl+C while the CLI is still importing: the same one line and exit 130 as later, no traceback
+    from pathlib import Path
+    from typing import NoReturn, Optional
+
+    import typer
+
+    from studio.device_options import DEVICE, DTYPE, GRAPHS
+    from studio.errors import BadInput
+    from studio.files import Interrupted, check_writable
+    from studio.runconfig import build_run
+    from studio.traces.cli import trace_app
+    from studio.train.cli import train_app
+except KeyboardInterrupt:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.stderr.write("dlm-studio: interrupted\n")
+    _exit_now(130)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="A local studio for parallel decoding of language models.")
@@ -38,6 +74,7 @@ SEED = typer.Option(0, "--seed")
 PARAM = typer.Option([], "--param", "-p", help="Strategy parameter KEY=VALUE (repeatable).")
 STOP = typer.Option([], "--stop", help="Stop string (repeatable).")
 RAW = typer.Option(False, "--raw", help="Do not apply the chat template.")
+FORCE = typer.Option(False, "--force", help="Overwrite files that exist (default: refuse, before any work).")
 
 
 def load_draft(model: str, draft_model: Optional[str], draft_adapter: Optional[str], device: str, dtype: str):
@@ -109,6 +146,7 @@ def run(
     graphs: bool = GRAPHS,
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write the step trace (JSON Lines)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    force: bool = FORCE,
 ):
     """Generate text for PROMPT with one strategy, streaming tokens as they become final."""
     from studio.engine.engine import Engine
@@ -116,6 +154,8 @@ def run(
     from studio.viz.text import run_summary_line
 
     strat, settings = build_run(strategy, preset, param, max_new_tokens, temperature, top_k, top_p, seed, stop)
+    if trace:
+        check_writable(trace, force)   # before the model loads: a clash never costs a run
     engine = Engine.load(model, adapter=adapter, device=device, dtype=dtype, graphs=graphs)
     attach_draft([strat], engine, model, draft_model, draft_adapter, device, dtype)
     ids = encode_prompt(engine, prompt, chat=not raw)
@@ -279,10 +319,12 @@ def compare(
     trace_dir: Optional[Path] = typer.Option(None, "--trace-dir", help="Keep one trace per run here."),
     html: Optional[Path] = typer.Option(None, "--html", help="Write a self-contained HTML report."),
     as_json: bool = typer.Option(False, "--json"),
+    force: bool = FORCE,
 ):
     """Run several strategies on the same prompt, seed and sampling settings; compare against ar."""
     from rich.console import Console
-    from studio.compare import parse_specs, progress_display, render_table, rows, run_compare, write_html
+    from studio.compare import (parse_specs, progress_display, render_table, rows, run_compare, trace_paths,
+                                write_html)
     from studio.engine.engine import Engine
     from studio.session import encode_prompt
 
@@ -290,6 +332,17 @@ def compare(
     def make_run(spec):
         return build_run(spec.strategy, spec.preset, [], max_new_tokens, temperature, top_k, top_p, seed, stop)
     runs = {spec.label: make_run(spec) for spec in specs}  # validate everything before loading the model
+    if trace_dir:   # file names made safe from the labels; an existing trace is kept unless --force
+        if trace_dir.exists() and not trace_dir.is_dir():
+            raise BadInput(f"--trace-dir {trace_dir} is not a directory")
+        paths = trace_paths(trace_dir, runs).values()
+        for path in paths:
+            if path.exists():
+                check_writable(path, force)
+        if html and html.resolve() in {path.resolve() for path in paths}:
+            raise BadInput(f"--html {html} would overwrite one of the traces")
+    if html and not (trace_dir and html.parent == trace_dir and not trace_dir.exists()):   # (made below)
+        check_writable(html, force)
     engine = Engine.load(model, adapter=adapter, device=device, dtype=dtype, graphs=graphs)
     attach_draft([strat for strat, _ in runs.values()], engine, model, draft_model, draft_adapter, device, dtype)
     ids = encode_prompt(engine, prompt, chat=not raw)
@@ -335,8 +388,13 @@ def bench(
     device: str = DEVICE,
     dtype: str = DTYPE,
     graphs: bool = GRAPHS,
+    forwards: bool = typer.Option(
+        False, "--forwards", help="Instead of decoding: time one forward of each shape the strategies use (1-token "
+        "step, 7- and 16-token extends, the 7-token extend with r-isd's adapter on its 3 MASK rows, a batch-8 "
+        "step), 10 x --repeats times round-robin, each against the 1-token step."),
     html: Optional[Path] = typer.Option(None, "--html", help="Write a self-contained HTML report."),
     as_json: bool = typer.Option(False, "--json"),
+    force: bool = FORCE,
 ):
     """Speed and agreement of strategies against ar (and transformers generate), measured in one run."""
     from rich.console import Console
@@ -347,12 +405,17 @@ def bench(
 
     if repeats < 1 or warmup < 0:
         raise BadInput("--repeats must be >= 1 and --warmup >= 0")
+    if forwards:
+        return _bench_forwards(Engine.load(model, adapter=adapter, device=device, dtype=dtype, graphs=graphs),
+                               repeats, warmup, as_json)
     specs = parse_specs(strategies)
     texts = load_prompts(prompts)
     def make_run(spec):
         return build_run(spec.strategy, spec.preset, [], max_new_tokens, temperature, None, None, seed, [],
                          oracle_accept=oracle_accept)
     check_concurrency([make_run(spec) for spec in specs], concurrency)   # bad input fails before the model loads
+    if html:
+        check_writable(html, force)
     with_transformers = not no_transformers and concurrency == 1
     engine = Engine.load(model, adapter=adapter, device=device, dtype=dtype, graphs=graphs)
     err = Console(stderr=True)
@@ -371,6 +434,32 @@ def bench(
         print(json.dumps(report))
         return
     Console(width=max(Console().width, 120)).print(_bench_table(report))
+
+
+def _bench_forwards(engine, repeats: int, warmup: int, as_json: bool) -> None:
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+    from studio.engine.forward_cost import lora_overhead, measure_forwards
+
+    engine = engine.for_strategy("r-isd")   # its adapter for the gated shape (none: that shape is left out)
+    with Console(stderr=True).status("timing forwards"):
+        costs = measure_forwards(engine, repeats=10 * repeats, warmup=max(warmup, 1))
+    head = {**engine.model_meta(), "threads": torch.get_num_threads()}
+    overhead = lora_overhead(costs)
+    if as_json:
+        print(json.dumps({**head, "forwards": [c.to_dict() for c in costs], "lora_overhead": overhead}))
+        return
+    t = Table(title=f"forward cost on {engine.name} ({head['device']}, {head['dtype']}, {head['threads']} threads, "
+                    f"median of {10 * repeats})", title_justify="left")
+    for col in ("forward", "new tokens", "ms", "x 1-token step", "tokens/s x step"):
+        t.add_column(col, justify="left" if col == "forward" else "right")
+    for c in costs:
+        t.add_row(c.shape.name, str(c.shape.tokens * c.shape.batch), f"{c.ms:.1f}", f"{c.ratio:.2f}x",
+                  f"{c.throughput_ratio:.2f}x")
+    if overhead is not None:
+        t.caption = f"the LoRA on 3 MASK rows costs {overhead:.2f}x the plain 7-token extend"
+    Console().print(t)
 
 
 def _bench_table(report: dict):
@@ -445,15 +534,72 @@ def models_info(spec: str = typer.Argument("default", help="'default', a model p
             typer.echo(f"adapter:       {name} (used by {', '.join(entry['strategies'])}): {entry['description']}")
 
 
+_HOLD_S = 0.05
+
+
+def _hold_interrupts_during_imports():
+    """Ctrl+C raises KeyboardInterrupt as usual, except while a module is being imported: libraries swallow or
+    garble an interrupt there (torch imports numpy from C and carries on without it, a half-imported extension
+    fails later with an unrelated error), so it is held and raised as soon as no import is running (checked
+    every 50 ms by SIGALRM). Returns a function that puts the previous handlers back."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def importing(frame) -> bool:
+        while frame is not None:
+            if frame.f_code.co_filename.startswith("<frozen importlib"):
+                return True
+            frame = frame.f_back
+        return False
+
+    def deliver(signum, frame) -> None:
+        if importing(frame):
+            signal.setitimer(signal.ITIMER_REAL, _HOLD_S)   # look again soon (SIGALRM comes back here)
+            return
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGINT, deliver), signal.signal(signal.SIGALRM, deliver)
+
+    def restore() -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGINT, old[0])
+        signal.signal(signal.SIGALRM, old[1])
+    return restore
+
+
+def _interrupted(message: str = "") -> NoReturn:
+    """Ctrl+C: one line on stderr, exit 130. Whatever was being written is already complete or truncated."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # a second Ctrl+C now would only add a traceback
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    fresh_line = "\n" if sys.stderr.isatty() else ""   # after the ^C the terminal echoed, or a streamed text
+    sys.stderr.write(f"{fresh_line}dlm-studio: interrupted{': ' + message if message else ''}\n")
+    _exit_now(130)
+
+
 def main() -> None:
-    """Typer handles usage errors (exit 2); our BadInput becomes one line on stderr and exit 2."""
+    """Typer handles usage errors (exit 2); our BadInput becomes one line on stderr and exit 2; Ctrl+C one
+    line and exit 130."""
+    restore = _hold_interrupts_during_imports()
     try:
-        app()
+        try:
+            app()
+        finally:
+            if _is_the_program():   # the command is over (done, failed or interrupted): Ctrl+C changes nothing now
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            else:                   # a caller in process gets its own handlers back
+                restore()
+    except SystemExit as e:
+        if e.code == 130:   # Typer turns a KeyboardInterrupt inside a command into a silent exit 130
+            _interrupted()
+        raise
+    except Interrupted as e:   # a command that saved what it could says what it kept
+        _interrupted(str(e))
+    except KeyboardInterrupt:   # outside a command (while Typer parses the arguments)
+        _interrupted()
     except BadInput as e:
         typer.echo(f"dlm-studio: error: {e}", err=True)
         sys.exit(2)
-    except KeyboardInterrupt:
-        sys.exit(130)
     except Exception as e:  # an internal error: one line, the traceback only on request
         if os.environ.get("DLM_STUDIO_DEBUG"):
             raise

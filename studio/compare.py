@@ -116,7 +116,21 @@ def run_compare(engine, prompt: str, prompt_ids: list[int], specs: list[RunSpec]
 
 
 def trace_path(trace_dir, label: str, prefix: str = "") -> Path:
-    return Path(trace_dir) / f"{prefix}{label}.jsonl"
+    """`trace_dir/PREFIXLABEL.jsonl`, the name made safe (`studio.files.safe_name`): a label from a preset
+    or a trace is never a path, so a trace is never written outside `trace_dir`."""
+    from studio.files import safe_name
+    return Path(trace_dir) / (safe_name(f"{prefix}{label}") + ".jsonl")
+
+
+def trace_paths(trace_dir, labels, prefix: str = "") -> dict[str, Path]:
+    """`trace_path` of every label; BadInput when two labels would share a file."""
+    paths = {label: trace_path(trace_dir, label, prefix) for label in labels}
+    seen: dict[Path, str] = {}
+    for label, path in paths.items():
+        if path in seen:
+            raise BadInput(f"runs {seen[path]!r} and {label!r} would both write {path}: rename one")
+        seen[path] = label
+    return paths
 
 
 def as_trace(result: RunResult):

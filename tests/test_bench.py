@@ -165,3 +165,17 @@ def test_bad_prompts_file_exit_2_cli(tmp_path):
         assert r.returncode == 2, (r.returncode, r.stderr)
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in r.stderr and needle in lines[0], r.stderr
+
+
+def test_bench_forwards_json_and_table(engine, monkeypatch, tmp_path):
+    """--forwards times every shape on the model (no adapter here: the gated shape is left out) instead of decoding."""
+    monkeypatch.setattr(Engine, "load", staticmethod(lambda spec, adapter=None, **kw: engine))
+    res = CliRunner().invoke(app, ["bench", "--forwards", "--repeats", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert [f["shape"] for f in report["forwards"]] == ["1-token step", "7-token extend", "16-token extend",
+                                                         "batch-8 1-token step"]
+    assert report["forwards"][0]["ratio"] == 1.0 and report["lora_overhead"] is None
+    assert report["device"] == "cpu" and report["threads"] >= 1
+    res = CliRunner().invoke(app, ["bench", "--forwards", "--repeats", "1"])
+    assert res.exit_code == 0 and "x 1-token step" in res.stdout and "batch-8 1-token step" in res.stdout

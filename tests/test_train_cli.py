@@ -75,7 +75,7 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_goes_on(tmp_path, embedded_data):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
-    assert err.strip().splitlines()[-1].startswith("interrupted: checkpoint saved")
+    assert err.strip().splitlines()[-1].startswith("dlm-studio: interrupted: checkpoint saved")
     state = json.loads((ad / "train_state.json").read_text())
     steps = [json.loads(x)["step"] for x in log.read_text().splitlines()]
     assert state["stopped"] == "interrupted" and state["step"] == steps[-1] >= 2

@@ -1,7 +1,8 @@
 """`dlm-studio trace info|export|replay FILE`: a Typer sub-app (registered by studio.cli as `trace`).
 
-Every malformed, truncated or wrong-version trace raises `studio.errors.BadInput` (from
-`studio.events.read_trace`), which the `dlm-studio` entry point prints as one line with exit code 2.
+Every malformed or wrong-version trace raises `studio.errors.BadInput` (from `studio.events.read_trace`),
+which the `dlm-studio` entry point prints as one line with exit code 2. A truncated trace (no footer: the
+run crashed or was interrupted; maybe an incomplete last line) is read, with a one-line warning on stderr.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import typer
 
 from studio.errors import BadInput
 from studio.events import Trace, read_trace, summarize
+from studio.files import check_writable
 
 trace_app = typer.Typer(no_args_is_help=True, add_completion=False,
                         help="Inspect, export and replay trace files (JSONL, schema dlm-studio.trace/1).")
@@ -26,12 +28,31 @@ class ExportFormat(str, Enum):
     csv = "csv"
 
 
-_ALLOW_TRUNCATED = typer.Option(False, "--allow-truncated",
-                                help="Read a trace without footer (a crashed or killed run) instead of refusing it.")
+# Truncated traces are always read now (with a warning); the flag stays accepted so that scripts keep working.
+_ALLOW_TRUNCATED = typer.Option(False, "--allow-truncated", hidden=True,
+                                help="Accepted for compatibility; truncated traces are always read (with a warning).")
 
 
-def _read(file: Path, allow_truncated: bool) -> Trace:
-    return read_trace(file, allow_truncated=allow_truncated)
+def _read(file: Path) -> Trace:
+    """The whole trace; a truncated one (the run did not finish) with a one-line warning on stderr."""
+    t = read_trace(file, allow_truncated=True)
+    if t.truncated:
+        typer.echo(f"dlm-studio: warning: {file}: truncated trace ({_truncation(file)}); "
+                   f"using the {len(t.events)} events written", err=True)
+    return t
+
+
+def _truncation(file: Path) -> str:
+    """Why a trace that has no footer looks the way it does: a torn last line, or the run stopped between lines."""
+    try:
+        with open(file, "rb") as f:
+            size = f.seek(0, 2)
+            torn = size > 0 and f.seek(size - 1) >= 0 and f.read(1) != b"\n"
+    except OSError:
+        torn = False
+    if torn:
+        return "no footer, and the last line is incomplete: the run was interrupted while writing"
+    return "no footer: the run did not finish"
 
 
 def _info_dict(file: Path, t: Trace) -> dict[str, Any]:
@@ -70,7 +91,7 @@ def info(file: Path = typer.Argument(..., help="A trace file (.jsonl)."),
          json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
          allow_truncated: bool = _ALLOW_TRUNCATED) -> None:
     """Header summary, footer metrics and event counts by kind."""
-    t = _read(file, allow_truncated)
+    t = _read(file)
     d = _info_dict(file, t)
     if json_out:
         typer.echo(json.dumps(d, ensure_ascii=False, default=str))
@@ -116,15 +137,18 @@ def export(file: Path = typer.Argument(..., help="A trace file (.jsonl)."),
            out: Optional[Path] = typer.Option(None, "--out", "-o",
                                               help="Output file (default: FILE with the format's suffix)."),
            title: Optional[str] = typer.Option(None, "--title", help="HTML report title."),
+           force: bool = typer.Option(False, "--force", help="Overwrite the output file if it exists."),
            allow_truncated: bool = _ALLOW_TRUNCATED) -> None:
-    """Export to parquet (one row per event), perfetto (Chrome trace JSON), html (offline report) or csv."""
+    """Export to parquet (one row per event), perfetto (Chrome trace JSON), html (offline report) or csv.
+    The file is written under a temporary name and renamed into place: never half-written."""
     from studio.traces.export import default_out
     from studio.traces.export import export as do_export
 
-    t = _read(file, allow_truncated)
     target = out if out is not None else default_out(file, fmt.value)
     if target.resolve() == file.resolve():
         raise BadInput(f"{target}: refusing to overwrite the trace itself")
+    check_writable(target, force)   # before reading: a clash is reported at once
+    t = _read(file)
     path = do_export(t, fmt.value, target, title=title)
     typer.echo(str(path))
 
@@ -139,5 +163,5 @@ def replay(file: Path = typer.Argument(..., help="A trace file (.jsonl)."),
     """Re-render the run step by step in the terminal: grid rows, the text growing, metrics."""
     from studio.traces.replay import replay as do_replay
 
-    t = _read(file, allow_truncated)
+    t = _read(file)
     do_replay(t, speed=speed, step_delay=step_delay)

@@ -29,6 +29,7 @@ from typing import Any, Iterable, Mapping, Sequence, Union, get_args, get_origin
 
 from studio.errors import BadInput
 from studio.events import EVENT_FIELDS, SCHEMA, Event, Trace, read_trace, summarize
+from studio.files import atomic_path, atomic_write, check_writable
 
 FORMATS = ("parquet", "perfetto", "html", "csv")
 SUFFIXES = {"parquet": ".parquet", "perfetto": ".perfetto.json", "html": ".html", "csv": ".csv"}
@@ -79,17 +80,15 @@ def export(trace: TraceLike, fmt: str, out_path: str | os.PathLike | None = None
 
 
 def _open_for_write(path: Path, mode: str = "w"):
-    try:
-        if path.parent and not path.parent.exists():
-            raise FileNotFoundError(f"no such directory: {path.parent}")
-        return open(path, mode, encoding=None if "b" in mode else "utf-8", newline="" if "b" not in mode else None)
-    except OSError as e:
-        raise BadInput(f"{path}: cannot write: {e.strerror or e}") from None
+    """The whole export, written atomically (studio.files): the final name never holds a half-written file."""
+    _check_writable(path)
+    return atomic_write(path, mode, newline="" if "b" not in mode else None)
 
 
 def _check_writable(path: Path) -> None:
-    with _open_for_write(path, "ab"):
-        pass
+    """Fail early (before building the export) when `path` cannot be written; creates nothing. Whether an
+    existing file may be replaced is the caller's policy (the CLI's --force): here it is replaced."""
+    check_writable(path, force=True)
 
 
 # -- the column layout shared by Parquet and CSV ----------------------------------------------------
@@ -189,7 +188,8 @@ def write_parquet(traces: Sequence[Trace], path: str | os.PathLike) -> Path:
         cols["extra"].append(_extra(e))
     table = pa.Table.from_pydict(cols, schema=schema)
     _check_writable(path)
-    pq.write_table(table, path, compression="zstd")
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
     return path
 
 

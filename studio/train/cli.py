@@ -7,6 +7,7 @@ from typing import Optional
 import typer
 
 from studio.device_options import DEVICE, DTYPE
+from studio.files import Interrupted
 
 train_app = typer.Typer(no_args_is_help=True, help="Convert an AR model into a parallel decoder: data, training, evaluation.")
 
@@ -50,6 +51,8 @@ def data_cmd(
             raise BadInput(f"{prompts} contains a held-out evaluation prompt: {overlap[0]!r}")
     else:
         texts, source = builtin.training_prompts(n_prompts, seed), f"builtin seed={seed}"
+    fresh = _check_data_out(out, resume)   # before the model loads (data.generate checks again)
+    existed = out.exists()
     engine = Engine.load(model, device=device, dtype=dtype)
     t0 = time.perf_counter()
     with _progress("data", len(texts)) as bar:
@@ -64,12 +67,63 @@ def data_cmd(
                               progress=tick, meta={"prompts": source})
         except KeyboardInterrupt:
             bar.stop()
-            kept = data.read_manifest(out)["shard_sizes"]
-            typer.echo(f"interrupted: {sum(kept)} sequences in {len(kept)} whole shards kept in {out}; "
-                       "continue with --resume", err=True)
-            raise typer.Exit(130)
+            raise Interrupted(_data_kept(out, fresh, existed)) from None
     typer.echo(f"{out}: {sum(m['shard_sizes'])} sequences, {m['n_tokens']} tokens "
                f"({m['n_answer_tokens']} answer tokens) in {len(m['shards'])} shards")
+
+
+def _check_data_out(out: Path, resume: bool) -> bool:
+    """BadInput unless `out` can take this run's data; True when it starts fresh (no manifest yet)."""
+    from studio.errors import BadInput
+    from studio.train import data
+
+    if (out / data.MANIFEST).exists():
+        if not resume:
+            raise BadInput(f"{out} already holds training data: use --resume to continue it, or another --out")
+        return False
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise BadInput(f"{out} exists and is not empty: choose a new --out")
+    return True
+
+
+def _data_kept(out: Path, fresh: bool, existed: bool) -> str:
+    """What an interrupted `train data` kept (every shard the manifest lists is whole); a fresh run stopped
+    before its manifest leaves nothing behind (the directory was empty or absent when it started)."""
+    from studio.train import data
+
+    if (out / data.MANIFEST).is_file():
+        kept = data.read_manifest(out)["shard_sizes"]
+        return f"{sum(kept)} sequences in {len(kept)} whole shards kept in {out}; continue with --resume"
+    if fresh:
+        for name in (data.PROMPTS, Path(data.MANIFEST).with_suffix(".tmp").name):
+            (out / name).unlink(missing_ok=True)
+        if not existed and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+    return f"stopped before the first shard: nothing kept in {out}"
+
+
+def _check_train_out(out: Path, resume: bool) -> None:
+    """The checks `trainer.train` makes on --out, made before the model loads."""
+    from studio.errors import BadInput
+    from studio.train.trainer import STATE_JSON
+
+    if resume and not (out / STATE_JSON).is_file():
+        raise BadInput(f"nothing to resume in {out} (no {STATE_JSON})")
+    if not resume and (out / STATE_JSON).exists():
+        raise BadInput(f"{out} already holds a training run: --resume to continue it, or another --out")
+
+
+def _train_kept(out: Path) -> str:
+    """What an interrupted training run left: the checkpoint the trainer saved on the way out, if any."""
+    import json
+
+    from studio.train.trainer import STATE_JSON
+
+    try:
+        step = json.loads((out / STATE_JSON).read_text(encoding="utf-8"))["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"stopped before the first checkpoint: nothing saved in {out}"
+    return f"checkpoint saved in {out} (step {step}); continue with --resume"
 
 
 def _parse_budget(text: Optional[str]) -> Optional[float]:
@@ -109,6 +163,7 @@ def _run_training(kind: str, data_dir: Path, out: Path, model: str, gate: str, r
             raise BadInput(f"--{name.replace('_', '-')} must be >= 1")
     if not cfg.lr > 0 or not cfg.alpha > 0:
         raise BadInput("--lr and --alpha must be positive")
+    _check_train_out(out, resume)
     seqs = data.load_sequences(data_dir)
     engine = Engine.load(model, device=device, dtype=dtype)
     mask_id = engine.model.lm_head.weight.shape[0]
@@ -135,10 +190,9 @@ def _run_training(kind: str, data_dir: Path, out: Path, model: str, gate: str, r
 
         try:
             state = train(engine.model, seqs, objective, cfg, out, resume=resume, time_budget_s=budget, on_step=tick)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:   # the trainer saved a checkpoint on its way out (if it had started)
             bar.stop()
-            typer.echo(f"interrupted: checkpoint saved in {out}; continue with --resume", err=True)
-            raise typer.Exit(130)
+            raise Interrupted(_train_kept(out)) from None
     typer.echo(f"{out}: step {state['step']}/{cfg.steps} ({state['stopped']}), "
                f"{time.perf_counter() - t0:.0f} s; use it with --adapter {out}")
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from studio.errors import BadInput
 from studio.events import Trace, TraceWriter, read_trace
+from studio.files import atomic_path, safe_name
 from studio.traces.export import export
 
 MAX_UPLOAD_BYTES = 20 * 2**20
@@ -38,19 +39,15 @@ class Downloads:
 
     def write(self, trace: Trace, fmt: str, stem: str) -> Path:
         """`trace` as `fmt` (a value of DOWNLOADS) in a folder of its own (names never clash between tabs)."""
-        out = Path(tempfile.mkdtemp(dir=self.root)) / (_safe(stem) + _SUFFIX[fmt])
+        out = Path(tempfile.mkdtemp(dir=self.root)) / (safe_name(stem, max_len=60) + _SUFFIX[fmt])
         if fmt == "jsonl":
-            with TraceWriter(out, trace.header) as writer:
+            with atomic_path(out) as tmp, TraceWriter(tmp, trace.header) as writer:
                 for e in trace.events:
                     writer.write(e)
                 writer.close(trace.footer)   # a truncated trace stays truncated
         else:
-            export(trace, fmt, out)
+            export(trace, fmt, out)           # atomic too (studio.traces.export)
         return out
 
     def folder(self) -> Path:
         return Path(tempfile.mkdtemp(dir=self.root))
-
-
-def _safe(stem: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "-" for c in stem)[:60] or "run"

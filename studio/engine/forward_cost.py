@@ -1,0 +1,106 @@
+"""What a forward costs by its shape: the number a parallel decoder's TPF is divided by.
+
+A strategy that commits k tokens per forward is only k times faster than `ar` if its wide forward
+costs what a one-token step costs. `measure_forwards` times the shapes the strategies use -- a 1-token
+step, a 2N-1 = 7-token extend (ISD N=4), a 16-token extend, the 7-token extend with the LoRA gated on its
+3 MASK rows (R-ISD), and a batch-8 step -- on one KV cache after a fixed context, round-robin so that
+drifts of the machine hit every shape alike, and reports each median as a ratio to the 1-token step.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from studio.engine.device import synchronize
+from studio.engine.engine import Engine
+from studio.engine.masks import causal
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    tokens: int            # new tokens per sequence
+    batch: int = 1
+    gated: int = 0         # trailing rows with the LoRA on (needs an adapter)
+
+
+SHAPES = [Shape("1-token step", 1), Shape("7-token extend", 7), Shape("16-token extend", 16),
+          Shape("7-token extend, LoRA on 3 MASK rows", 7, gated=3), Shape("batch-8 1-token step", 1, batch=8)]
+
+
+@dataclass
+class ForwardCost:
+    shape: Shape
+    ms: float              # median wall time of one forward
+    ratio: float           # ms / the 1-token step's ms
+
+    @property
+    def throughput_ratio(self) -> float:
+        """Tokens per second over the 1-token step's (a batch step makes batch x tokens)."""
+        return self.shape.tokens * self.shape.batch / self.ratio
+
+    def to_dict(self) -> dict:
+        return {"shape": self.shape.name, "tokens": self.shape.tokens, "batch": self.shape.batch,
+                "gated_rows": self.shape.gated, "ms": round(self.ms, 3), "ratio": round(self.ratio, 3),
+                "throughput_ratio": round(self.throughput_ratio, 3)}
+
+
+def measure_forwards(engine: Engine, repeats: int = 20, warmup: int = 2, context: int = 200,
+                     shapes: list[Shape] = SHAPES) -> list[ForwardCost]:
+    """Median time of each shape's forward (every row's logits, as a verify reads them) after `context`
+    tokens of KV. The gated shapes run when `engine` has an adapter; the others pass no gate, which is the
+    plain model's forward whether or not an adapter is installed."""
+    shapes = [s for s in shapes if not s.gated or engine.lora is not None]
+    engine.activate()
+    model, device = engine.model, engine.model.lm_head.weight.device
+    caches = {b: _filled_cache(engine, b, context) for b in {s.batch for s in shapes}}
+    times: dict[Shape, list[float]] = {s: [] for s in shapes}
+    for i in range(warmup + repeats):
+        for s in shapes:
+            kv = caches[s.batch]
+            tokens = _tokens(model, 1000, s.tokens, s.batch)
+            positions = torch.arange(context, context + s.tokens, device=device).repeat(s.batch, 1)
+            gate = None
+            if s.gated:
+                gate = torch.zeros(s.batch, s.tokens, dtype=torch.bool, device=device)
+                gate[:, -s.gated:] = True
+            mask = causal(s.tokens, context, device=device) if s.tokens > 1 else None
+            synchronize(device)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                model(tokens, positions, kv, mask=mask, lora_gate=gate)
+            synchronize(device)
+            if i >= warmup:
+                times[s].append(time.perf_counter() - t0)
+    base = statistics.median(times[shapes[0]])
+    return [ForwardCost(s, statistics.median(t) * 1e3, statistics.median(t) / base) for s, t in times.items()]
+
+
+def lora_overhead(costs: list[ForwardCost]) -> float | None:
+    """A gated forward's time over the plain forward of the same shape (None when none was measured)."""
+    by_shape = {(c.shape.tokens, c.shape.batch, c.shape.gated): c.ms for c in costs}
+    for (tokens, batch, gated), ms in by_shape.items():
+        if gated and (tokens, batch, 0) in by_shape:
+            return ms / by_shape[tokens, batch, 0]
+    return None
+
+
+def _filled_cache(engine: Engine, batch: int, context: int):
+    """A cache holding `context` committed tokens per sequence; forwards write after it and never commit."""
+    model = engine.model
+    kv = model.new_cache(context + 32, batch=batch)
+    device = model.lm_head.weight.device
+    with torch.inference_mode():
+        model(_tokens(model, 100, context, batch), torch.arange(context, device=device).repeat(batch, 1), kv,
+              logits_rows=[context - 1])
+    kv.commit(context)
+    return kv
+
+
+def _tokens(model, start: int, n: int, batch: int) -> torch.Tensor:
+    """Arbitrary in-vocabulary ids [batch, n] (a forward's cost does not depend on which)."""
+    ids = torch.arange(start, start + n, device=model.lm_head.weight.device) % model.config.vocab_size
+    return ids.repeat(batch, 1)
