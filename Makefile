@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv run test clean
+.PHONY: venv run test fuzz clean
 
 venv: $(STAMP)
 
@@ -21,8 +21,15 @@ $(STAMP): pyproject.toml Makefile
 run: venv
 	$(BIN)/dlm-studio demo
 
+# everything but the long soak (`make fuzz` runs that)
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not soak"
+
+# every reader fuzzed with 10x the examples of `make test` (tests/fuzzing.py: profiles, per-reader tally),
+# and the soaks (1,000 tiny-model and 100 embedded-model generations)
+fuzz: venv
+	DLM_FUZZ=long $(BIN)/python -m pytest -q tests/test_fuzz_*.py tests/test_soak.py --hypothesis-show-statistics \
+		-p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
