@@ -126,7 +126,9 @@ def _hf_model(engine):
         w = engine.model.lm_head.weight
         with torch.device(w.device):
             model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=w.dtype).eval()
-        model.load_state_dict(engine.model.state_dict(), strict=False)
+        state = engine.model.state_dict()   # the base weights; an adapter's MASK rows (input-only) may have grown
+        state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"][:c.vocab_size]   # the table
+        model.load_state_dict(state, strict=False)
         _HF_CACHE[key] = model
     return _HF_CACHE[key]
 

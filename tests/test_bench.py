@@ -104,6 +104,20 @@ def test_transformers_baseline_is_the_same_model(engine):
     assert hf_generate(engine, encode_prompt(engine, "abc"), 10) == _tokens(engine, "ar", None, "abc")
 
 
+def test_transformers_baseline_reads_the_base_weights_while_an_adapter_is_installed(tmp_path):
+    """bench -s ar,r-isd: r-isd's adapter (a MASK row grows the embedding table) is on the shared model when the
+    baseline is first built; it must still load the base weights (it failed with a size mismatch)."""
+    from studio.bench import _HF_CACHE, hf_generate
+    from tests.adapters import random_mask_adapter
+    plain = tiny_engine("qwen3", vocab=16)
+    plain.with_adapter(str(random_mask_adapter(tmp_path / "ad", plain.model))).activate()
+    assert plain.model.model.embed_tokens.weight.shape[0] == 17
+    try:
+        assert hf_generate(plain, [1, 2, 3], 8) == _tokens(plain, "ar", None, "bcd", n=8)
+    finally:
+        _HF_CACHE.pop(id(plain), None)
+
+
 def test_bench_table_output(engine, monkeypatch, tmp_path):
     monkeypatch.setattr(Engine, "load", staticmethod(lambda spec, adapter=None, **kw: engine))
     (tmp_path / "p.txt").write_text("abc\n")
