@@ -21,12 +21,11 @@ $(STAMP): pyproject.toml Makefile
 run: venv
 	$(BIN)/dlm-studio demo
 
-# everything but the long soak (`make fuzz` runs that)
 test: venv
-	$(BIN)/python -m pytest -q -m "not soak"
+	$(BIN)/python -m pytest -q
 
 # every reader fuzzed with 10x the examples of `make test` (tests/fuzzing.py: profiles, per-reader tally),
-# and the soaks (1,000 tiny-model and 100 embedded-model generations)
+# and the soaks (also in `make test`)
 fuzz: venv
 	DLM_FUZZ=long $(BIN)/python -m pytest -q tests/test_fuzz_*.py tests/test_soak.py --hypothesis-show-statistics \
 		-p no:cacheprovider

@@ -87,7 +87,6 @@ def test_a_thousand_random_generations_on_a_tiny_model():
 
 
 @pytest.mark.slow
-@pytest.mark.soak
 def test_a_hundred_random_generations_on_the_embedded_model(default_engine):
     from studio.session import encode_prompt
     out = soak(default_engine, 100, warmup=10, max_tokens=8, prompt=encode_prompt(default_engine, "Count to five."))
