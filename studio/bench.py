@@ -161,7 +161,9 @@ def run_bench(engine, prompts: list[str], specs: list[RunSpec], make_run, repeat
     `concurrency` C > 1 (`check_concurrency`; no transformers baseline): `batches` lists the prompt indices of each
     stationary batch and every strategy's `batch_tok_s` its throughput samples (one list per batch, one entry per
     repeat); `tok_s` and `speedup_vs_ar` are then spreads over those batches, `per_prompt` has no `tok_s` (None),
-    and `tpf`, `accept_rate`, `exact_match_vs_ar` are per sequence, as at C = 1. At C = 1 both fields are None."""
+    and `tpf`, `accept_rate`, `exact_match_vs_ar` are per sequence, as at C = 1; `ar_batch1_tok_s` is ar's
+    throughput on the same prompts one at a time (interleaved with the batches) and `ar_speedup_vs_batch1` the
+    spread over batches of ar's batch throughput over it. At C = 1 these four fields are None."""
     specs = sorted(specs, key=lambda s: s.strategy != "ar")  # ar first on every prompt: the others compare to it
     if not specs or specs[0].label != "ar":
         raise BadInput("bench needs the ar baseline (parse_specs adds it)")
@@ -169,9 +171,14 @@ def run_bench(engine, prompts: list[str], specs: list[RunSpec], make_run, repeat
     check_concurrency(runs.values(), concurrency)
     ids = [encode_prompt(engine, p) for p in prompts]
     if concurrency > 1:
-        samples, batches, batch_tok_s = _bench_batched(engine, ids, runs, repeats, warmup, concurrency, progress)
-        return _report(engine, prompts, runs, samples, [[] for _ in prompts], repeats, warmup,
-                       concurrency, batches, batch_tok_s)
+        samples, batches, batch_tok_s, solo = _bench_batched(engine, ids, runs, repeats, warmup, concurrency,
+                                                             progress)
+        report = _report(engine, prompts, runs, samples, [[] for _ in prompts], repeats, warmup,
+                         concurrency, batches, batch_tok_s)
+        batched = [statistics.median(x) for x in batch_tok_s["ar"]]
+        report["ar_batch1_tok_s"] = spread([x for xs in solo for x in xs])
+        report["ar_speedup_vs_batch1"] = spread([b / statistics.median(s) for b, s in zip(batched, solo)])
+        return report
     n_new = max(settings.max_new_tokens for _, settings in runs.values())
     samples = {label: [Samples() for _ in prompts] for label in runs}
     hf = [[] for _ in prompts]
@@ -207,14 +214,16 @@ def run_bench(engine, prompts: list[str], specs: list[RunSpec], make_run, repeat
 
 
 def _bench_batched(engine, ids: list[list[int]], runs: dict, repeats: int, warmup: int, concurrency: int, progress):
-    """The prompts in stationary batches of `concurrency` (in order), every strategy once per batch and repeat.
-    Returns (per-prompt Samples without tok/s, the batches' prompt indices, per label and batch the throughputs)."""
+    """The prompts in stationary batches of `concurrency` (in order), every strategy once per batch and repeat,
+    then ar on the same prompts one at a time (what batching gains). Returns (per-prompt Samples without tok/s,
+    the batches' prompt indices, per label and batch the throughputs, per batch ar's batch-1 throughputs)."""
     for strategy, settings in runs.values():
         for p in ids:
             kv_length_needed(engine.for_strategy(strategy.name), strategy, settings, p)
     batches = [list(range(i, min(i + concurrency, len(ids)))) for i in range(0, len(ids), concurrency)]
     samples = {label: [Samples() for _ in ids] for label in runs}
     tok_s = {label: [[] for _ in batches] for label in runs}
+    solo = [[] for _ in batches]
     for _ in range(warmup):
         for label, (strategy, settings) in runs.items():
             _timed_batch(engine, strategy, settings, [ids[i] for i in batches[0]])
@@ -234,7 +243,11 @@ def _bench_batched(engine, ids: list[list[int]], runs: dict, repeats: int, warmu
                     s.same_as_ar.append(r.tokens == ar)
                 if progress:
                     progress(f"repeat {rep + 1}/{repeats}", label)
-    return samples, batches, tok_s
+            alone = [_timed_batch(engine, *runs["ar"], [ids[i]]) for i in batch]
+            solo[b].append(sum(len(r[0].tokens) for r, _ in alone) / sum(wall_s for _, wall_s in alone))
+            if progress:
+                progress(f"repeat {rep + 1}/{repeats}", "ar at batch 1")
+    return samples, batches, tok_s, solo
 
 
 def _timed_batch(engine, strategy, settings, prompt_ids: list[list[int]]):
@@ -258,7 +271,8 @@ def _report(engine, prompts, runs, samples, hf, repeats, warmup, concurrency=1, 
     out = {"model": engine.model_meta(), "prompts": prompts, "repeats": repeats, "warmup": warmup,
            "oracle_accept": oracle, "concurrency": concurrency, "batches": batches,
            "transformers_tok_s": spread([x for xs in hf for x in xs]) if hf_med else None,
-           "transformers_per_prompt": hf if hf_med else None, "strategies": []}
+           "transformers_per_prompt": hf if hf_med else None, "strategies": [],
+           "ar_batch1_tok_s": None, "ar_speedup_vs_batch1": None}   # C > 1: set by run_bench
     for label, (strategy, settings) in runs.items():
         per_prompt = samples[label]
         med = [statistics.median(x) for x in speed[label]]

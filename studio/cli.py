@@ -419,7 +419,7 @@ def bench(
     with_transformers = not no_transformers and concurrency == 1
     engine = Engine.load(model, adapter=adapter, device=device, dtype=dtype, graphs=graphs)
     err = Console(stderr=True)
-    per_round = len(specs) + with_transformers
+    per_round = len(specs) + (with_transformers or concurrency > 1)   # + transformers, or ar at batch 1
     units = (len(texts) + concurrency - 1) // concurrency    # runs per strategy and repeat: prompts, or batches
     total = warmup * len(specs) + repeats * units * per_round
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
@@ -475,6 +475,9 @@ def _bench_table(report: dict):
         t.add_row(*row)
     if hf:
         t.caption = f"transformers generate: {format_spread(hf, 1)} tok/s"
+    if report["ar_speedup_vs_batch1"]:
+        t.caption = (f"ar in batches of {report['concurrency']}: × {format_spread(report['ar_speedup_vs_batch1'])} "
+                     f"the throughput of one prompt at a time ({format_spread(report['ar_batch1_tok_s'], 1)} tok/s)")
     return t
 
 

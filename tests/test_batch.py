@@ -157,13 +157,29 @@ def test_bench_concurrency_reports_batch_throughput_against_ar(bench):
     assert [p["tpf"] for p in rep["strategies"][1]["per_prompt"]] == [[pytest.approx(t)] * 2 for t in want]
 
 
+def test_bench_concurrency_measures_ar_one_prompt_at_a_time_beside_its_batches(bench, monkeypatch):
+    import studio.bench as bench_module
+    sizes, decode = [], bench_module.decode_strategy_batch
+    monkeypatch.setattr(bench_module, "decode_strategy_batch", lambda engine, strategy, sampling, prompts, n:
+                        sizes.append((strategy.name, len(prompts))) or decode(engine, strategy, sampling, prompts, n))
+    res = bench("-s", "isd", "--concurrency", "2", "--repeats", "2", "--warmup", "0", "--max-new-tokens", "6", "--json")
+    assert res.exit_code == 0, (res.output, res.exception)
+    rep = json.loads(res.stdout)
+    # per repeat and batch ([0, 1], then [2]): ar and isd on the batch, then ar on its prompts one at a time
+    assert sizes == [("ar", 2), ("isd", 2), ("ar", 1), ("ar", 1), ("ar", 1), ("isd", 1), ("ar", 1)] * 2
+    assert rep["ar_batch1_tok_s"]["n"] == 4 and rep["ar_speedup_vs_batch1"]["n"] == 2
+    assert rep["ar_speedup_vs_batch1"]["median"] > 0
+
+
 def test_bench_concurrency_table_and_batch_1_fields(bench):
     res = bench("-s", "isd", "--concurrency", "2", "--repeats", "1", "--warmup", "0", "--max-new-tokens", "4")
     assert res.exit_code == 0, (res.output, res.exception)
     assert "stationary batches of 2" in res.stdout and "batch tok/s" in res.stdout
+    assert "ar in batches of 2: ×" in res.stdout and "one prompt at a time" in res.stdout
     res = bench("-s", "isd", "--repeats", "1", "--warmup", "0", "--max-new-tokens", "4", "--no-transformers", "--json")
     rep = json.loads(res.stdout)
     assert rep["concurrency"] == 1 and rep["batches"] is None
+    assert rep["ar_batch1_tok_s"] is None and rep["ar_speedup_vs_batch1"] is None
     assert all(s["batch_tok_s"] is None and len(s["per_prompt"][0]["tok_s"]) == 1 for s in rep["strategies"])
 
 
