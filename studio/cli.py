@@ -440,15 +440,22 @@ def _bench_forwards(engine, repeats: int, warmup: int, as_json: bool) -> None:
     import torch
     from rich.console import Console
     from rich.table import Table
-    from studio.engine.forward_cost import lora_overhead, measure_forwards
+    from studio.engine.forward_cost import (copy_bandwidth, lora_overhead, measure_forwards, verify_time,
+                                            weight_bytes)
 
     engine = engine.for_strategy("r-isd")   # its adapter for the gated shape (none: that shape is left out)
+    device = engine.model.lm_head.weight.device
     with Console(stderr=True).status("timing forwards"):
         costs = measure_forwards(engine, repeats=10 * repeats, warmup=max(warmup, 1))
-    head = {**engine.model_meta(), "threads": torch.get_num_threads()}
-    overhead = lora_overhead(costs)
+        copy_gbps, verify_s, verify_path = copy_bandwidth(device), *verify_time(engine)
+    weights = weight_bytes(engine)
+    stream_gbps = weights / (costs[0].ms / 1e3) / 1e9   # the 1-token step reads every weight once
+    head = {**engine.model_meta(), "threads": torch.get_num_threads(), "weight_bytes": weights,
+            "copy_gbps": round(copy_gbps, 2), "step_stream_gbps": round(stream_gbps, 2),
+            "step_share_of_copy": round(stream_gbps / copy_gbps, 3), "lora_overhead": lora_overhead(costs),
+            "verify_7_rows_us": round(verify_s * 1e6, 1), "verify_path": verify_path}
     if as_json:
-        print(json.dumps({**head, "forwards": [c.to_dict() for c in costs], "lora_overhead": overhead}))
+        print(json.dumps({**head, "forwards": [c.to_dict() for c in costs]}))
         return
     t = Table(title=f"forward cost on {engine.name} ({head['device']}, {head['dtype']}, {head['threads']} threads, "
                     f"median of {10 * repeats})", title_justify="left")
@@ -457,8 +464,12 @@ def _bench_forwards(engine, repeats: int, warmup: int, as_json: bool) -> None:
     for c in costs:
         t.add_row(c.shape.name, str(c.shape.tokens * c.shape.batch), f"{c.ms:.1f}", f"{c.ratio:.2f}x",
                   f"{c.throughput_ratio:.2f}x")
-    if overhead is not None:
-        t.caption = f"the LoRA on 3 MASK rows costs {overhead:.2f}x the plain 7-token extend"
+    lines = [f"the 1-token step streams its {weights / 1e9:.2f} GB of weights at {stream_gbps:.1f} GB/s: "
+             f"{100 * head['step_share_of_copy']:.0f}% of this device's copy bandwidth ({copy_gbps:.1f} GB/s)",
+             f"verifying 7 sampled drafts over the vocabulary: {head['verify_7_rows_us']:.0f} µs ({verify_path})"]
+    if head["lora_overhead"] is not None:
+        lines.insert(0, f"the LoRA on 3 MASK rows costs {head['lora_overhead']:.2f}x the plain 7-token extend")
+    t.caption = "\n".join(lines)
     Console().print(t)
 
 

@@ -191,5 +191,10 @@ def test_bench_forwards_json_and_table(engine, monkeypatch, tmp_path):
                                                          "batch-8 1-token step"]
     assert report["forwards"][0]["ratio"] == 1.0 and report["lora_overhead"] is None
     assert report["device"] == "cpu" and report["threads"] >= 1
+    assert report["weight_bytes"] == sum(p.numel() * 4 for p in engine.model.parameters())
+    step_s = report["forwards"][0]["ms"] / 1e3
+    assert report["step_stream_gbps"] == pytest.approx(report["weight_bytes"] / 1e9 / step_s, rel=0.01, abs=0.01)
+    assert report["copy_gbps"] > 0 and report["verify_7_rows_us"] > 0 and report["verify_path"] in ("torch", "fused")
     res = CliRunner().invoke(app, ["bench", "--forwards", "--repeats", "1"])
     assert res.exit_code == 0 and "x 1-token step" in res.stdout and "batch-8 1-token step" in res.stdout
+    assert "copy bandwidth" in res.stdout and "verifying 7 sampled drafts" in res.stdout

@@ -104,3 +104,45 @@ def _tokens(model, start: int, n: int, batch: int) -> torch.Tensor:
     """Arbitrary in-vocabulary ids [batch, n] (a forward's cost does not depend on which)."""
     ids = torch.arange(start, start + n, device=model.lm_head.weight.device) % model.config.vocab_size
     return ids.repeat(batch, 1)
+
+
+def _median_s(fn, device: torch.device, repeats: int) -> float:
+    """Median wall time of fn() in seconds (device synchronised around each call), after one untimed call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, n_bytes: int = 512 * 2**20, repeats: int = 10) -> float:
+    """The device's copy bandwidth in GB/s: bytes read plus bytes written by one large copy, per second --
+    the ceiling a 1-token step, which reads every weight once, is measured against."""
+    src = torch.empty(n_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    return 2 * n_bytes / _median_s(lambda: dst.copy_(src), device, repeats) / 1e9
+
+
+def weight_bytes(engine: Engine) -> int:
+    """Bytes a forward streams: every parameter once (a tied head is counted once)."""
+    return sum(p.numel() * p.element_size() for p in engine.model.parameters())
+
+
+def verify_time(engine: Engine, rows: int = 7, repeats: int = 50) -> tuple[float, str]:
+    """Seconds to verify a chain of `rows` sampled drafts (T = 1) against random logits of the model's vocabulary,
+    and the path that ran: the fused Triton kernel where it runs, else the torch rules."""
+    from studio.engine.kernels import runs_fused, verify_logits
+    from studio.engine.sampling import Proposal, SamplingParams
+    device = engine.model.lm_head.weight.device
+    gen = torch.Generator(device=device).manual_seed(0)
+    V = engine.config.vocab_size
+    target = torch.randn(rows, V, device=device, generator=gen)
+    draft = torch.randn(rows, V, device=device, generator=gen)
+    drafts = torch.randint(V, (rows,), generator=gen, device=device).tolist()
+    params = SamplingParams(temperature=1.0)
+    seconds = _median_s(lambda: verify_logits(drafts, target, draft, Proposal.SAMPLED, params, gen), device, repeats)
+    return seconds, "fused" if runs_fused(target) else "torch"
