@@ -2,11 +2,9 @@
 (Ctrl+C: one line on stderr; traces left truncated, exports either complete or absent)."""
 from __future__ import annotations
 
-import json
+import _signal   # the C module: `import signal` builds enums, and a Ctrl+C landing there escaped the guard below
 import os
-import signal
 import sys
-import threading
 
 
 def _is_the_program() -> bool:
@@ -35,6 +33,9 @@ def _exit_now(code: int):
 
 
 try:   # Ctrl+C while the CLI is still importing: the same one line and exit 130 as later, no traceback
+    import json
+    import signal
+    import threading
     from pathlib import Path
     from typing import NoReturn, Optional
 
@@ -47,7 +48,7 @@ try:   # Ctrl+C while the CLI is still importing: the same one line and exit 130
     from studio.traces.cli import trace_app
     from studio.train.cli import train_app
 except KeyboardInterrupt:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _signal.signal(_signal.SIGINT, _signal.SIG_IGN)
     sys.stderr.write("dlm-studio: interrupted\n")
     _exit_now(130)
 
