@@ -49,3 +49,14 @@ def test_lora_overhead_compares_the_gated_forward_with_the_plain_one_of_its_shap
              ForwardCost(Shape("gated", 7, gated=3), 23.0, 2.3)]
     assert lora_overhead(costs) == 23.0 / 20.0
     assert lora_overhead(costs[:2]) is None
+
+
+def test_weight_bytes_counts_a_tied_head_once_after_a_mask_row_grew_the_table(tmp_path):
+    from studio.engine.forward_cost import weight_bytes
+    from tests.adapters import random_mask_adapter
+    plain = tiny_engine("llama", vocab=64, tie_embeddings=True)
+    base = weight_bytes(plain)
+    assert base == sum(p.numel() * 4 for p in plain.model.parameters())   # one Parameter for the tied table
+    plain.with_adapter(str(random_mask_adapter(tmp_path / "ad", plain.model))).activate()
+    assert plain.model.lm_head.weight is not plain.model.model.embed_tokens.weight   # a view of the grown table
+    assert weight_bytes(plain) == base + plain.config.dim * 4                          # + the MASK row only

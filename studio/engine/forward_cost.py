@@ -128,8 +128,10 @@ def copy_bandwidth(device: torch.device, n_bytes: int = 512 * 2**20, repeats: in
 
 
 def weight_bytes(engine: Engine) -> int:
-    """Bytes a forward streams: every parameter once (a tied head is counted once)."""
-    return sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    """Bytes a forward streams: every weight once. Counted by storage: a tied head is a second Parameter
+    viewing the embedding table's storage (after an adapter's MASK row has grown the table)."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in engine.model.parameters()}
+    return sum(storages.values())
 
 
 def verify_time(engine: Engine, rows: int = 7, repeats: int = 50) -> tuple[float, str]:

@@ -67,11 +67,11 @@ class Linear(nn.Linear):
             return y + delta if gate.mult is None else y + delta * gate.mult   # gate 0: y + 0 == y exactly
         flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])   # y is fresh: add in place
         rows = gate.rows if gate.span is None else gate.span
-        delta = (F.linear(F.linear(flat_x[rows], self.lora_A), self.lora_B) * self.lora_scale).to(y.dtype)
+        delta = F.linear(F.linear(flat_x[rows], self.lora_A), self.lora_B).to(y.dtype)
         if gate.span is None:
-            flat_y.index_add_(0, rows, delta)
+            flat_y.index_add_(0, rows, delta, alpha=self.lora_scale)
         else:
-            flat_y[rows] += delta
+            flat_y[rows].add_(delta, alpha=self.lora_scale)   # the scale folded into the add: one op fewer
         return y
 
 
