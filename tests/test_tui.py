@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import itertools
+import time
 
 import pytest
 
@@ -27,13 +28,22 @@ def session(name="ar", n=12, engine=None, **kw):
     return ChatSession(engine or tiny_engine("llama", vocab=20, seed=2), RunChoice(name, max_new_tokens=n, **kw))
 
 
-async def wait_until(pilot, predicate, timeout=20.0):
-    """Let the app run until `predicate()` holds (one pause is not enough when workers and timers run)."""
-    for _ in range(int(timeout / 0.02)):
-        if predicate():
-            return
+async def wait_until(pilot, predicate, timeout=60.0):
+    """Let the app run until `predicate()` holds (one pause is not enough when workers and timers run).
+    The deadline is wall-clock and generous: on a loaded 2-core CI runner a tiny run can take 20 s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for the app; status: {status(pilot.app)}")
         await pilot.pause(0.02)
-    raise AssertionError(f"timed out waiting for the app; status: {status(pilot.app)}")
+
+
+async def press_button(pilot, selector):
+    """Click a button once it can be pressed: Textual ignores clicks for 0.2 s after the last press (its
+    "-active" effect), and a tiny run can end sooner than that."""
+    button = pilot.app.screen.query_one(selector)
+    await wait_until(pilot, lambda: not button.has_class("-active"))
+    await pilot.click(selector)
 
 
 async def say(pilot, text):
@@ -185,14 +195,14 @@ def test_compare_two_strategies_in_lock_step_then_the_table():
             assert screen.id == "compare"
             screen.query_one("#compare-prompt").value = "bcdef"
             screen.query_one("#compare-specs").value = "isd"
-            await pilot.click("#compare-run")
+            await press_button(pilot, "#compare-run")
             table = screen.query_one("#compare-table")
             await wait_until(pilot, lambda: table.display and table.row_count == 2)
             assert [str(table.get_row_at(i)[0]) for i in range(2)] == ["ar", "isd"]
             assert str(table.get_row_at(1)[7]) == "yes"   # greedy isd is lossless
             assert [len(v.grid.final) for v in screen.views] == [10, 10]
             screen.query_one("#compare-specs").value = "isd,jacobi,blockdiff,s2d2"
-            await pilot.click("#compare-run")
+            await press_button(pilot, "#compare-run")
             await wait_until(pilot, lambda: "at most 4 runs" in status(app))
     asyncio.run(go())
 
@@ -209,7 +219,7 @@ def test_replay_a_trace_scrub_and_play(tmp_path):
             await pilot.press("f4")
             screen = app.screen
             screen.query_one("#replay-path").value = str(path)
-            await pilot.click("#replay-open-button")
+            await press_button(pilot, "#replay-open-button")
             await wait_until(pilot, lambda: screen.view is not None)
             assert "replay isd" in str(screen.query_one("#replay-title").render())
             assert screen.index == 0
@@ -236,7 +246,7 @@ def test_bad_trace_and_tui_trace_option_without_a_model(tmp_path):
         async with app.run_test(size=SIZE) as pilot:
             await pilot.press("f4")
             app.screen.query_one("#replay-path").value = str(bad)
-            await pilot.click("#replay-open-button")
+            await press_button(pilot, "#replay-open-button")
             await wait_until(pilot, lambda: "unsupported trace schema" in status(app))
             assert app.is_running and app.screen.view is None
         app = StudioApp(None)
@@ -310,7 +320,7 @@ def test_snapshot_compare(snap_compare, fake_clock):
         await pilot.press("f3")
         app.screen.query_one("#compare-prompt").value = "bcdef"
         app.screen.query_one("#compare-specs").value = "isd,jacobi"
-        await pilot.click("#compare-run")
+        await press_button(pilot, "#compare-run")
         await wait_until(pilot, lambda: app.screen.query_one("#compare-table").display)
         await pilot.pause()
     assert snap_compare(app, terminal_size=SIZE, run_before=before)
