@@ -311,6 +311,100 @@ def test_verify_logits_without_the_kernel_is_verify_chain(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Runs: strategies hand their logits to DecodeContext.verify, which takes the kernel where it runs
+# ----------------------------------------------------------------------------------------------------------------
+
+RUN_PROMPT = [1, 2, 3, 4]
+# jacobi-mr on a model whose output cycles, so recycled n-gram chains win and their verify rows are checked
+FUSED_STRATEGIES = [("isd", {"stride": 4}), ("isd", {"stride": 3, "proposal": "sample"}), ("jacobi", {}),
+                    ("jacobi-mr", {"block_size": 3, "blocks": 3, "spawn_ratio": 0.34, "pool_size": 8})]
+
+
+def _engine_for(name):
+    from tests.test_jacobi import cycling_engine
+    from tests.tiny import tiny_engine
+    return cycling_engine() if name == "jacobi-mr" else tiny_engine("llama", vocab=24, seed=5)
+
+
+def _run(engine, name, params, n, sampling=SamplingParams(), seed=0):
+    from studio.engine.strategies import make_strategy
+    from studio.session import Session, Settings
+    return Session(engine, make_strategy(name, params), Settings(n, sampling=sampling, seed=seed)).run("", RUN_PROMPT)
+
+
+@pytest.fixture
+def fused_runs(monkeypatch):
+    """Runs verify through the kernel (here: the interpreter on CPU logits); returns the list of kernel calls."""
+    from studio.engine.kernels import verify as verify_module
+    calls = []
+    real = verify_module.verify_chain_fused
+
+    def counted(*args, **kw):
+        calls.append(len(args[0]))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(kernels, "engine_verifies_fused", lambda logits: True)
+    monkeypatch.setattr(verify_module, "verify_chain_fused", counted)
+    return calls
+
+
+@pytest.mark.parametrize("name, params", FUSED_STRATEGIES, ids=lambda x: x if isinstance(x, str) else "")
+def test_strategies_hand_the_logits_their_p_and_q_come_from(monkeypatch, name, params):
+    """The contract of `DecodeContext.verify(logits=...)`: process_logits of the rows handed over is p (and q),
+    so the kernel decides on the distributions the torch rules would. Checked on every verify of sampled runs
+    (top-k and top-p on: a row mix-up changes the support) without the kernel."""
+    from studio.engine.strategies.base import DecodeContext
+    checked = []
+    real = DecodeContext.verify
+
+    def checking(self, pos, drafts, p, q, proposal, sampling=None, logits=None, **rule):
+        assert logits is not None, f"{name} verifies without handing its logits"
+        k, used = len(drafts), sampling or self.sampling
+        torch.testing.assert_close(process_logits(logits[0][:k], used), p[:k], rtol=0, atol=0)
+        if logits[1] is None:
+            assert q is None
+        else:
+            torch.testing.assert_close(process_logits(logits[1][:k], used), q[:k], rtol=0, atol=0)
+        checked.append(k)
+        return real(self, pos, drafts, p, q, proposal, sampling, logits, **rule)
+
+    monkeypatch.setattr(DecodeContext, "verify", checking)
+    engine = _engine_for(name)
+    for seed in range(3):
+        _run(engine, name, params, 24, SamplingParams(temperature=1.0, top_k=12, top_p=0.9), seed=seed)
+    assert sum(checked) > 0
+
+
+@pytest.mark.parametrize("name, params", FUSED_STRATEGIES, ids=lambda x: x if isinstance(x, str) else "")
+def test_greedy_runs_through_the_kernel_equal_the_torch_path(fused_runs, name, params):
+    from tests.test_jacobi import ngram_accepted
+    engine = _engine_for(name)
+    fused = _run(engine, name, params, 24)
+    assert fused_runs, "the kernel was never called"
+    kernels_called = list(fused_runs)
+    kernels.engine_verifies_fused = lambda logits: False       # undone by monkeypatch with the fixture
+    torch_path = _run(engine, name, params, 24)
+    assert fused.token_ids == torch_path.token_ids
+    assert fused_runs == kernels_called
+    assert fused.footer["forwards"] == torch_path.footer["forwards"]
+    if name == "jacobi-mr":
+        assert ngram_accepted(fused) > 0
+
+
+def test_sampled_isd_through_the_kernel_keeps_the_ar_law(fused_runs):
+    """Sampled ISD verified by the kernel: the law of the first two tokens is the AR law (the second one is
+    committed by the kernel's accept or residual draw)."""
+    from tests.exact import chi_square_pvalue, exact_sequence_law
+    from tests.tiny import tiny_engine
+    engine = tiny_engine("llama", vocab=6, seed=11, dim=16, layers=1)
+    law = exact_sequence_law(engine.model, RUN_PROMPT, 2, SamplingParams(temperature=1.0))
+    samples = [tuple(_run(engine, "isd", {"stride": 3, "proposal": "sample"}, 2, SamplingParams(temperature=1.0),
+                          seed=seed).token_ids) for seed in range(600)]
+    assert len(fused_runs) >= 600
+    assert chi_square_pvalue(samples, law) > 0.01
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # GPU: the compiled kernel at a real vocabulary size
 # ----------------------------------------------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Triton kernels for the GPU engine; the torch code in `studio.engine.sampling` is their oracle.
 
-`available()` says whether the kernels can run here; `verify_logits` is the call a strategy makes to verify a
-chain: the fused kernel (`verify.py`) where it runs, the torch rules elsewhere. Triton is imported only when a
+`available()` says whether the kernels can run here; `verify_logits` verifies a chain from raw logits: the fused
+kernel (`verify.py`) where it runs, the torch rules elsewhere. A run reaches it through `DecodeContext.verify`
+when the strategy hands its logits and `engine_verifies_fused` holds (CUDA). Triton is imported only when a
 kernel is used, so installs without it are unaffected. With TRITON_INTERPRET=1 in the environment before the
 first kernel import, Triton's interpreter runs the kernels on the CPU: slow, and meant for tests.
 """
@@ -35,6 +36,13 @@ def available() -> bool:
 def runs_fused(logits: Tensor) -> bool:
     """Whether `verify_logits` takes the kernel for these logits: CUDA tensors, or any under the interpreter."""
     return available() and (logits.is_cuda or interpreting())
+
+
+def engine_verifies_fused(logits: Tensor) -> bool:
+    """Whether a run's `DecodeContext.verify` takes the kernel for these logits: CUDA logits with Triton
+    installed. The interpreter stays out of runs (TRITON_INTERPRET set by one test must not turn every later
+    CPU run into an interpreted one); the wiring test opts in by replacing this function."""
+    return logits.is_cuda and _triton_installed()
 
 
 def verify_logits(drafts: list[int], target_logits: Tensor, draft_logits: Tensor | None, proposal: Proposal,

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import torch
 
 from studio import events as ev
+from studio.engine import kernels
 from studio.engine.oracle import oracle_chain
 from studio.engine.sampling import ChainResult, Proposal, SamplingParams, verify_chain
 from studio.errors import BadInput
@@ -185,16 +186,24 @@ class DecodeContext:
         self.event("kv", op="rollback", from_len=frm, to_len=to)
 
     def verify(self, pos: list[int], drafts: list[int], p: torch.Tensor, q: torch.Tensor | None,
-               proposal: Proposal, sampling: SamplingParams | None = None, **rule) -> ChainResult:
+               proposal: Proposal, sampling: SamplingParams | None = None,
+               logits: tuple[torch.Tensor, torch.Tensor | None] | None = None, **rule) -> ChainResult:
         """Verify `drafts` left to right against the target distributions `p` (one row per draft; `q` the
         distributions they were drawn from) by the exact rule of DESIGN §4 (`sampling.verify_chain`; `rule`:
         its tau, reference, gamma; `sampling` defaults to the run's), or under the oracle by Bernoulli draws;
-        the verdict becomes events. `pos[i]` is draft i's output position. Every strategy verifies here."""
+        the verdict becomes events. `pos[i]` is draft i's output position. Every strategy verifies here.
+
+        `logits` = (target, draft or None): the raw rows that p and q are `process_logits(·, sampling)` of. A
+        strategy that has them passes them, and on CUDA the fused kernel verifies the chain from them in one
+        launch (`kernels.verify_logits`): the same rule and distribution, drawing its noise from the run's
+        generator in another order, so a seeded sampled run commits other tokens than on the torch path."""
         sampling = sampling or self.sampling
-        if self.oracle_accept is None:
-            res = verify_chain(drafts, p, q, proposal, sampling, self.gen, **rule)
-        else:
+        if self.oracle_accept is not None:
             res = oracle_chain(drafts, p, q, sampling, self.gen, self.oracle_accept)
+        elif logits is not None and kernels.engine_verifies_fused(logits[0]):
+            res = kernels.verify_logits(drafts, logits[0], logits[1], proposal, sampling, self.gen, **rule)
+        else:
+            res = verify_chain(drafts, p, q, proposal, sampling, self.gen, **rule)
         self._report_chain(pos, drafts, res)
         return res
 

@@ -74,8 +74,11 @@ class ISD(Strategy):
         logits = ctx.forward("verify", [self.pending] + self.drafts + [ctx.mask_id] * n_mask,
                              lora_gate=self._gate(1 + k, n_mask))
         base = self.pending_pos + 1
+        reference = self.params.mode == "reference"
+        # p and q are process_logits of these rows, except in reference mode (the untruncated softmax)
+        raw = None if reference else (logits[:k], self.q_logits)
         res = ctx.verify(list(range(base, base + k)), self.drafts, self._target_probs(ctx, logits[:k]), self.q,
-                         self._proposal(ctx), tau=self.params.tau, reference=self.params.mode == "reference")
+                         self._proposal(ctx), logits=raw, tau=self.params.tau, reference=reference)
         a = res.n_accepted
         if a < k:
             accepted = self.drafts[:a]
@@ -97,6 +100,7 @@ class ISD(Strategy):
         accepted = self.drafts if bonus else []
         self.pending, self.pending_pos = clean, pos
         self.drafts, self.q = self._propose(ctx, logits[1:], pos + 1)
+        self.q_logits = None if self.q is None else logits[1:]
         ctx.emit(accepted + [clean])
 
     def _propose(self, ctx: DecodeContext, mask_logits: torch.Tensor, first_pos: int):

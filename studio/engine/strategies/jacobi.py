@@ -123,12 +123,14 @@ class _JacobiBase(Strategy):
         return [self.prompt[i] if i < P else out[i - P] for i in idx]
 
     @staticmethod
-    def _decide(ctx: DecodeContext, drafts: list[int], p: torch.Tensor, bonus_logits: torch.Tensor,
-                base: int) -> tuple[int, list[int]]:
-        """Verify deterministic drafts at output positions base.. against p (one row per draft); emit the
-        verdict events. Returns (accepted count, the new tokens: accepted drafts + correction or bonus)."""
+    def _decide(ctx: DecodeContext, drafts: list[int], p: torch.Tensor, target_logits: torch.Tensor,
+                bonus_logits: torch.Tensor, base: int) -> tuple[int, list[int]]:
+        """Verify deterministic drafts at output positions base.. against p (one row per draft; the processed
+        `target_logits`); emit the verdict events. Returns (accepted count, the new tokens: accepted drafts +
+        correction or bonus)."""
         k = len(drafts)
-        res = ctx.verify(list(range(base, base + k)), drafts, p, None, Proposal.DETERMINISTIC)
+        res = ctx.verify(list(range(base, base + k)), drafts, p, None, Proposal.DETERMINISTIC,
+                         logits=(target_logits, None))
         a = res.n_accepted
         if a < k:
             return a, drafts[:a] + [res.correction]
@@ -180,7 +182,7 @@ class Jacobi(_JacobiBase):
         k = len(d)
         logits = ctx.forward("jacobi", [self.pending] + d)
         ctx.event("propose", pos=list(range(base, base + k)), tok=d, q=[1.0] * k, src="jacobi")
-        a, new = self._decide(ctx, d, process_logits(logits[:k], ctx.sampling), logits[k], base)
+        a, new = self._decide(ctx, d, process_logits(logits[:k], ctx.sampling), logits[:k], logits[k], base)
         ctx.commit(1 + a)
         self.pending = new[-1]
         ctx.emit(new)
@@ -300,7 +302,8 @@ class JacobiMR(_JacobiBase):
 
         best = 0 if len(chains) == 1 else max(range(len(chains)), key=lambda i: expected_len(chains[i]))
         drafts, _, bonus_row, kv_rows = chains[best]
-        a, new = self._decide(ctx, drafts, p_of(chains[best]), logits[at[bonus_row]], n_out)
+        target_rows = logits[[at[r] for r in chains[best][1]]]
+        a, new = self._decide(ctx, drafts, p_of(chains[best]), target_rows, logits[at[bonus_row]], n_out)
         ctx.keep([0] + kv_rows[:a])
         self.pending = new[-1]
         ctx.emit(new)
