@@ -152,6 +152,27 @@ def test_block_training_lowers_the_loss_and_trains_masked_slots_only(tmp_path):
     assert sum(r.task for r in log[-10:]) < 0.8 * sum(r.task for r in log[:10])
 
 
+def test_a_block_adapter_brings_its_block_size_to_the_block_strategies(tmp_path):
+    """A block adapter trained at B = 6 makes 6 the default block of blockdiff/s2d2/simsd on it (an explicit
+    block_size still wins); an I-DLM adapter records none."""
+    engine = _ar_engine(seed=4)
+    seqs = _seqs(engine, seed=1)
+    cfg = TrainConfig(kind="block", gate="mask", steps=1, batch_size=2, rows_per_seq=12, r=2, alpha=4, block_size=6)
+    train(tiny_model("llama", vocab=V, seed=4), seqs, Block(V, False, 6, shift=True), cfg, tmp_path / "b6")
+    idlm = TrainConfig(kind="idlm", gate="mask", steps=1, batch_size=2, rows_per_seq=6, r=2, alpha=4)
+    train(tiny_model("llama", vocab=V, seed=4), seqs, IDLM(V, False), idlm, tmp_path / "isd")
+    assert read_adapter(tmp_path / "b6").block_size == 6 and read_adapter(tmp_path / "isd").block_size is None
+    e = engine.with_adapter(str(tmp_path / "b6"))
+    assert e.config.adapter_block_size == 6 and engine.config.adapter_block_size is None
+    for name, params, block in [("blockdiff", {}, 6), ("s2d2", {}, 6), ("simsd", {}, 6), ("blockdiff", {"block_size": 3}, 3)]:
+        strategy = make_strategy(name, params)
+        Session(e, strategy, Settings(8)).run("", [1, 2, 3])
+        assert strategy.B == block, (name, params)
+    strategy = make_strategy("blockdiff")
+    Session(engine.with_adapter(str(tmp_path / "isd")), strategy, Settings(8)).run("", [1, 2, 3])
+    assert strategy.B == 4
+
+
 def test_resume_continues_exactly_where_an_uninterrupted_run_would_be(tmp_path):
     engine = _ar_engine(seed=5)
     seqs = _seqs(engine, n=16)

@@ -51,6 +51,7 @@ class ModelConfig:
     logit_shift: bool = True
     mask_token_id: int | None = None
     block_size: int | None = None
+    adapter_block_size: int | None = None   # the attached adapter's training block size (a block adapter)
     name: str = ""
 
     def __post_init__(self):

@@ -120,8 +120,7 @@ class Engine:
         if path not in self._views:
             from studio.engine.lora import load_adapter
             loaded = load_adapter(self.model, path)
-            cfg = base.config if loaded.mask_token_id is None else \
-                dataclasses.replace(base.config, mask_token_id=loaded.mask_token_id)
+            cfg = loaded.configure(base.config)
             self._views[path] = dataclasses.replace(base, config=cfg, adapter=loaded.path, lora=loaded,
                                                     adapter_choice=loaded.path)
         return self._views[path]

@@ -71,6 +71,7 @@ class Adapter:
     mask_token_id: int | None = None
     mask_embedding: torch.Tensor | None = None           # [1, dim], appended at id V
     embed_table: torch.Tensor | None = None              # [V + k, dim], rows >= V appended
+    block_size: int | None = None                        # a block adapter's training block size
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,6 +98,9 @@ def read_adapter(path: str | Path) -> Adapter:
     mask_id = cfg.get("mask_token_id")
     if mask_id is not None and (isinstance(mask_id, bool) or not isinstance(mask_id, int) or mask_id < 0):
         raise BadInput(f"{CONFIG_FILE}: mask_token_id must be a non-negative integer, got {mask_id!r}")
+    block = cfg.get("block_size")
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+        raise BadInput(f"{CONFIG_FILE}: block_size must be a positive integer, got {block!r}")
     mask_emb, table = extra.get(_MASK_KEY), extra.get(_EMBED_KEY)
     if mask_emb is not None and (mask_emb.dim() != 2 or mask_emb.shape[0] != 1):
         raise BadInput(f"adapter tensor {_MASK_KEY} must have shape [1, dim], got {tuple(mask_emb.shape)}")
@@ -108,7 +112,7 @@ def read_adapter(path: str | Path) -> Adapter:
         raise BadInput(f"{weights} holds no LoRA weights")
     scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     return Adapter(path=root, r=r, alpha=alpha, scale=scale, lora=lora, mask_token_id=mask_id,
-                   mask_embedding=mask_emb, embed_table=table)
+                   mask_embedding=mask_emb, embed_table=table, block_size=block)
 
 
 def _read_config(root: Path) -> dict:
@@ -217,6 +221,14 @@ class LoadedAdapter:
     scale: float
     rows: torch.Tensor | None       # embedding rows appended after the base vocabulary
     mask_token_id: int | None
+    block_size: int | None = None   # a block adapter's training block size (blockdiff, s2d2, simsd default to it)
+
+    def configure(self, config):
+        """`config` (a ModelConfig) as this adapter reads it: its MASK id and its training block size."""
+        over = {"adapter_block_size": self.block_size}
+        if self.mask_token_id is not None:
+            over["mask_token_id"] = self.mask_token_id
+        return dataclasses.replace(config, **over)
 
 
 def load_adapter(model: nn.Module, path: str | Path) -> LoadedAdapter:
@@ -230,7 +242,8 @@ def load_adapter(model: nn.Module, path: str | Path) -> LoadedAdapter:
              for name, (A, B) in adapter.lora.items()}
     if rows is not None:
         rows = rows.to(device=w.device, dtype=model.model.embed_tokens.weight.dtype)
-    return LoadedAdapter(str(adapter.path), pairs, float(adapter.scale), rows, adapter.mask_token_id)
+    return LoadedAdapter(str(adapter.path), pairs, float(adapter.scale), rows, adapter.mask_token_id,
+                         adapter.block_size)
 
 
 def install(model: nn.Module, loaded: LoadedAdapter | None) -> None:
@@ -251,8 +264,7 @@ def attach_adapter(engine, path: str | Path) -> LoadedAdapter:
     engine.lora and the MASK id of engine.config."""
     loaded = load_adapter(engine.model, path)   # checks everything before changing anything
     engine.lora, engine.adapter, engine.adapter_choice = loaded, loaded.path, loaded.path
-    if loaded.mask_token_id is not None:
-        engine.config = dataclasses.replace(engine.config, mask_token_id=loaded.mask_token_id)
+    engine.config = loaded.configure(engine.config)
     engine.activate()
     return loaded
 
@@ -341,7 +353,8 @@ def merge_adapter_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------
 def save_adapter(model_or_tensors: nn.Module | Mapping[str, tuple[torch.Tensor, torch.Tensor]], path: str | Path,
                  r: int, alpha: float, targets: list[str] | str, mask_token_id: int | None = None,
-                 mask_embedding: torch.Tensor | None = None, use_rslora: bool = False) -> Path:
+                 mask_embedding: torch.Tensor | None = None, use_rslora: bool = False,
+                 block_size: int | None = None) -> Path:
     """Write a PEFT-format adapter directory. `model_or_tensors`: a model with LoRA attached, or
     {"model.layers.0.self_attn.q_proj": (A [r,in], B [out,r]), ...}. Nothing is checked here (tests write
     deliberately broken adapters); `attach_adapter` checks on the way in."""
@@ -363,6 +376,8 @@ def save_adapter(model_or_tensors: nn.Module | Mapping[str, tuple[torch.Tensor, 
            "bias": "none", "fan_in_fan_out": False, "use_rslora": use_rslora, "modules_to_save": None}
     if mask_token_id is not None:
         cfg["mask_token_id"] = mask_token_id
+    if block_size is not None:
+        cfg["block_size"] = block_size
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     (root / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")

@@ -176,7 +176,7 @@ def _save(root: Path, trainable: Trainable, opt, tensors, state: dict) -> None:
 
     tmp = root / ".checkpoint"
     tmp.mkdir(exist_ok=True)
-    trainable.save(tmp)
+    trainable.save(tmp, block_size=state["config"]["block_size"] if state["config"]["kind"] == "block" else None)
     moments = {}
     for i, (name, _) in enumerate(tensors):
         st = opt.state.get(opt.param_groups[0]["params"][i], {})

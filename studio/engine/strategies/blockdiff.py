@@ -126,7 +126,8 @@ class BlockDiffusion(Strategy):
 
     @dataclass
     class Params:
-        block_size: int = 0            # B; 0 = the model's block_size (SDAR 4, Fast-dLLM v2 32), else 4
+        block_size: int = 0            # B; 0 = the model's block_size (SDAR 4, Fast-dLLM v2 32), else the
+                                       # block adapter's training block size, else 4
         steps: int = 0                 # S denoising steps per block; 0 = B (one token per step at least)
         schedule: str = "dynamic"      # dynamic (threshold + quota) | static (quota only)
         threshold: float = 0.9         # τ: Fast-dLLM / dInfer serving default (S2D2's SDAR configs use 0.85)
@@ -160,7 +161,7 @@ class BlockDiffusion(Strategy):
             raise BadInput(f"{cls.name} credit_alpha and credit_gamma must be >= 0")
 
     def kv_headroom(self, config=None) -> int:
-        B = self.params.block_size or (config and config.block_size) or DEFAULT_BLOCK
+        B = self.params.block_size or (config and (config.block_size or config.adapter_block_size)) or DEFAULT_BLOCK
         return 3 * B   # a block past the last token + a 2B-row verifier
 
     def causal_kv(self, config) -> bool:
@@ -170,7 +171,7 @@ class BlockDiffusion(Strategy):
     # -- blocks -----------------------------------------------------------------------------------
     def start(self, ctx: DecodeContext, prompt: list[int]) -> None:
         cfg = ctx.model.config
-        self.B = self.params.block_size or cfg.block_size or DEFAULT_BLOCK
+        self.B = self.params.block_size or cfg.block_size or cfg.adapter_block_size or DEFAULT_BLOCK
         self.S = self.params.steps or self.B
         self.shift = cfg.logit_shift
         self.causal_cache = self.causal_kv(cfg)
