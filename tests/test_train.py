@@ -94,6 +94,19 @@ def test_two_pass_training_forward_equals_one_forward_over_the_app_e_layout(gate
     if gate_all:
         ref_clean = F.cross_entropy(ref[n:], targets, ignore_index=IGNORE)
         assert losses.clean == pytest.approx(float(ref_clean), abs=1e-5)
+        # --clean-loss kl: KL(base || adapted) over the answer rows, the base being the model without its LoRA
+        objective.clean_loss = "kl"
+        with torch.no_grad():
+            base = model(x0, torch.arange(n), KVCache(2, 2, 8, n))[0]
+        rows = targets != IGNORE
+        ref_kl = (base.log_softmax(-1).exp() * (base.log_softmax(-1) - ref[n:].log_softmax(-1)))[rows].sum(-1).mean()
+        kl = objective.loss(model, batch, n_slots=b)
+        assert kl.task == losses.task and kl.clean == pytest.approx(float(ref_kl), abs=1e-5) and kl.clean > 1e-3
+        with torch.no_grad():                     # no adapter effect, no divergence
+            for name, t in tr.named_tensors():
+                if name.endswith("lora_B"):
+                    t.zero_()
+        assert objective.loss(model, batch, n_slots=b).clean == pytest.approx(0.0, abs=1e-6)
 
 
 def _acceptance(engine, prompts, strategy, params):

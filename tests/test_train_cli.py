@@ -25,6 +25,8 @@ def test_a_prompt_file_with_a_held_out_prompt_is_refused(tmp_path):
     (["idlm", "--data", "d", "--out", "o", "--gate", "rows"], "--gate must be 'mask' or 'all'"),
     (["block", "--data", "d", "--out", "o", "--time-budget", "soon"], "--time-budget"),
     (["idlm", "--data", "d", "--out", "o", "--steps", "0"], "--steps must be >= 1"),
+    (["idlm", "--data", "d", "--out", "o", "--gate", "all", "--clean-loss", "mse"], "--clean-loss must be one of"),
+    (["block", "--data", "d", "--out", "o", "--clean-loss", "kl"], "--clean-loss applies to --gate all"),
     (["eval", "no-such-adapter", "--n-prompts", "0"], "--n-prompts"),
 ])
 def test_bad_training_arguments_are_one_line_errors(tmp_path, args, needle):

@@ -154,8 +154,14 @@ def _run_training(kind: str, data_dir: Path, out: Path, model: str, gate: str, r
     from studio.train.objectives import IDLM, Block
     from studio.train.trainer import TrainConfig, train
 
+    from studio.train.objectives import CLEAN_LOSSES
+
     if gate not in ("mask", "all"):
         raise BadInput(f"--gate must be 'mask' or 'all', got {gate!r}")
+    if settings["clean_loss"] not in CLEAN_LOSSES:
+        raise BadInput(f"--clean-loss must be one of {', '.join(CLEAN_LOSSES)}, got {settings['clean_loss']!r}")
+    if settings["clean_loss"] != "ce" and gate != "all":
+        raise BadInput("--clean-loss applies to --gate all (with --gate mask the clean rows are the base model's)")
     budget = _parse_budget(time_budget)
     cfg = TrainConfig(kind=kind, gate=gate, **settings)
     for name in ("steps", "batch_size", "rows_per_seq", "r", "save_every"):
@@ -170,11 +176,13 @@ def _run_training(kind: str, data_dir: Path, out: Path, model: str, gate: str, r
     if kind == "idlm":
         if not 2 <= cfg.start_stride <= cfg.stride:
             raise BadInput(f"the curriculum needs 2 <= --start-stride <= --stride, got {cfg.start_stride}..{cfg.stride}")
-        objective = IDLM(mask_id, gate == "all", curriculum=tuple(range(cfg.start_stride, cfg.stride + 1)))
+        objective = IDLM(mask_id, gate == "all", curriculum=tuple(range(cfg.start_stride, cfg.stride + 1)),
+                         clean_loss=cfg.clean_loss)
     else:
         if cfg.block_size < 2:
             raise BadInput("--block-size must be >= 2")
-        objective = Block(mask_id, gate == "all", cfg.block_size, shift=engine.config.logit_shift)
+        objective = Block(mask_id, gate == "all", cfg.block_size, shift=engine.config.logit_shift,
+                          clean_loss=cfg.clean_loss)
     t0 = time.perf_counter()
     with _progress(f"train {kind} --gate {gate}", cfg.steps) as bar:
         task = bar.add_task("train", total=cfg.steps, info="")
@@ -210,6 +218,9 @@ SEED = typer.Option(0, "--seed")
 SAVE_EVERY = typer.Option(25, "--save-every", help="Checkpoint every this many steps.")
 BUDGET = typer.Option(None, "--time-budget", help="Stop (and checkpoint) after this long: 90s, 45m, 2h.")
 RESUME = typer.Option(False, "--resume", help="Continue the run in --out where it stopped.")
+CLEAN_LOSS = typer.Option("ce", "--clean-loss", help="--gate all: the clean rows' loss. ce: cross-entropy on the "
+                          "clean tokens (I-DLM Eq. 2) | kl: KL to the base model's distribution (keeps ISD's output "
+                          "close to the base model's).")
 INIT = typer.Option(None, "--init", help="Start from this adapter's LoRA and MASK row (same rank; a new "
                     "optimizer and schedule), e.g. an r-isd adapter on to --gate all.")
 
@@ -221,11 +232,11 @@ def idlm_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("defa
              steps: int = STEPS, batch_size: int = BATCH, rows: int = ROWS, lr: float = LR, rank: int = RANK,
              alpha: float = ALPHA, seed: int = SEED, save_every: int = SAVE_EVERY,
              time_budget: Optional[str] = BUDGET, resume: bool = RESUME, init: Optional[Path] = INIT,
-             device: str = DEVICE, dtype: str = DTYPE):
+             clean_loss: str = CLEAN_LOSS, device: str = DEVICE, dtype: str = DTYPE):
     """The introspective-consistency recipe (I-DLM App. E): adapters for isd (--gate all) and r-isd (--gate mask)."""
     _run_training("idlm", data, out, model, gate, resume, time_budget, device, dtype, stride=stride,
                   start_stride=start_stride, steps=steps, batch_size=batch_size, rows_per_seq=rows, lr=lr, r=rank,
-                  alpha=alpha, seed=seed, save_every=save_every, init=_init_path(init))
+                  alpha=alpha, seed=seed, save_every=save_every, init=_init_path(init), clean_loss=clean_loss)
 
 
 @train_app.command("block")
@@ -233,11 +244,11 @@ def block_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("def
               block_size: int = typer.Option(4, "--block-size"), steps: int = STEPS, batch_size: int = BATCH,
               rows: int = ROWS, lr: float = LR, rank: int = RANK, alpha: float = ALPHA, seed: int = SEED,
               save_every: int = SAVE_EVERY, time_budget: Optional[str] = BUDGET, resume: bool = RESUME,
-              init: Optional[Path] = INIT, device: str = DEVICE, dtype: str = DTYPE):
+              init: Optional[Path] = INIT, clean_loss: str = CLEAN_LOSS, device: str = DEVICE, dtype: str = DTYPE):
     """Block diffusion (SDAR-style, random mask ratios): an adapter for blockdiff, s2d2 and simsd."""
     _run_training("block", data, out, model, gate, resume, time_budget, device, dtype, block_size=block_size,
                   steps=steps, batch_size=batch_size, rows_per_seq=rows, lr=lr, r=rank, alpha=alpha, seed=seed,
-                  save_every=save_every, init=_init_path(init))
+                  save_every=save_every, init=_init_path(init), clean_loss=clean_loss)
 
 
 def _init_path(init: Optional[Path]) -> Optional[str]:

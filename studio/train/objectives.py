@@ -71,8 +71,12 @@ class Losses:
     counted: torch.Tensor        # [n_slots]
 
 
+CLEAN_LOSSES = ("ce", "kl")
+
+
 class Objective:
     gate_all: bool
+    clean_loss = "ce"            # gate all: ce (papers/000 Eq. 2, the clean tokens) | kl (the base model's law)
     mask_id: int
     bidirectional = False        # noisy rows see their whole block (block diffusion) or a causal prefix (I-DLM)
 
@@ -112,7 +116,7 @@ class Objective:
         clean_loss = None
         if self.gate_all:
             logits = model(batch.clean, pos, kv, lora_gate=torch.ones_like(batch.clean, dtype=torch.bool))
-            clean_loss = F.cross_entropy(logits.flatten(0, 1), batch.clean_targets.flatten(), ignore_index=IGNORE)
+            clean_loss = self._clean_loss(model, batch, pos, logits)
         else:
             with torch.no_grad():   # the base model: its K/V are constants of this step
                 model(batch.clean, pos, kv, logits_rows=[0])
@@ -132,6 +136,19 @@ class Objective:
                       correct, counted)
 
 
+    def _clean_loss(self, model, batch: Batch, pos: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The clean rows' loss under --gate all. ce: cross-entropy on the clean tokens (the I-DLM recipe).
+        kl: KL(base || adapted) on the answer rows, so the adapter keeps the base model's whole next-token law
+        there, near-ties included: ISD then decodes (nearly) what the base model decodes."""
+        if self.clean_loss == "ce":
+            return F.cross_entropy(logits.flatten(0, 1), batch.clean_targets.flatten(), ignore_index=IGNORE)
+        rows = batch.clean_targets != IGNORE
+        with torch.no_grad():   # the base model (no LoRA) on the same rows; its K/V go nowhere
+            base = model(batch.clean, pos, TwoPassKV())[rows]
+        return F.kl_div(F.log_softmax(logits[rows].float(), -1), F.log_softmax(base.float(), -1), log_target=True,
+                        reduction="batchmean")
+
+
 def _starts(lo: int, hi: int, k: int, gen: torch.Generator) -> list[int]:
     """k block starts in [lo, hi] (distinct while the range allows, then with repeats), sorted."""
     n = hi - lo + 1
@@ -143,8 +160,8 @@ def _starts(lo: int, hi: int, k: int, gen: torch.Generator) -> list[int]:
 
 
 class IDLM(Objective):
-    def __init__(self, mask_id: int, gate_all: bool, curriculum: tuple[int, ...] = (2, 3, 4)):
-        self.mask_id, self.gate_all, self.curriculum = mask_id, gate_all, curriculum
+    def __init__(self, mask_id: int, gate_all: bool, curriculum: tuple[int, ...] = (2, 3, 4), clean_loss: str = "ce"):
+        self.mask_id, self.gate_all, self.curriculum, self.clean_loss = mask_id, gate_all, curriculum, clean_loss
 
     def block_width(self, progress: float) -> int:
         stage = min(int(progress * len(self.curriculum)), len(self.curriculum) - 1)
@@ -164,8 +181,9 @@ class IDLM(Objective):
 class Block(Objective):
     bidirectional = True
 
-    def __init__(self, mask_id: int, gate_all: bool, block_size: int, shift: bool):
+    def __init__(self, mask_id: int, gate_all: bool, block_size: int, shift: bool, clean_loss: str = "ce"):
         self.mask_id, self.gate_all, self.size, self.shift = mask_id, gate_all, block_size, shift
+        self.clean_loss = clean_loss
 
     def block_width(self, progress: float) -> int:
         return self.size
