@@ -105,7 +105,12 @@ class Run:
         engine = engine.for_strategy(strategy.name)      # the adapter this strategy runs with
         kv_len = kv_length_needed(engine, strategy, settings, prompt_ids)
         if kv is not None and kv.max_len < kv_len:
-            kv = kv.grown(kv_len)
+            kv = kv.grown(engine.caches.size_for(engine.model, kv_len))
+        # with graphs, a pooled cache brings the graphs earlier runs captured; it goes back when the run ends,
+        # unless `keep_cache` took it (a chat keeping its history)
+        self._lent = kv is None and engine.graphs
+        if self._lent:
+            kv = engine.caches.lend(engine.model, kv_len)
         self.engine, self.strategy, self.settings = engine, strategy, settings
         self.prompt_ids = list(prompt_ids)
         self.header = self._header(prompt_text)
@@ -137,6 +142,11 @@ class Run:
     @property
     def done(self) -> bool:
         return self.result is not None
+
+    def keep_cache(self):
+        """The run's KV cache, kept by the caller after the run (not given back to the pool)."""
+        self._lent = False
+        return self.ctx.kv
 
     def cancel(self) -> None:
         """Ask the run to stop; it ends at the next step boundary (safe from any thread)."""
@@ -201,6 +211,9 @@ class Run:
                                 token_ids=list(self.out.token_ids))
         if self._on_finish:
             self._on_finish(self)
+        if self._lent:
+            self._lent = False
+            self.engine.caches.give_back(self.ctx.kv)
 
 
 def drive(runs: Sequence[Run], on_events: Callable[[int, list[dict]], None] | None = None,
@@ -280,7 +293,7 @@ class Conversation:
         def finished(run: Run) -> None:
             self.messages = messages + [{"role": "assistant", "content": run.out.text}]
             self.turns.append(run.result)
-            cache = run.ctx.kv
+            cache = run.keep_cache()
             # committed slots hold (prompt + output) in order; a commit past the output (drafts after an EOS) is dropped
             valid = min(cache.length, len(ids) + len(run.out.token_ids))
             cache.rollback(valid)

@@ -223,3 +223,44 @@ def test_runs_with_graphs_on_decode_exactly_as_eager(tmp_path, monkeypatch, name
     forwards = [e for e in graphed.events if e["t"] == "forward"]
     (runner,) = runners
     assert runner.replays + runner.fallbacks == len(forwards) and runner.replays >= len(forwards) - 2
+
+
+def test_runs_reuse_pooled_caches_and_the_graphs_captured_on_them(monkeypatch):
+    """With graphs on, a run borrows a cache from the engine's pool and gives it back when it ends, and the
+    cache's runner keeps its graphs: a second run of the same shapes captures nothing and replays, with the
+    tokens of an eager run. Runs alive at once get caches of their own; a chat keeps its cache (and graphs)
+    between turns instead of giving it back."""
+    from studio.engine.strategies import make_strategy
+    from studio.session import Conversation, Run, Session, Settings, drive
+    from tests.tiny import tiny_engine
+
+    runners = []
+    init = GraphRunner.__init__
+    monkeypatch.setattr(GraphRunner, "__init__", lambda self, *a, **k: (init(self, *a, **k), runners.append(self))[0])
+    settings = Settings(max_new_tokens=24)
+    eager_engine = tiny_engine("llama", vocab=V, seed=5)
+    eager = [Session(eager_engine, make_strategy("isd"), settings).run("", p).token_ids for p in ([1, 2, 3], [3, 2, 1])]
+
+    engine = tiny_engine("llama", vocab=V, seed=5)
+    engine.graphs = True
+    first = Session(engine, make_strategy("isd"), settings).run("", [1, 2, 3])
+    (runner,) = runners
+    captured, replays = len(runner.graphs), runner.replays
+    second = Session(engine, make_strategy("isd"), settings).run("", [3, 2, 1])
+    assert [first.token_ids, second.token_ids] == eager
+    assert len(runners) == 1 and len(runner.graphs) == captured and runner.replays > replays
+
+    a, b = (Run(engine, make_strategy("isd"), settings, "", [1, 2, 3]) for _ in range(2))
+    assert a.ctx.kv is not b.ctx.kv and runner.kv in (a.ctx.kv, b.ctx.kv)
+    drive([a, b])
+    assert a.result.token_ids == b.result.token_ids
+    assert {id(kv) for kv in engine.caches.free[runner.kv.max_len]} == {id(a.ctx.kv), id(b.ctx.kv)}
+
+    chat = Conversation(engine, chat=False)
+    turn = chat.start_turn("ab", make_strategy("ar"), settings)
+    drive([turn])
+    kept = turn.ctx.kv
+    assert kept.runner is not None and all(kv is not kept for kv in engine.caches.free.get(kept.max_len, []))
+    n_runners = len(runners)
+    drive([chat.start_turn("cd", make_strategy("ar"), Settings(max_new_tokens=2))])   # fits the kept cache
+    assert chat._kv is kept and len(runners) == n_runners

@@ -11,6 +11,7 @@ import torch
 
 from studio.engine.config import ModelConfig
 from studio.engine.device import resolve_device, resolve_dtype
+from studio.engine.graphs import CachePool
 from studio.engine.model import Transformer
 from studio.engine.random_models import build_random, is_random, random_config
 from studio.engine.tokenizer import ByteIdTokenizer
@@ -56,6 +57,7 @@ class Engine:
                                           # model), "none" = never, else a fixed adapter for every strategy
     graphs: bool = False                  # decode-sized forwards through CUDA graphs (studio.engine.graphs)
     _views: dict = field(default_factory=dict, repr=False)   # adapter path -> engine, shared by all views
+    caches: CachePool = field(default_factory=CachePool, repr=False)   # decode caches with their graphs (shared)
 
     @classmethod
     def load(cls, spec: str = "default", adapter: str | None = None, progress=None, device: str = "auto",

@@ -33,6 +33,38 @@ def kv_buckets(max_len: int, smallest: int = 64) -> list[int]:
     return out + [max_len]
 
 
+class CachePool:
+    """Decode caches lent to runs and taken back, each keeping its GraphRunner (`KVCache.runner`), so the
+    graphs one run captured replay in the next: a capture is a warm-up forward plus a recording, and
+    would otherwise land on every run's clock (a bench's timed runs included). Sizes are powers of two
+    (capped at the model's context), so runs of similar lengths share caches. Used when graphs are on."""
+
+    def __init__(self, keep: int = 4):
+        self.keep = keep                             # caches kept per size; more are left to the GC
+        self.free: dict[int, list[KVCache]] = {}
+
+    @staticmethod
+    def size_for(model: Transformer, kv_len: int) -> int:
+        """The slots of a cache for `kv_len`: the next power of two, at most the model's context."""
+        return max(kv_len, min(1 << (kv_len - 1).bit_length(), model.config.max_seq_len))
+
+    def lend(self, model: Transformer, kv_len: int) -> KVCache:
+        """An empty cache of at least `kv_len` slots on `model`'s device."""
+        size = self.size_for(model, kv_len)
+        free = self.free.get(size, [])
+        while free:
+            kv = free.pop()
+            if kv.runner is not None and kv.runner.model is model:
+                kv.rollback(0)
+                return kv
+        return model.new_cache(size)
+
+    def give_back(self, kv: KVCache) -> None:
+        free = self.free.setdefault(kv.max_len, [])
+        if len(free) < self.keep and all(kv is not other for other in free):
+            free.append(kv)
+
+
 class _Recorded:
     """The CPU stand-in for a captured torch.cuda.CUDAGraph: `replay` reruns the recorded callable on
     the same static buffers and writes into the same output tensor."""

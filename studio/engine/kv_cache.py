@@ -19,6 +19,7 @@ class KVCache:
         self.max_len = max_len
         self.length = 0    # committed slots [0, length)
         self.written = 0   # slots the last forward wrote past `length`
+        self.runner = None  # the GraphRunner whose graphs read this storage (it stays with the cache)
 
     def grown(self, max_len: int) -> "KVCache":
         """A cache of `max_len` slots holding the same committed prefix (a chat outgrowing its cache)."""

@@ -85,11 +85,14 @@ class DecodeContext:
         # then computes only what follows it (see `_skip_reused`)
         self.kv = kv if kv is not None else model.new_cache(kv_len)
         # graphs: the run's own decode-sized forwards replay CUDA graphs captured on this cache (the prefill,
-        # and a second model such as SimSD's drafter, fall back to eager inside the runner)
+        # and a second model such as SimSD's drafter, fall back to eager inside the runner). The runner stays
+        # with the cache, so a pooled cache or a chat's kept one replays the graphs of earlier runs.
         self._runner = None
         if graphs:
             from studio.engine.graphs import GraphRunner
-            self._runner = GraphRunner(model, self.kv)
+            if self.kv.runner is None or self.kv.runner.model is not model:
+                self.kv.runner = GraphRunner(model, self.kv)
+            self._runner = self.kv.runner
         self._reusable: int | None = self.kv.length
         self._skipped = 0      # prompt tokens the prefill did not recompute; the next commit counts them
         self._adapters: dict[int, bool] = {}   # id(model) -> has a LoRA adapter attached
