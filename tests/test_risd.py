@@ -12,7 +12,7 @@ from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import DecodeContext, Output, make_strategy
 from studio.session import Session, Settings
 from tests.exact import chi_square_pvalue, exact_sequence_law
-from tests.test_lora import random_adapter
+from tests.test_lora import merged_model, random_adapter
 from tests.tiny import FAMILIES, tiny_engine
 
 PROMPT = [1, 2, 3, 4]
@@ -51,11 +51,14 @@ def test_lora_rows_isd_every_row_risd_mask_rows_only(tmp_path, family):
     assert all(f["lora_rows"] == f["n_tokens"] for f in fwd_isd)
     assert all(f["lora_rows"] == stride - 1 for f in fwd_risd)
     assert any(f["n_tokens"] > stride for f in fwd_risd)          # verify rounds ran: clean rows stayed off
-    # isd decodes the adapted (merged) model, not the base one
+    # isd decodes the adapted (merged) model, not the base one: greedy, token for token (an I-DLM adapter
+    # changes the model, and ISD is lossless with respect to that model)
     assert isd.token_ids != generate(base, "ar", n=40).token_ids
     # without an adapter no row is gated
     plain = generate(base, "r-isd", {"stride": stride}, n=10)
     assert all(e["lora_rows"] == 0 for e in plain.events if e["t"] == "forward")
+    base.model = merged_model(engine.model)
+    assert isd.token_ids == generate(base, "ar", n=40).token_ids
 
 
 def test_risd_with_an_adapter_that_adds_the_mask_token(tmp_path):
