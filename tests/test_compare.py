@@ -186,7 +186,7 @@ def test_demo_every_strategy_cpu_presets_traces_and_report(cli, tmp_path):
     from studio.demo import default_specs
     specs = default_specs()
     assert [s.strategy or s.preset for s in specs][0] == "ar"
-    expected = [f"{n}-cpu" if n == "jacobi-mr" else n for n in STRATEGIES]
+    expected = [f"{n}-cpu" if n in ("jacobi-mr", "s2d2", "simsd") else n for n in STRATEGIES]
     assert [s.label for s in specs] == expected                         # every registered strategy, CPU-sized
     d = tmp_path / "tr"
     res = cli("demo", "--prompt", PROMPT, "--max-new-tokens", "8", "--trace-dir", str(d))

@@ -88,6 +88,23 @@ def adapted_engine():
     return engine
 
 
+@pytest.mark.parametrize("name, params", [("s2d2", {"policy": "always"}), ("simsd", {"draft_steps": 1})])
+def test_verified_block_strategies_with_the_shipped_block_adapter_equal_greedy_ar(default_engine, ar_refs, name,
+                                                                                 params):
+    """s2d2 verifying every step and simsd (exact acceptance) draft with the shipped smollm2-block adapter at its
+    block size 8, verify with the base model, and so decode greedy ar's tokens (three prompts x 128 tokens)."""
+    engine = Engine.load("default").for_strategy(name)
+    assert engine.adapter.endswith("smollm2-block") and engine.config.adapter_block_size == 8
+    accepted = 0
+    for prompt, ids, ar in ar_refs[:3]:
+        strategy = make_strategy(name, params)
+        got = Session(engine, strategy, Settings(max_new_tokens=N_EXACT, sampling=SamplingParams(0.0))).run("", ids)
+        assert strategy.B == 8 and got.header["model"]["adapter"] == engine.adapter
+        assert_same_or_near_tie(default_engine, ids, ar, got.token_ids, f"{name} {prompt!r}")
+        accepted += sum(len(e["pos"]) for e in got.events if e["t"] == "accept")
+    assert accepted > 0
+
+
 def _preset_params(name):
     preset = load_strategy_preset(name)
     assert preset.sampling == {"temperature": 0.0}
