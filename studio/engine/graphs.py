@@ -37,7 +37,8 @@ class CachePool:
     """Decode caches lent to runs and taken back, each keeping its GraphRunner (`KVCache.runner`), so the
     graphs one run captured replay in the next: a capture is a warm-up forward plus a recording, and
     would otherwise land on every run's clock (a bench's timed runs included). Sizes are powers of two
-    (capped at the model's context), so runs of similar lengths share caches. Used when graphs are on."""
+    (capped at the model's context), so runs of similar lengths share caches. Used when graphs are on; one
+    pool per engine, whose views share one model."""
 
     def __init__(self, keep: int = 4):
         self.keep = keep                             # caches kept per size; more are left to the GC
@@ -51,17 +52,16 @@ class CachePool:
     def lend(self, model: Transformer, kv_len: int) -> KVCache:
         """An empty cache of at least `kv_len` slots on `model`'s device."""
         size = self.size_for(model, kv_len)
-        free = self.free.get(size, [])
-        while free:
+        free = self.free.get(size)
+        if free:
             kv = free.pop()
-            if kv.runner is not None and kv.runner.model is model:
-                kv.rollback(0)
-                return kv
+            kv.rollback(0)
+            return kv
         return model.new_cache(size)
 
     def give_back(self, kv: KVCache) -> None:
         free = self.free.setdefault(kv.max_len, [])
-        if len(free) < self.keep and all(kv is not other for other in free):
+        if len(free) < self.keep:
             free.append(kv)
 
 

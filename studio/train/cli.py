@@ -151,10 +151,8 @@ def _run_training(kind: str, data_dir: Path, out: Path, model: str, gate: str, r
     from studio.engine.engine import Engine
     from studio.errors import BadInput
     from studio.train import data
-    from studio.train.objectives import IDLM, Block
+    from studio.train.objectives import CLEAN_LOSSES, IDLM, Block
     from studio.train.trainer import TrainConfig, train
-
-    from studio.train.objectives import CLEAN_LOSSES
 
     if gate not in ("mask", "all"):
         raise BadInput(f"--gate must be 'mask' or 'all', got {gate!r}")

@@ -135,7 +135,6 @@ class Objective:
         return Losses(total, float(task.detach()), None if clean_loss is None else float(clean_loss.detach()),
                       correct, counted)
 
-
     def _clean_loss(self, model, batch: Batch, pos: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """The clean rows' loss under --gate all. ce: cross-entropy on the clean tokens (the I-DLM recipe).
         kl: KL(base || adapted) on the answer rows, so the adapter keeps the base model's whole next-token law

@@ -90,7 +90,7 @@ class DecodeContext:
         self._runner = None
         if graphs:
             from studio.engine.graphs import GraphRunner
-            if self.kv.runner is None or self.kv.runner.model is not model:
+            if self.kv.runner is None:
                 self.kv.runner = GraphRunner(model, self.kv)
             self._runner = self.kv.runner
         self._reusable: int | None = self.kv.length

@@ -160,9 +160,12 @@ class BlockDiffusion(Strategy):
         if p.credit_alpha < 0 or p.credit_gamma < 0:
             raise BadInput(f"{cls.name} credit_alpha and credit_gamma must be >= 0")
 
+    def block_size(self, config) -> int:
+        """B: the params', else the native dLLM's, else the block adapter's training block, else 4."""
+        return self.params.block_size or (config and (config.block_size or config.adapter_block_size)) or DEFAULT_BLOCK
+
     def kv_headroom(self, config=None) -> int:
-        B = self.params.block_size or (config and (config.block_size or config.adapter_block_size)) or DEFAULT_BLOCK
-        return 3 * B   # a block past the last token + a 2B-row verifier
+        return 3 * self.block_size(config)   # a block past the last token + a 2B-row verifier
 
     def causal_kv(self, config) -> bool:
         """The causal cache (S2D2's "AR-like caching"); block-attention KV depends on where blocks fall."""
@@ -171,7 +174,7 @@ class BlockDiffusion(Strategy):
     # -- blocks -----------------------------------------------------------------------------------
     def start(self, ctx: DecodeContext, prompt: list[int]) -> None:
         cfg = ctx.model.config
-        self.B = self.params.block_size or cfg.block_size or cfg.adapter_block_size or DEFAULT_BLOCK
+        self.B = self.block_size(cfg)
         self.S = self.params.steps or self.B
         self.shift = cfg.logit_shift
         self.causal_cache = self.causal_kv(cfg)
