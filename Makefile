@@ -27,7 +27,7 @@ test: venv
 # every reader fuzzed with 10x the examples of `make test` (tests/fuzzing.py: profiles, per-reader tally),
 # and the soaks (also in `make test`)
 fuzz: venv
-	DLM_FUZZ=long $(BIN)/python -m pytest -q tests/test_fuzz_*.py tests/test_soak.py --hypothesis-show-statistics \
+	DLM_FUZZ=long $(BIN)/python -m pytest -q tests/reliability/test_fuzz_*.py tests/reliability/test_soak.py --hypothesis-show-statistics \
 		-p no:cacheprovider
 
 # the engine issue's GPU numbers in one go (needs CUDA; JSON in gpu-numbers/): forward costs with copy bandwidth
@@ -47,7 +47,7 @@ gpu-numbers: venv
 		$(GPU_BENCH) -s ar,isd --concurrency $$c --prompts gpu-numbers/prompts.txt --max-new-tokens 128 \
 			--repeats 1 --no-transformers > gpu-numbers/concurrency-$$c.json || exit 1; \
 	done
-	$(BIN)/python -m pytest -q -m cuda tests/test_verify_kernel.py tests/test_graphs.py tests/test_device.py
+	$(BIN)/python -m pytest -q -m cuda tests/engine/test_verify_kernel.py tests/engine/test_graphs.py tests/engine/test_device.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -41,10 +41,10 @@ try:   # Ctrl+C while the CLI is still importing: the same one line and exit 130
 
     import typer
 
-    from studio.device_options import DEVICE, DTYPE, GRAPHS
+    from studio.run.options import DEVICE, DTYPE, GRAPHS
     from studio.errors import BadInput
     from studio.files import Interrupted, check_writable
-    from studio.runconfig import build_run
+    from studio.run.config import build_run
     from studio.traces.cli import trace_app
     from studio.train.cli import train_app
 except KeyboardInterrupt:
@@ -59,12 +59,12 @@ app.add_typer(models_app, name="models")
 app.add_typer(trace_app, name="trace")
 app.add_typer(train_app, name="train")
 
-# -- options shared by the generation commands (and DEVICE, DTYPE from studio.device_options) ----
+# -- options shared by the generation commands (and DEVICE, DTYPE from studio.run.options) ----
 PRESET = typer.Option(None, "--preset", help="A strategy preset name or TOML file.")
 MODEL = typer.Option("default", "--model", help="'default', a model preset, a HF directory, a .gguf, or random:NAME "
                     "(random weights of smollm2-135m, qwen3-0.6b, qwen3-8b or llama3-8b: for speed measurements).")
 ADAPTER = typer.Option(None, "--adapter", help="A PEFT LoRA adapter directory or a shipped adapter's name; 'none' = the plain "
-                       "model. Default: on the default model, each strategy's shipped adapter (presets/adapters).")
+                       "model. Default: on the default model, each strategy's shipped adapter (studio/presets/adapters).")
 DRAFT_MODEL = typer.Option(None, "--draft-model", help="simsd: the draft dLLM (default: self draft).")
 DRAFT_ADAPTER = typer.Option(None, "--draft-adapter", help="simsd: an adapter for the draft model.")
 MAX_NEW_TOKENS = typer.Option(None, "--max-new-tokens")
@@ -151,7 +151,7 @@ def run(
 ):
     """Generate text for PROMPT with one strategy, streaming tokens as they become final."""
     from studio.engine.engine import Engine
-    from studio.session import Session, encode_prompt
+    from studio.run.session import Session, encode_prompt
     from studio.viz.text import run_summary_line
 
     strat, settings = build_run(strategy, preset, param, max_new_tokens, temperature, top_k, top_p, seed, stop)
@@ -209,7 +209,7 @@ def chat(
     session = _chat_session(strategy, preset, model, adapter, draft_model, draft_adapter, max_new_tokens,
                             temperature, top_k, top_p, seed, param, stop, raw, device, dtype, graphs)
     if plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
-        from studio.repl import chat_repl
+        from studio.tui.repl import chat_repl
         chat_repl(session)
         return
     from studio.tui.app import StudioApp
@@ -262,10 +262,10 @@ def web(
     port: int = typer.Option(7860, "--port"),
 ):
     """The Gradio studio in the browser: chat with a live trajectory, lock-step compare, trace replay."""
-    from studio.chat import RunChoice
+    from studio.run.chat import RunChoice
     from studio.engine.engine import Engine
 
-    from studio.worker import reserve_cores_for_drawing
+    from studio.run.worker import reserve_cores_for_drawing
     try:
         from studio.web.app import build_app, serve
     except ImportError as e:
@@ -286,9 +286,9 @@ def web(
 def _chat_session(strategy, preset, model, adapter, draft_model, draft_adapter, max_new_tokens, temperature,
                   top_k, top_p, seed, param, stop, raw, device, dtype, graphs):
     """Validate the run choice, then load the model: a ChatSession for the chat REPL and the TUI."""
-    from studio.chat import ChatSession, RunChoice
+    from studio.run.chat import ChatSession, RunChoice
     from studio.engine.engine import Engine
-    from studio.runconfig import parse_param
+    from studio.run.config import parse_param
 
     choice = RunChoice(strategy if strategy or preset else "ar", preset, dict(parse_param(p) for p in param),
                        temperature, top_k, top_p, max_new_tokens, seed, tuple(stop))
@@ -324,10 +324,10 @@ def compare(
 ):
     """Run several strategies on the same prompt, seed and sampling settings; compare against ar."""
     from rich.console import Console
-    from studio.compare import (parse_specs, progress_display, render_table, rows, run_compare, trace_paths,
+    from studio.run.compare import (parse_specs, progress_display, render_table, rows, run_compare, trace_paths,
                                 write_html)
     from studio.engine.engine import Engine
-    from studio.session import encode_prompt
+    from studio.run.session import encode_prompt
 
     specs = parse_specs(strategies, preset)
     def make_run(spec):
@@ -400,8 +400,8 @@ def bench(
     """Speed and agreement of strategies against ar (and transformers generate), measured in one run."""
     from rich.console import Console
     from rich.progress import Progress
-    from studio.bench import check_concurrency, load_prompts, run_bench
-    from studio.compare import parse_specs
+    from studio.run.bench import check_concurrency, load_prompts, run_bench
+    from studio.run.compare import parse_specs
     from studio.engine.engine import Engine
 
     if repeats < 1 or warmup < 0:
@@ -429,7 +429,7 @@ def bench(
             bar.update(task, advance=1, description=f"{phase}: {label}")
         report = run_bench(engine, texts, specs, make_run, repeats, warmup, with_transformers, progress, concurrency)
     if html:
-        from studio.bench import write_bench_html
+        from studio.run.bench import write_bench_html
         typer.echo(f"report: {write_bench_html(report, html)}", err=True)
     if as_json:
         print(json.dumps(report))
@@ -477,7 +477,7 @@ def _bench_forwards(engine, repeats: int, warmup: int, as_json: bool) -> None:
 def _bench_table(report: dict):
     from rich.markup import escape
     from rich.table import Table
-    from studio.bench import format_spread, report_title, table_rows
+    from studio.run.bench import format_spread, report_title, table_rows
     hf = report["transformers_tok_s"]
     head, rows = table_rows(report)
     t = Table(title=escape(f"{report_title(report)} (median [min–max])"), title_justify="left")
@@ -507,7 +507,7 @@ def demo(
     graphs: bool = GRAPHS,
 ):
     """The compare demo on the embedded model: the prompt through every strategy, greedy, with traces and a report."""
-    from studio.demo import DEMO_PROMPT as default_prompt, demo_command
+    from studio.run.demo import DEMO_PROMPT as default_prompt, demo_command
     demo_command(prompt or default_prompt, strategies, max_new_tokens, trace_dir, html, device, dtype, graphs)
 
 
@@ -543,7 +543,7 @@ def models_info(spec: str = typer.Argument("default", help="'default', a model p
                f"(hidden i predicts token i+1)\nmask token:    {cfg.mask_token_id}\nblock size:    {cfg.block_size}")
     typer.echo(f"eos ids:       {engine.eos_ids()}\nload time:     {engine.load_s:.2f}s"
                f"{' (from cache)' if engine.from_cache else ''}")
-    from studio.adapters import shipped
+    from studio.presets.shipped import shipped
     for name, entry in shipped().items():
         if entry["model"] == engine.name:
             typer.echo(f"adapter:       {name} (used by {', '.join(entry['strategies'])}): {entry['description']}")

@@ -62,10 +62,10 @@ class Engine:
     @classmethod
     def load(cls, spec: str = "default", adapter: str | None = None, progress=None, device: str = "auto",
              dtype: str = "auto", graphs: bool = True) -> "Engine":
-        """`spec`: a model preset name (presets/models), 'default', a HF directory, a .gguf file or
+        """`spec`: a model preset name (studio/presets/models), 'default', a HF directory, a .gguf file or
         `random:NAME` (random weights of a published shape, studio.engine.random_models).
         `adapter`: a PEFT directory or a shipped adapter's name (used for every strategy), 'none', or None:
-        each strategy gets the adapter shipped for it and this model, if any (presets/adapters).
+        each strategy gets the adapter shipped for it and this model, if any (studio/presets/adapters).
         `device`: auto | cpu | cuda; `dtype`: auto | fp32 | bf16 | fp16 (studio.engine.device). The adapter
         attaches after the model is placed, so it lands on the model's device and dtype. `graphs`: CUDA graphs
         for decode-sized forwards, on CUDA only (on the CPU a graph would only add copies)."""
@@ -81,7 +81,7 @@ class Engine:
             engine = cls._from_files(spec, progress, adapter)
             to_device(engine.model, dev, dt)
         if adapter and adapter != "none":
-            from studio.adapters import adapter_path
+            from studio.presets.shipped import adapter_path
             from studio.engine.lora import attach_adapter
             attach_adapter(engine, adapter_path(adapter))
         engine.graphs = graphs and dev.type == "cuda"
@@ -132,7 +132,7 @@ class Engine:
         the adapter shipped for this model and strategy, if there is one."""
         if self.adapter_choice is not None:
             return self
-        from studio.adapters import shipped_for
+        from studio.presets.shipped import shipped_for
         return self.with_adapter(shipped_for(self.name, strategy))
 
     def model_meta(self) -> dict:

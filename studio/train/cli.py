@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from studio.device_options import DEVICE, DTYPE
+from studio.run.options import DEVICE, DTYPE
 from studio.files import Interrupted
 
 train_app = typer.Typer(no_args_is_help=True, help="Convert an AR model into a parallel decoder: data, training, evaluation.")
@@ -251,7 +251,7 @@ def block_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("def
 
 def _init_path(init: Optional[Path]) -> Optional[str]:
     """--init as recorded in train_state.json: a shipped adapter's name or a directory, made absolute."""
-    from studio.adapters import adapter_path
+    from studio.presets.shipped import adapter_path
 
     return None if init is None else str(Path(adapter_path(str(init))).resolve())
 
@@ -272,8 +272,8 @@ def eval_cmd(
     """TPF, acceptance by draft position, tok/s vs ar and agreement with ar on held-out prompts (greedy)."""
     import json
 
-    from studio.adapters import adapter_path
-    from studio.compare import parse_specs
+    from studio.presets.shipped import adapter_path
+    from studio.run.compare import parse_specs
     from studio.engine.engine import Engine
     from studio.errors import BadInput
     from studio.train import evaluate, prompts as builtin

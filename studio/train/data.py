@@ -92,7 +92,7 @@ def generate(engine, prompts: list[str], out: str | Path, max_new_tokens: int, b
     """Greedy answers of `engine` to `prompts`, written as shards under `out`; returns the manifest.
     `progress(done_prompts, total_prompts, n_tokens)` is called after every batch."""
     from studio.engine.batch import greedy_batch
-    from studio.session import encode_prompt
+    from studio.run.session import encode_prompt
 
     root = Path(out)
     manifest = _start(root, engine, prompts, max_new_tokens, resume, meta or {})

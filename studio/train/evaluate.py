@@ -12,8 +12,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from studio.compare import RunSpec, first_difference
-from studio.session import Session, encode_prompt
+from studio.run.compare import RunSpec, first_difference
+from studio.run.session import Session, encode_prompt
 from studio.viz.stats import acceptance
 
 # the runs that can use an adapter of each recipe (train_state.json's kind and gate)
@@ -52,7 +52,7 @@ class Tally:
 
 def evaluate(engine, prompts: list[str], specs: list[RunSpec], max_new_tokens: int = 128, progress=None) -> dict:
     """Returns {model, adapter, prompts, max_new_tokens, rows: [...]} (rows: ar first)."""
-    from studio.runconfig import build_run
+    from studio.run.config import build_run
 
     runs = {s.label: build_run(s.strategy, s.preset, [], max_new_tokens, 0.0, None, None, 0, []) for s in specs}
     ids = [encode_prompt(engine, p) for p in prompts]

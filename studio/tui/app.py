@@ -11,13 +11,13 @@ from pathlib import Path
 from textual.app import App
 from textual.binding import Binding
 
-from studio.chat import ChatSession
+from studio.run.chat import ChatSession
 from studio.events import Trace
 from studio.tui.screens.chat import ChatScreen
 from studio.tui.screens.compare import CompareScreen
 from studio.tui.screens.help import HelpScreen
 from studio.tui.screens.replay import ReplayScreen
-from studio.worker import reserve_cores_for_drawing
+from studio.run.worker import reserve_cores_for_drawing
 
 CSS_PATH = Path(__file__).with_name("studio.tcss")
 

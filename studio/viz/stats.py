@@ -1,12 +1,14 @@
-"""Per-step series derived from events (DESIGN §2.3 definitions, the same as `studio.events.summarize`).
+"""Per-step series derived from events, counted by `studio.events.metrics` (docs/metrics.md).
 
 No plotly here: the figures, the HTML report, Perfetto counters and the TUI all use these series.
 """
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
+
+from studio.events.metrics import Acceptance, Tally, acceptance
 
 
 @dataclass
@@ -27,52 +29,6 @@ class StepPoint:
     kv_len: int | None        # KV length after the step's last kv event
 
 
-@dataclass
-class Acceptance:
-    verified_by_pos: list[int] = field(default_factory=list)
-    accepted_by_pos: list[int] = field(default_factory=list)
-    per_verify_step: dict[int, int] = field(default_factory=dict)   # step -> accepted drafts in it
-    drafted_per_verify_step: dict[int, int] = field(default_factory=dict)  # step -> verified drafts
-
-    @property
-    def accepted(self) -> int:
-        return sum(self.accepted_by_pos)
-
-    @property
-    def verified(self) -> int:
-        return sum(self.verified_by_pos)
-
-    @property
-    def rate(self) -> float:
-        return self.accepted / self.verified if self.verified else 0.0
-
-    @property
-    def by_pos(self) -> list[float]:
-        return [a / v for a, v in zip(self.accepted_by_pos, self.verified_by_pos)]
-
-    @property
-    def verify_steps(self) -> int:
-        return len(self.per_verify_step)
-
-    @property
-    def mean_acceptance_length(self) -> float | None:
-        """1 + accepted / verify steps (the bonus/correction token counted, vLLM convention)."""
-        return 1 + self.accepted / self.verify_steps if self.verify_steps else None
-
-    def histogram(self) -> dict[int, int]:
-        """{accepted drafts in one verify step: number of verify steps} (AIPerf style), dense from 0."""
-        counts = Counter(self.per_verify_step.values())
-        top = max(counts, default=-1)
-        return {k: counts.get(k, 0) for k in range(top + 1)}
-
-
-def acceptance(events: Iterable[Mapping[str, Any]]) -> Acceptance:
-    """Acceptance counts; a chain is one step's accepted + rejected positions, slot = rank by pos."""
-    tracker = Tracker()
-    tracker.feed(events)
-    return tracker.acceptance
-
-
 def progress(events: Iterable[Mapping[str, Any]]) -> list[StepPoint]:
     """One point per step present in the events, in step order (events are in step order in a trace)."""
     tracker = Tracker()
@@ -81,14 +37,17 @@ def progress(events: Iterable[Mapping[str, Any]]) -> list[StepPoint]:
 
 
 class Tracker:
-    """The step series and acceptance counts, fed whole steps at a time as a run produces them (live
-    views); `progress` and `acceptance` feed it a whole trace at once."""
+    """The step series of a run, fed whole steps at a time as it produces them (live views); `progress`
+    feeds it a whole trace at once. Counts and acceptance are `studio.events.metrics.Tally`'s."""
 
     def __init__(self) -> None:
         self.points: list[StepPoint] = []
-        self.acceptance = Acceptance()
-        self._tokens = self._forwards = self._accepted = self._verified = 0
+        self.tally = Tally()
         self._kv_len: int | None = None
+
+    @property
+    def acceptance(self) -> Acceptance:
+        return self.tally.acceptance
 
     def feed(self, events: Iterable[Mapping[str, Any]]) -> list[StepPoint]:
         """Add events of whole steps; returns the new points."""
@@ -100,58 +59,36 @@ class Tracker:
         return new
 
     def _add_step(self, step: int, step_events: list[Mapping[str, Any]]) -> StepPoint:
-        role = None
-        wall = None
-        ms = None
+        role = wall = ms = None
         emitted = 0
         unmasked: set[int] = set()
         emitted_pos: set[int] = set()
-        chain: list[tuple[int, bool]] = []
         progressed = False
         for e in step_events:
+            self.tally.feed(e)
             t = e["t"]
             if e["ms"] is not None and (ms is None or e["ms"] > ms):
                 ms = e["ms"]
             if t == "forward":
                 role = role or e["role"]
-                self._forwards += e["role"] != "prefill"
                 if e["wall_ms"] is not None:
                     wall = (wall or 0.0) + e["wall_ms"]
             elif t == "emit":
                 emitted += len(e["tok"])
                 emitted_pos.update(e["pos"])
                 progressed = progressed or bool(e["tok"])
-            elif t == "accept":
-                chain.extend((p, True) for p in e["pos"])
-                progressed = True
-            elif t == "reject":
-                chain.append((e["pos"], False))
-                progressed = True
             elif t == "unmask":
                 unmasked.update(e["pos"])
                 progressed = progressed or bool(e["pos"])
-            elif t in ("propose", "resample", "bonus"):
+            elif t in ("propose", "resample", "bonus", "accept", "reject"):
                 progressed = True
             elif t == "kv":
                 self._kv_len = e["to_len"]
-        if chain:
-            self._add_chain(step, sorted(chain))
-        self._tokens += emitted
-        acc, ver = self.acceptance.accepted, self.acceptance.verified
-        return StepPoint(step, role, ms, wall, emitted, len(unmasked - emitted_pos), progressed, self._tokens,
-                         self._forwards, self._tokens / self._forwards if self._forwards else None, acc, ver,
-                         acc / ver if ver else None, self._kv_len)
-
-    def _add_chain(self, step: int, chain: list[tuple[int, bool]]) -> None:
-        a = self.acceptance
-        for k, (_, ok) in enumerate(chain):
-            if k == len(a.verified_by_pos):
-                a.verified_by_pos.append(0)
-                a.accepted_by_pos.append(0)
-            a.verified_by_pos[k] += 1
-            a.accepted_by_pos[k] += ok
-        a.per_verify_step[step] = sum(ok for _, ok in chain)
-        a.drafted_per_verify_step[step] = len(chain)
+        self.tally.end_step()
+        tally, acc = self.tally, self.tally.acceptance
+        return StepPoint(step, role, ms, wall, emitted, len(unmasked - emitted_pos), progressed, tally.n_tokens,
+                         tally.forwards, tally.tpf if tally.forwards else None, acc.accepted, acc.verified,
+                         acc.rate if acc.verified else None, self._kv_len)
 
 
 def stalled_steps(points: list[StepPoint]) -> list[StepPoint]:

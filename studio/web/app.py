@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from studio.chat import RunChoice
+from studio.run.chat import RunChoice
 from studio.web import chat_tab, compare_tab, render, traces_tab
 from studio.web.files import MAX_UPLOAD_BYTES, Downloads
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import gradio as gr
 
-from studio.chat import ChatSession, RunChoice
-from studio.compare import as_trace
+from studio.run.chat import ChatSession, RunChoice
+from studio.run.compare import as_trace
 from studio.errors import BadInput
 from studio.viz.figures import acceptance_by_position_figure, tpf_figure
 from studio.viz.text import run_summary_line
@@ -18,7 +18,7 @@ from studio.web import components, render
 from studio.web.files import DOWNLOADS, Downloads
 from studio.web.form import RunForm, read_choice
 from studio.web.live import Trajectory, frames
-from studio.worker import Worker
+from studio.run.worker import Worker
 
 
 class ChatTab:

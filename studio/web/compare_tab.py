@@ -1,22 +1,22 @@
 """The compare tab: 2–4 strategies or presets on one prompt, seed and sampling setting (`ar` always runs: it
 is the baseline), advanced in lock-step by forward count by one worker, their trajectories growing side
-by side; then `studio.compare`'s table, the comparison figure and the HTML report to download."""
+by side; then `studio.run.compare`'s table, the comparison figure and the HTML report to download."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import gradio as gr
 
-from studio.compare import as_trace, parse_specs, rows, write_html
+from studio.run.compare import as_trace, parse_specs, rows, write_html
 from studio.errors import BadInput
-from studio.runconfig import build_run
-from studio.session import Run, encode_prompt
+from studio.run.config import build_run
+from studio.run.session import Run, encode_prompt
 from studio.viz.figures import comparison_figure
 from studio.web import components, render
 from studio.web.files import Downloads
 from studio.web.form import pick_choices
 from studio.web.live import Trajectory, frames
-from studio.worker import Worker
+from studio.run.worker import Worker
 
 MAX_RUNS = 4
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import gradio as gr
 
-from studio.chat import RunChoice
+from studio.run.chat import RunChoice
 from studio.engine.strategies import STRATEGIES
 from studio.errors import BadInput
 from studio.presets import list_presets, load_strategy_preset
-from studio.runconfig import parse_value
+from studio.run.config import parse_value
 from studio.web.paramspec import ParamField, param_fields, toml_inline
 from studio.web.render import note_html
 

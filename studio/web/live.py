@@ -19,7 +19,7 @@ from studio.events import Trace
 from studio.viz.grid import Grid, GridBuilder
 from studio.viz.stats import Tracker
 from studio.web import render
-from studio.worker import Worker
+from studio.run.worker import Worker
 
 FPS = 10
 

@@ -167,7 +167,7 @@ def _acceptance_svg(acc: Acceptance, width: int = 240, height: int = 56) -> str:
 
 # -- tables -----------------------------------------------------------------------------------------
 def comparison_html(table_rows: Sequence[Mapping[str, Any]]) -> str:
-    """`studio.compare.rows` as a table, each run's text below it."""
+    """`studio.run.compare.rows` as a table, each run's text below it."""
     head = "".join(f"<th>{h}</th>" for h in ("run", "tokens", "forwards", "TPF", "accept", "tok/s", "× ar",
                                               "same as ar", "stop"))
     body = []

@@ -15,7 +15,7 @@ from studio.engine import kernels
 from studio.engine.oracle import oracle_chain
 from studio.engine.sampling import ChainResult, Proposal, SamplingParams, verify_chain
 from studio.errors import BadInput
-from studio.params import parse_params
+from studio.engine.strategies.params import parse_params
 
 
 @dataclass

@@ -31,7 +31,7 @@ from typing import ClassVar
 import torch
 
 from studio.errors import BadInput
-from studio.params import parse_params
+from studio.engine.strategies.params import parse_params
 
 
 # -- the protocol ---------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 each token was produced, the token grid shows every step, the metrics panel and inspector follow it.
 
 Each turn runs on a `Worker` thread; a timer (≈15 Hz) takes the drained steps, feeds the turn's
-`RunView` and redraws the widgets that changed. Slash commands are those of `studio.chat`.
+`RunView` and redraws the widgets that changed. Slash commands are those of `studio.run.chat`.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, Static
 
-from studio.chat import ChatSession, Reply
+from studio.run.chat import ChatSession, Reply
 from studio.errors import BadInput
 from studio.tui.live import FRAME_S, FramePacer, RunView
 from studio.tui.widgets import Inspector, MetricsPanel, StatusBar, TokenGrid
@@ -23,7 +23,7 @@ from studio.tui.widgets.live_text import LiveText
 from studio.tui.widgets.controls import Controls, apply_change
 from studio.viz.palette import legend_text
 from studio.viz.text import rich_text, run_summary_line
-from studio.worker import Worker
+from studio.run.worker import Worker
 
 TEXT_EVERY = 3   # the answer, metrics and inspector on every 3rd drawn frame: numbers and prose cannot be
                  # read faster, and drawing them costs the decode thread its share of the GIL

@@ -1,6 +1,6 @@
 """The compare screen: 2–4 strategies or presets on one prompt, in panes that advance in lock-step by
 forward count (one `Worker` over every run, `session.drive`), then the comparison table of
-`studio.compare` when all have finished. Runs use the chat's sampling settings and seed."""
+`studio.run.compare` when all have finished. Runs use the chat's sampling settings and seed."""
 from __future__ import annotations
 
 from rich.text import Text
@@ -11,13 +11,13 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Button, DataTable, Footer, Header, Input, Static
 
-from studio.chat import ChatSession
+from studio.run.chat import ChatSession
 from studio.errors import BadInput
 from studio.tui.live import FRAME_S, FramePacer, RunView
 from studio.tui.widgets import StatusBar, TokenGrid
 from studio.tui.widgets.status import error_line
 from studio.viz.palette import legend_text
-from studio.worker import Worker
+from studio.run.worker import Worker
 
 MAX_PANES = 4
 DEFAULT_SPECS = "isd,jacobi-mr-cpu"
@@ -115,9 +115,9 @@ class CompareScreen(Screen):
 
     def _runs(self, prompt: str, items: str):
         """One Run per spec (ar first), on the chat's sampling settings; BadInput for a bad list."""
-        from studio.compare import parse_specs
-        from studio.runconfig import build_run
-        from studio.session import Run, encode_prompt
+        from studio.run.compare import parse_specs
+        from studio.run.config import build_run
+        from studio.run.session import Run, encode_prompt
         if not prompt:
             raise BadInput("type a prompt first")
         specs = parse_specs(items)
@@ -153,7 +153,7 @@ class CompareScreen(Screen):
                 self.show_table(worker)
 
     def show_table(self, worker: Worker) -> None:
-        from studio.compare import rows
+        from studio.run.compare import rows
         table = self.query_one("#compare-table", DataTable)
         table.clear(columns=True)
         table.add_columns("strategy", "tokens", "forwards", "TPF", "accept", "tok/s", "× ar", "same as ar", "stop")

@@ -9,7 +9,7 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from studio.chat import HELP
+from studio.run.chat import HELP
 from studio.tui.widgets.token_grid import TokenGrid
 
 

@@ -10,7 +10,7 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Checkbox, Input, Label, Select
 
-from studio.chat import RunChoice
+from studio.run.chat import RunChoice
 
 # What the generic N and τ fields set for each strategy ("—": not used by it)
 N_PARAM = {"isd": "stride", "r-isd": "stride", "jacobi": "block_size", "jacobi-mr": "block_size",
@@ -98,7 +98,7 @@ class Controls(Vertical):
 
 def apply_change(choice: RunChoice, key: str, value: str) -> RunChoice:
     """The choice after one control change (BadInput when refused)."""
-    from studio.runconfig import parse_value
+    from studio.run.config import parse_value
     if key == "strategy":
         return choice.use(value)
     strategy, _ = choice.build()

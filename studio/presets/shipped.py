@@ -1,0 +1,53 @@
+"""Adapters shipped with the studio (studio/presets/adapters/NAME/): trained for a model, used by default.
+
+Each directory is a PEFT adapter (adapter_config.json + adapter_model.safetensors) plus `studio.toml`:
+    model = "default"                  the model preset it was trained for
+    strategies = ["r-isd"]             the strategies that use it on that model when no --adapter is given
+    description = "..."
+`--adapter NAME` accepts a shipped adapter's name as well as a directory; `--adapter none` runs the plain
+model. The README beside the adapters says how each was trained.
+"""
+from __future__ import annotations
+
+import tomllib
+from functools import lru_cache
+from pathlib import Path
+
+from studio.errors import BadInput
+from studio.presets import PRESETS_DIR
+
+ADAPTERS_DIR = PRESETS_DIR / "adapters"
+META = "studio.toml"
+
+
+@lru_cache(maxsize=1)
+def shipped() -> dict[str, dict]:
+    """name -> {path, model, strategies, description} for every shipped adapter."""
+    out = {}
+    if not ADAPTERS_DIR.is_dir():
+        return out
+    for d in sorted(ADAPTERS_DIR.iterdir()):
+        f = d / META
+        if not f.is_file():
+            continue
+        try:
+            meta = tomllib.loads(f.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise BadInput(f"invalid {f}: {e}") from None
+        out[d.name] = {"path": str(d), "model": meta.get("model", "default"),
+                       "strategies": list(meta.get("strategies", [])), "description": meta.get("description", "")}
+    return out
+
+
+def adapter_path(choice: str) -> str:
+    """A shipped adapter's name -> its directory; anything else is taken as a path."""
+    entry = shipped().get(choice)
+    return entry["path"] if entry and not Path(choice).exists() else choice
+
+
+def shipped_for(model: str, strategy: str) -> str | None:
+    """The directory of the adapter shipped for `strategy` on model preset `model`, or None."""
+    for entry in shipped().values():
+        if entry["model"] == model and strategy in entry["strategies"]:
+            return entry["path"]
+    return None

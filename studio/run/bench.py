@@ -1,0 +1,353 @@
+"""Benchmarks: strategies against `ar` (and `transformers` generate) in one process, interleaved.
+
+For every prompt and repeat, every strategy runs once in turn, so slow drifts of the machine hit all
+strategies alike. Speedups are per-prompt ratios of medians; spread is reported, never hidden.
+With `concurrency` C > 1 the prompts run in stationary batches of C (studio.engine.batch: ar, isd, r-isd,
+greedy) instead: speed is a batch's throughput (its new tokens / its wall time, prefill included) and
+speedups are per-batch ratios to ar at the same concurrency; TPF, acceptance and agreement stay per sequence.
+Under `--oracle-accept P` (runs whose settings carry `oracle_accept`) accept decisions are Bernoulli(P) draws:
+the engine's efficiency (speedup / TPF) at a controlled acceptance, with the expected TPF beside the measured
+one where a strategy knows it; the outputs are not the model's, so agreement with ar is not reported.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from studio.run.compare import RunSpec, first_difference
+from studio.engine.batch import decode_strategy_batch, round_shape
+from studio.engine.device import synchronize
+from studio.errors import BadInput
+from studio.run.session import Session, encode_prompt, kv_length_needed
+
+BUILTIN_PROMPTS = [
+    "What is the capital of France?",                                      # chat
+    "Write a Python function that checks whether a number is prime.",     # code
+    "Write a numbered list of seven colours.",                              # a list
+    "Tell me a short story about a cat who wants to fly.",                  # a story
+]
+
+
+def load_prompts(path: Path | None) -> list[str]:
+    """One prompt per line, or JSON Lines with a "prompt" field."""
+    if path is None:
+        return list(BUILTIN_PROMPTS)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise BadInput(f"cannot read prompts file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise BadInput(f"prompts file {path} is not UTF-8 text (byte {e.start})") from None
+    # Lines end at \n only (read_text turns \r\n and \r into \n): str.splitlines() also splits at U+2028,
+    # U+0085, \x0b ..., which a JSON string may hold unescaped.
+    prompts = []
+    for i, ln in enumerate(text.split("\n"), 1):
+        if not ln.strip():
+            continue
+        if ln.lstrip().startswith("{"):
+            try:
+                prompt = json.loads(ln)["prompt"]
+            except (ValueError, KeyError, TypeError, RecursionError):  # also 4300+ digit ints, nesting too deep
+                raise BadInput(f"{path}:{i}: expected a JSON object with a 'prompt' field") from None
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise BadInput(f"{path}:{i}: 'prompt' must be a non-empty string")
+            prompts.append(prompt)
+        else:
+            prompts.append(ln)
+    if not prompts:
+        raise BadInput(f"prompts file {path} is empty")
+    return prompts
+
+
+@dataclass
+class Samples:
+    """One strategy on one prompt, one entry per repeat."""
+    tok_s: list[float] = field(default_factory=list)
+    tpf: list[float] = field(default_factory=list)
+    accept: list[float | None] = field(default_factory=list)   # None: the run verified no drafts
+    same_as_ar: list[bool] = field(default_factory=list)
+
+
+def spread(xs: list[float]) -> dict | None:
+    """median, min, max and the number of samples; None when there are none."""
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def hf_generate(engine, prompt_ids: list[int], n_new: int, exact_length: bool = False) -> list[int]:
+    """Greedy `transformers` generate on our weights; the new token ids. The attention mask is explicit:
+    transformers would otherwise take prompt tokens equal to its pad id for padding."""
+    import torch
+    model = _hf_model(engine)
+    x = torch.tensor([prompt_ids], device=model.device)
+    with torch.inference_mode():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n_new,
+                             min_new_tokens=n_new if exact_length else None, do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def hf_generate_tok_s(engine, prompt_ids: list[int], n_new: int) -> float | None:
+    """`transformers` generate on the same weights (greedy, decode only), or None when not installed."""
+    try:
+        _hf_model(engine)
+    except ImportError:
+        return None
+    t = time.perf_counter()
+    hf_generate(engine, prompt_ids, 1)
+    prefill = time.perf_counter() - t
+    t = time.perf_counter()
+    hf_generate(engine, prompt_ids, n_new, exact_length=True)
+    total = time.perf_counter() - t
+    return (n_new - 1) / max(total - prefill, 1e-9)
+
+
+_HF_CACHE: dict = {}
+
+
+def _hf_model(engine):
+    """A transformers model with our weights, on our device in our dtype (built once per engine)."""
+    import torch
+    import transformers as tf
+    key = id(engine)
+    if key not in _HF_CACHE:
+        c = engine.config
+        cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config}[c.arch]
+        extra = {"head_dim": c.head_dim} if c.arch != "qwen2" else {}
+        cfg = cls(vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_dim,
+                  num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+                  max_position_embeddings=c.max_seq_len, rms_norm_eps=c.rms_eps, rope_theta=c.rope_theta,
+                  rope_scaling=c.rope_scaling, tie_word_embeddings=c.tie_embeddings,
+                  eos_token_id=engine.eos_ids() or None, pad_token_id=(engine.eos_ids() or [0])[0], **extra)
+        w = engine.model.lm_head.weight
+        with torch.device(w.device):
+            model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=w.dtype).eval()
+        state = engine.model.state_dict()   # the base weights; an adapter's MASK rows (input-only) may have grown
+        state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"][:c.vocab_size]   # the table
+        model.load_state_dict(state, strict=False)
+        _HF_CACHE[key] = model
+    return _HF_CACHE[key]
+
+
+def check_concurrency(runs, concurrency: int) -> None:
+    """BadInput unless every (strategy, settings) run can decode in stationary batches of `concurrency`."""
+    if concurrency < 1:
+        raise BadInput(f"--concurrency must be >= 1, got {concurrency}")
+    if concurrency == 1:
+        return
+    for strategy, settings in runs:
+        round_shape(strategy, settings.sampling)
+        if settings.oracle_accept is not None:
+            raise BadInput("--oracle-accept applies to batch-1 runs only (--concurrency 1)")
+
+
+def run_bench(engine, prompts: list[str], specs: list[RunSpec], make_run, repeats: int = 3, warmup: int = 1,
+              with_transformers: bool = True, progress=None, concurrency: int = 1) -> dict:
+    """Returns the --json report:
+
+    `model, prompts, repeats, warmup`; `transformers_tok_s` (spread over every transformers sample, None when
+    skipped or not installed) and `transformers_per_prompt` (the samples); `strategies`: one object per run
+    with `label, strategy, params`, spreads (`median, min, max, n`) of `tok_s`, `tpf`, `accept_rate` (None
+    when the strategy verifies nothing) over every sample, `speedup_vs_ar` and `speedup_vs_transformers`
+    (spreads over prompts of median(strategy tok/s) / median(baseline tok/s) on that prompt),
+    `exact_match_vs_ar` (share of runs whose tokens equal ar's on the same prompt and repeat; None for every
+    run but ar under the oracle), `expected_tpf` (under the oracle, `Strategy.expected_tpf(P)`, else None) and
+    `per_prompt` (the raw samples, one entry per repeat); `oracle_accept` (P, or None).
+
+    `concurrency` C > 1 (`check_concurrency`; no transformers baseline): `batches` lists the prompt indices of each
+    stationary batch and every strategy's `batch_tok_s` its throughput samples (one list per batch, one entry per
+    repeat); `tok_s` and `speedup_vs_ar` are then spreads over those batches, `per_prompt` has no `tok_s` (None),
+    and `tpf`, `accept_rate`, `exact_match_vs_ar` are per sequence, as at C = 1; `ar_batch1_tok_s` is ar's
+    throughput on the same prompts one at a time (interleaved with the batches) and `ar_speedup_vs_batch1` the
+    spread over batches of ar's batch throughput over it. At C = 1 these four fields are None."""
+    specs = sorted(specs, key=lambda s: s.strategy != "ar")  # ar first on every prompt: the others compare to it
+    if not specs or specs[0].label != "ar":
+        raise BadInput("bench needs the ar baseline (parse_specs adds it)")
+    runs = {s.label: make_run(s) for s in specs}
+    check_concurrency(runs.values(), concurrency)
+    ids = [encode_prompt(engine, p) for p in prompts]
+    if concurrency > 1:
+        samples, batches, batch_tok_s, solo = _bench_batched(engine, ids, runs, repeats, warmup, concurrency,
+                                                             progress)
+        report = _report(engine, prompts, runs, samples, [[] for _ in prompts], repeats, warmup,
+                         concurrency, batches, batch_tok_s)
+        batched = [statistics.median(x) for x in batch_tok_s["ar"]]
+        report["ar_batch1_tok_s"] = spread([x for xs in solo for x in xs])
+        report["ar_speedup_vs_batch1"] = spread([b / statistics.median(s) for b, s in zip(batched, solo)])
+        return report
+    n_new = max(settings.max_new_tokens for _, settings in runs.values())
+    samples = {label: [Samples() for _ in prompts] for label in runs}
+    hf = [[] for _ in prompts]
+    for w in range(warmup):
+        for label, (strategy, settings) in runs.items():
+            Session(engine, strategy, settings).run(prompts[0], ids[0])
+            if progress:
+                progress("warm-up", label)
+        if with_transformers:
+            hf_generate_tok_s(engine, ids[0], n_new)
+    for rep in range(repeats):
+        for i, prompt in enumerate(prompts):
+            ar_ids = None
+            for label, (strategy, settings) in runs.items():
+                r = Session(engine, strategy, settings).run(prompt, ids[i])
+                s = samples[label][i]
+                s.tok_s.append(r.footer["tok_s"])
+                s.tpf.append(r.footer["tpf"])
+                verified = any(e["t"] in ("accept", "reject") for e in r.events)
+                s.accept.append(r.footer["accept_rate"] if verified else None)
+                if label == "ar":
+                    ar_ids = r.token_ids
+                s.same_as_ar.append(first_difference(ar_ids, r.token_ids) is None)
+                if progress:
+                    progress(f"repeat {rep + 1}/{repeats}", label)
+            if with_transformers:
+                tok_s = hf_generate_tok_s(engine, ids[i], n_new)
+                if tok_s is not None:
+                    hf[i].append(tok_s)
+                if progress:
+                    progress(f"repeat {rep + 1}/{repeats}", "transformers")
+    return _report(engine, prompts, runs, samples, hf, repeats, warmup)
+
+
+def _bench_batched(engine, ids: list[list[int]], runs: dict, repeats: int, warmup: int, concurrency: int, progress):
+    """The prompts in stationary batches of `concurrency` (in order), every strategy once per batch and repeat,
+    then ar on the same prompts one at a time (what batching gains). Returns (per-prompt Samples without tok/s,
+    the batches' prompt indices, per label and batch the throughputs, per batch ar's batch-1 throughputs)."""
+    for strategy, settings in runs.values():
+        for p in ids:
+            kv_length_needed(engine.for_strategy(strategy.name), strategy, settings, p)
+    batches = [list(range(i, min(i + concurrency, len(ids)))) for i in range(0, len(ids), concurrency)]
+    samples = {label: [Samples() for _ in ids] for label in runs}
+    tok_s = {label: [[] for _ in batches] for label in runs}
+    solo = [[] for _ in batches]
+    for _ in range(warmup):
+        for label, (strategy, settings) in runs.items():
+            _timed_batch(engine, strategy, settings, [ids[i] for i in batches[0]])
+            if progress:
+                progress("warm-up", label)
+    for rep in range(repeats):
+        for b, batch in enumerate(batches):
+            for label, (strategy, settings) in runs.items():
+                results, wall_s = _timed_batch(engine, strategy, settings, [ids[i] for i in batch])
+                tok_s[label][b].append(sum(len(r.tokens) for r in results) / wall_s)
+                if label == "ar":
+                    ar_tokens = [r.tokens for r in results]
+                for i, r, ar in zip(batch, results, ar_tokens):
+                    s = samples[label][i]
+                    s.tpf.append(r.tpf)
+                    s.accept.append(r.accept_rate)
+                    s.same_as_ar.append(r.tokens == ar)
+                if progress:
+                    progress(f"repeat {rep + 1}/{repeats}", label)
+            alone = [_timed_batch(engine, *runs["ar"], [ids[i]]) for i in batch]
+            solo[b].append(sum(len(r[0].tokens) for r, _ in alone) / sum(wall_s for _, wall_s in alone))
+            if progress:
+                progress(f"repeat {rep + 1}/{repeats}", "ar at batch 1")
+    return samples, batches, tok_s, solo
+
+
+def _timed_batch(engine, strategy, settings, prompt_ids: list[list[int]]):
+    """One stationary batch: its per-sequence results and its wall time, prefill included (device synchronised)."""
+    engine.for_strategy(strategy.name).activate()      # an adapter switch is not decoding time
+    device = engine.model.lm_head.weight.device
+    synchronize(device)
+    t = time.perf_counter()
+    results = decode_strategy_batch(engine, strategy, settings.sampling, prompt_ids, settings.max_new_tokens)
+    synchronize(device)
+    return results, time.perf_counter() - t
+
+
+def _report(engine, prompts, runs, samples, hf, repeats, warmup, concurrency=1, batches=None,
+            batch_tok_s=None) -> dict:
+    # the unit speeds are compared on: a prompt run alone, or a stationary batch
+    speed = batch_tok_s or {label: [s.tok_s for s in per_prompt] for label, per_prompt in samples.items()}
+    ar_med = [statistics.median(x) for x in speed["ar"]]
+    hf_med = [statistics.median(x) for x in hf] if all(hf) else None
+    oracle = runs["ar"][1].oracle_accept
+    out = {"model": engine.model_meta(), "prompts": prompts, "repeats": repeats, "warmup": warmup,
+           "oracle_accept": oracle, "concurrency": concurrency, "batches": batches,
+           "transformers_tok_s": spread([x for xs in hf for x in xs]) if hf_med else None,
+           "transformers_per_prompt": hf if hf_med else None, "strategies": [],
+           "ar_batch1_tok_s": None, "ar_speedup_vs_batch1": None}   # C > 1: set by run_bench
+    for label, (strategy, settings) in runs.items():
+        per_prompt = samples[label]
+        med = [statistics.median(x) for x in speed[label]]
+        out["strategies"].append({
+            "label": label, "strategy": strategy.name,
+            "params": dict(strategy.header_params(), temperature=settings.sampling.temperature,
+                           max_new_tokens=settings.max_new_tokens),
+            "tok_s": spread([x for xs in speed[label] for x in xs]),
+            "tpf": spread([x for s in per_prompt for x in s.tpf]),
+            "accept_rate": spread([x for s in per_prompt for x in s.accept]),
+            "speedup_vs_ar": spread([m / a if a else None for m, a in zip(med, ar_med)]),
+            "speedup_vs_transformers": spread([m / h if h else None for m, h in zip(med, hf_med)]) if hf_med else None,
+            "exact_match_vs_ar": None if oracle is not None and label != "ar" else
+                                 sum(x for s in per_prompt for x in s.same_as_ar) / (len(prompts) * repeats),
+            "expected_tpf": None if oracle is None else strategy.expected_tpf(oracle),
+            # the raw samples the numbers above come from: per prompt, one entry per repeat
+            "per_prompt": [{"tok_s": None if batches else s.tok_s, "tpf": s.tpf, "accept_rate": s.accept,
+                            "same_as_ar": s.same_as_ar} for s in per_prompt],
+            "batch_tok_s": batch_tok_s[label] if batches else None,
+        })
+    return out
+
+
+def format_spread(s: dict | None, digits: int = 2) -> str:
+    """"median [min–max]" of a `spread`, or "—"."""
+    return "—" if not s else f"{s['median']:.{digits}f} [{s['min']:.{digits}f}–{s['max']:.{digits}f}]"
+
+
+def table_rows(report: dict) -> tuple[list[str], list[list[str]]]:
+    """The bench table as the terminal and the HTML page show it: the header, then one row of cells per
+    strategy. Under the oracle an expected-TPF column follows TPF, and "= ar" is "—" (outputs mean nothing)."""
+    oracle = report["oracle_accept"] is not None
+    speed = "tok/s" if report["concurrency"] == 1 else "batch tok/s"
+    head = ["strategy", speed, "TPF", *(["TPF expected"] if oracle else []), "accept", "× ar", "× transformers",
+            "= ar"]
+    rows = []
+    for r in report["strategies"]:
+        expected = ["—" if r["expected_tpf"] is None else f"{r['expected_tpf']:.2f}"] if oracle else []
+        same = "—" if r["exact_match_vs_ar"] is None else f"{r['exact_match_vs_ar']:.0%}"
+        rows.append([r["label"], format_spread(r["tok_s"], 1), format_spread(r["tpf"]), *expected,
+                     format_spread(r["accept_rate"]), format_spread(r["speedup_vs_ar"]),
+                     format_spread(r["speedup_vs_transformers"]), same])
+    return head, rows
+
+
+def report_title(report: dict) -> str:
+    oracle, c = report["oracle_accept"], report["concurrency"]
+    return (f"bench: {len(report['prompts'])} prompts × {report['repeats']} repeats"
+            + ("" if c == 1 else f", stationary batches of {c} (batch tok/s: new tokens ÷ the batch's wall time)")
+            + ("" if oracle is None else f", oracle acceptance {oracle:g} (outputs not meaningful)"))
+
+
+def write_bench_html(report: dict, path) -> Path:
+    """A self-contained HTML page (plotly.js inlined, opens offline): the bench table and its figure."""
+    import html as _html
+    import plotly.io as pio
+    from studio.viz.figures import bench_figure
+
+    hf = report["transformers_tok_s"]
+    head, rows = table_rows(report)
+    cells = ("<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"
+             + "".join("<tr>" + "".join(f"<td>{_html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+             + "</table>")
+    heading = f"dlm-studio {report_title(report)}"
+    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{_html.escape(heading)}</title><style>"
+            "body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse}"
+            "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}td:first-child,th:first-child{text-align:left}"
+            f"</style></head><body><h1>{_html.escape(heading)}</h1>"
+            f"<p>model {_html.escape(report['model']['name'])} · median [min–max] over prompts and repeats · "
+            f"transformers generate: {format_spread(hf, 1)} tok/s</p>{cells}"
+            + pio.to_html(bench_figure(report), full_html=False, include_plotlyjs=True, config={"displaylogo": False})
+            + "<h2>Prompts</h2><ol>" + "".join(f"<li>{_html.escape(p)}</li>" for p in report["prompts"])
+            + "</ol></body></html>")
+    path = Path(path)
+    from studio.files import atomic_write
+    with atomic_write(path) as f:   # a temporary name renamed into place: never a half-written report
+        f.write(page)
+    return path

@@ -1,0 +1,194 @@
+"""A chat session: the conversation, what the next turn runs with, and the slash commands that change it.
+
+Shared by the plain REPL (`dlm-studio chat --plain`) and the TUI's chat screen, so `/strategy`, `/set`,
+`/reset`, `/save`, `/help` and `/quit` mean the same everywhere. No UI code here.
+"""
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from typing import TYPE_CHECKING
+
+from studio.errors import BadInput
+from studio.run.config import build_run, parse_value
+
+if TYPE_CHECKING:   # studio.run.session imports torch; the TUI's replay screen runs without it
+    from studio.run.session import Run, RunResult
+
+# /set keys that are generation settings; every other key is a strategy parameter
+SAMPLING_KEYS = ("temperature", "top_k", "top_p")
+SETTING_KEYS = SAMPLING_KEYS + ("max_new_tokens", "seed")
+ALIASES = {"top-k": "top_k", "top-p": "top_p", "max-new-tokens": "max_new_tokens", "max_tokens": "max_new_tokens",
+           "max-tokens": "max_new_tokens"}
+
+HELP = """commands:
+  /strategy NAME|PRESET   decode the next turns with a strategy or a strategy preset
+  /set KEY VALUE          a strategy parameter (e.g. stride 3) or temperature, top_k, top_p, seed, max_new_tokens
+  /reset                  forget the conversation (and its cached KV)
+  /model SPEC [ADAPTER]   load another model (default, a preset, a HF directory or a .gguf) and start over
+  /save FILE [--all] [--force]   write the last turn's trace (--all: every turn, FILE-1.jsonl, FILE-2.jsonl, ...)
+  /help                   this list
+  /quit                   leave (EOF does too)"""
+
+
+@dataclass
+class RunChoice:
+    """What the next turn runs: a strategy or a preset, parameter overrides and generation settings.
+    Every change is validated by building the run, so a bad value never reaches a turn."""
+    strategy: str | None = "ar"
+    preset: str | None = None
+    params: dict = field(default_factory=dict)
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    max_new_tokens: int | None = None
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        return self.preset or self.strategy or "?"
+
+    def build(self):
+        """(Strategy, Settings) for the next turn."""
+        return build_run(self.strategy, self.preset, self.params, self.max_new_tokens, self.temperature,
+                         self.top_k, self.top_p, self.seed, self.stop)
+
+    def use(self, name: str) -> "RunChoice":
+        """A copy running strategy or preset `name`, with its own defaults (overrides of the old one dropped)."""
+        from studio.engine.strategies import STRATEGIES
+        from studio.presets import list_presets
+        if name in STRATEGIES:
+            choice = RunChoice(name, None, {}, self.temperature, self.top_k, self.top_p, self.max_new_tokens,
+                               self.seed, self.stop)
+        elif name in list_presets("strategies") or name.endswith(".toml"):
+            choice = RunChoice(None, name, {}, self.temperature, self.top_k, self.top_p, self.max_new_tokens,
+                               self.seed, self.stop)
+        else:
+            raise BadInput(f"unknown strategy or preset {name!r} (strategies: {', '.join(STRATEGIES)}; "
+                           f"presets: {', '.join(list_presets('strategies'))})")
+        choice.build()
+        return choice
+
+    def set(self, key: str, value: object) -> "RunChoice":
+        """A copy with one setting or strategy parameter changed (BadInput if it does not build)."""
+        key = ALIASES.get(key, key).replace("-", "_")
+        fields = dict(vars(self), params=dict(self.params))
+        if key in SETTING_KEYS:
+            fields[key] = value
+        else:
+            fields["params"][key] = value
+        choice = RunChoice(**fields)
+        try:
+            choice.build()
+        except TypeError as e:   # a setting of the wrong type
+            raise BadInput(f"{key}: {e}") from None
+        return choice
+
+    def describe(self) -> str:
+        strategy, settings = self.build()
+        s = settings.sampling
+        params = ", ".join(f"{k}={v}" for k, v in strategy.header_params().items())
+        return (f"{self.label} ({strategy.name}{': ' + params if params else ''}) · temperature {s.temperature:g} · "
+                f"top_k {s.top_k} · top_p {s.top_p:g} · seed {settings.seed} · max_new_tokens {settings.max_new_tokens}")
+
+
+@dataclass
+class Reply:
+    """What a command did: a message to show, and whether the chat should end."""
+    message: str
+    quit: bool = False
+
+
+class ChatSession:
+    """`draft`: the engine SimSD turns draft with (`--draft-model`); None: SimSD drafts with the model itself."""
+
+    def __init__(self, engine, choice: RunChoice, chat: bool = True, draft=None):
+        from studio.run.session import Conversation
+        self.engine, self.choice, self.draft = engine, choice, draft
+        self.conversation = Conversation(engine, chat=chat)
+
+    @property
+    def turns(self) -> list[RunResult]:
+        return self.conversation.turns
+
+    def start_turn(self, text: str, trace_path: str | None = None) -> Run:
+        strategy, settings = self.choice.build()
+        if self.draft is not None and hasattr(strategy, "use_draft"):
+            strategy.use_draft(self.draft, self.engine.config)
+        return self.conversation.start_turn(text, strategy, settings, trace_path)
+
+    def command(self, line: str) -> Reply:
+        """Run one slash command; bad input comes back as the reply's message (BadInput is not raised)."""
+        try:
+            words = shlex.split(line.strip()[1:])
+        except ValueError as e:
+            return Reply(f"error: {e}")
+        if not words:
+            return Reply(HELP)
+        name, args = words[0].lower(), words[1:]
+        try:
+            return self._commands().get(name, self._unknown)(args)
+        except BadInput as e:
+            return Reply(f"error: {e}")
+
+    def _commands(self):
+        return {"strategy": self._strategy, "set": self._set, "reset": self._reset, "model": self._model,
+                "save": self._save,
+                "help": lambda args: Reply(HELP), "quit": lambda args: Reply("bye", quit=True),
+                "exit": lambda args: Reply("bye", quit=True)}
+
+    def _unknown(self, args) -> Reply:
+        return Reply(f"error: unknown command (type /help); commands: /{', /'.join(self._commands())}")
+
+    def _strategy(self, args: list[str]) -> Reply:
+        if len(args) != 1:
+            return Reply(f"usage: /strategy NAME|PRESET (now: {self.choice.describe()})")
+        self.choice = self.choice.use(args[0])
+        return Reply(f"strategy: {self.choice.describe()}")
+
+    def _set(self, args: list[str]) -> Reply:
+        if len(args) != 2:
+            return Reply("usage: /set KEY VALUE")
+        self.choice = self.choice.set(args[0], parse_value(args[1]))
+        return Reply(f"set {args[0]} = {args[1]} · {self.choice.describe()}")
+
+    def _reset(self, args: list[str]) -> Reply:
+        self.conversation.reset()
+        return Reply("conversation reset")
+
+    def _model(self, args: list[str]) -> Reply:
+        if len(args) not in (1, 2):
+            return Reply(f"usage: /model SPEC [ADAPTER] (now: {self.engine.name})")
+        from studio.engine.engine import Engine
+        from studio.run.session import Conversation
+        engine = Engine.load(args[0], adapter=args[1] if len(args) == 2 else None)
+        self.engine, self.conversation = engine, Conversation(engine, chat=self.conversation.chat)
+        return Reply(f"model {engine.name} loaded in {engine.load_s:.1f}s; conversation reset")
+
+    def _save(self, args: list[str]) -> Reply:
+        flags = {a for a in args if a.startswith("--")}
+        paths = [a for a in args if not a.startswith("--")]
+        if len(paths) != 1 or flags - {"--all", "--force"}:
+            return Reply("usage: /save FILE [--all] [--force]")
+        written = save_traces(self.turns, Path(paths[0]), every_turn="--all" in flags, force="--force" in flags)
+        return Reply("saved " + ", ".join(map(str, written)))
+
+
+def save_traces(turns: list[RunResult], path: Path, every_turn: bool = False, force: bool = False) -> list[Path]:
+    """Write the last turn's trace to `path`, or every turn's to PATH-1.jsonl, PATH-2.jsonl, ..."""
+    if not turns:
+        raise BadInput("nothing to save yet: no turn has finished")
+    if every_turn:
+        stem = path.with_suffix("") if path.suffix == ".jsonl" else path
+        targets = [(Path(f"{stem}-{i}.jsonl"), t) for i, t in enumerate(turns, 1)]
+    else:
+        targets = [(path, turns[-1])]
+    clash = [str(p) for p, _ in targets if p.exists()]
+    if clash and not force:
+        raise BadInput(f"{clash[0]} exists; add --force to overwrite")
+    for p, turn in targets:
+        turn.save(p)
+    return [p for p, _ in targets]

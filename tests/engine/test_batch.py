@@ -1,0 +1,195 @@
+"""Batched decoding (a stationary batch, studio.engine.batch): every sequence of a greedy batch of ar, isd or r-isd
+decodes exactly as its batch-1 run -- the same tokens, forwards and acceptance -- while sequences advance at their
+own rates and stop on their own; `bench --concurrency C` reports batch throughput against ar."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from studio.run.bench import spread
+from studio.cli import app
+from studio.engine.batch import decode_strategy_batch, round_shape
+from studio.engine.engine import Engine
+from studio.engine.lora import attach_adapter
+from studio.engine.sampling import SamplingParams
+from studio.engine.strategies import make_strategy
+from studio.errors import BadInput
+from studio.run.session import Session, Settings, encode_prompt
+from tests.support.lora import random_adapter
+from tests.support.tiny import FAMILIES, tiny_engine
+
+V, N_NEW = 16, 40
+_g = torch.Generator().manual_seed(1)
+PROMPTS = [torch.randint(0, V - 1, (n,), generator=_g).tolist() for n in (3, 8, 1, 5, 2)]   # MASK (V - 1) excluded
+CASES = [("ar", None), ("isd", {"stride": 2}), ("isd", {"stride": 4}),
+         ("r-isd", {"stride": 2}), ("r-isd", {"stride": 4})]
+GREEDY = SamplingParams()
+
+
+def adapted(tmp_path, family: str, seed: int = 5):
+    """A tiny engine with a random adapter (its MASK id is the last vocab entry); ar decodes past it."""
+    engine = tiny_engine(family, vocab=V, seed=seed)
+    attach_adapter(engine, random_adapter(tmp_path / "ad", engine.model, seed=seed))
+    return engine
+
+
+def alone(engine, name, params, prompt, n=N_NEW):
+    return Session(engine, make_strategy(name, params), Settings(max_new_tokens=n)).run("", prompt)
+
+
+def with_eos(engine, eos: int):
+    engine.config = dataclasses.replace(engine.config, eos_ids=[eos])
+    return engine
+
+
+def eos_some_reach(outputs: list[list[int]]) -> int:
+    """A token that some answers reach after their first two tokens and at least one never does: made the EOS, some
+    sequences stop early and the others go on to max_new_tokens."""
+    def reached(t):
+        return [o.index(t) for o in outputs if t in o]
+    candidates = [t for t in range(V) if reached(t) and min(reached(t)) >= 2 and len(reached(t)) < len(outputs)]
+    return max(candidates, key=lambda t: (len(reached(t)), -t))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name, params", CASES)
+def test_every_sequence_decodes_as_it_would_alone(tmp_path, family, name, params):
+    engine = adapted(tmp_path, family)
+    with_eos(engine, eos_some_reach([alone(engine, name, params, p).token_ids for p in PROMPTS]))
+    batched = decode_strategy_batch(engine, make_strategy(name, params), GREEDY, PROMPTS, N_NEW)
+    for prompt, got in zip(PROMPTS, batched):
+        want = alone(engine, name, params, prompt)
+        f = want.footer
+        assert got.tokens == want.token_ids
+        assert (got.forwards, got.accept_by_pos, got.stop_reason) == \
+            (f["forwards"], f["accept_by_pos"], f["stop_reason"])
+        assert got.tpf == pytest.approx(f["tpf"])
+        assert got.accept_rate == (pytest.approx(f["accept_rate"]) if f["accept_by_pos"] else None)
+    # an EOS stopped some sequences early while the others went on
+    assert {r.stop_reason for r in batched} == {"eos", "max_new_tokens"}
+    if name != "ar":
+        # per-sequence rates: some round accepted every draft, and the sequences took different numbers of forwards
+        assert any(r.accepted[-1] for r in batched) and len({r.forwards for r in batched}) > 2
+    if name == "r-isd":   # lossless: the base model's greedy answers
+        base = with_eos(tiny_engine(family, vocab=V, seed=5), engine.config.eos_ids[0])
+        assert [r.tokens for r in batched] == [alone(base, "ar", None, p).token_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize("name", ["isd", "r-isd"])
+def test_lora_gate_isd_on_real_rows_risd_on_mask_rows_never_on_padding(tmp_path, monkeypatch, name):
+    engine = adapted(tmp_path, "llama")
+    mask_id, stride = engine.config.mask_token_id, 3
+    seen, run = [], engine.model.run
+
+    def spy(tokens, positions, kv, mask, gate, rows):
+        on = torch.zeros(tokens.numel(), dtype=torch.bool)
+        if gate is not None:
+            on[slice(None) if gate.rows is None else gate.rows] = True
+        seen.append((tokens.clone(), on.view_as(tokens)))
+        return run(tokens, positions, kv, mask, gate, rows)
+    monkeypatch.setattr(engine.model, "run", spy)
+    decode_strategy_batch(engine, make_strategy(name, {"stride": stride}), GREEDY, PROMPTS, 20)
+    rounds = seen[1:]                                                   # after the prefill
+    assert all(tokens.shape[1] == 2 * stride - 1 for tokens, _ in rounds)
+    n_gated = torch.cat([on.sum(1) for _, on in rounds])
+    if name == "r-isd":
+        assert all(bool((tokens[on] == mask_id).all()) and not on[:, 0].any() for tokens, on in rounds)
+        assert set(n_gated.tolist()) == {stride - 1}
+    else:   # cold rounds: pending + MASK rows (the padding is off); verify rounds: every row
+        assert all(bool((tokens[~on] == mask_id).all()) and on[:, 0].all() for tokens, on in rounds)
+        assert set(n_gated.tolist()) == {stride, 2 * stride - 1}
+
+
+@pytest.mark.parametrize("name, params, needle", [
+    ("jacobi", None, "batched decoding supports ar, isd, r-isd, not 'jacobi'"),
+    ("isd", SamplingParams(temperature=0.7), "greedy only"),
+])
+def test_what_batched_decoding_refuses(name, params, needle):
+    with pytest.raises(BadInput, match=needle) as e:
+        round_shape(make_strategy(name), params if isinstance(params, SamplingParams) else GREEDY)
+    assert "\n" not in str(e.value)
+
+
+# -- bench --concurrency ---------------------------------------------------------------------------------------
+BENCH_PROMPTS = ["abc", "pon", "hello"]   # TinyTokenizer: letters a..p are the vocabulary
+
+
+@pytest.fixture
+def bench(monkeypatch, tmp_path):
+    """`dlm-studio bench ARGS` in-process on a tiny engine with BENCH_PROMPTS; returns the CliRunner result."""
+    engine = tiny_engine("llama", vocab=16)
+    monkeypatch.setattr(Engine, "load", staticmethod(lambda spec, adapter=None, **kw: engine))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(BENCH_PROMPTS) + "\n")
+
+    def run(*args):
+        return CliRunner().invoke(app, ["bench", "--prompts", str(prompts), *args])
+    run.engine = engine
+    return run
+
+
+def test_bench_concurrency_reports_batch_throughput_against_ar(bench):
+    res = bench("-s", "isd,r-isd", "--concurrency", "2", "--repeats", "2", "--warmup", "1", "--max-new-tokens", "8",
+                "--json")
+    assert res.exit_code == 0, (res.output, res.exception)
+    rep = json.loads(res.stdout)
+    assert rep["concurrency"] == 2 and rep["batches"] == [[0, 1], [2]]
+    assert rep["transformers_tok_s"] is None                      # the transformers baseline is batch-1 only
+    ar = rep["strategies"][0]
+    assert [s["label"] for s in rep["strategies"]] == ["ar", "isd", "r-isd"]
+    for s in rep["strategies"]:
+        batches = s["batch_tok_s"]
+        assert len(batches) == 2 and all(len(x) == 2 and min(x) > 0 for x in batches)
+        assert s["tok_s"] == spread([x for xs in batches for x in xs])
+        ratios = [statistics.median(x) / statistics.median(a) for x, a in zip(batches, ar["batch_tok_s"])]
+        assert s["speedup_vs_ar"]["median"] == pytest.approx(statistics.median(ratios))
+        assert s["speedup_vs_ar"]["n"] == 2 and s["tpf"]["n"] == len(BENCH_PROMPTS) * 2
+        assert all(p["tok_s"] is None and len(p["tpf"]) == 2 for p in s["per_prompt"])
+        assert s["exact_match_vs_ar"] == 1.0                         # greedy isd/r-isd without an adapter: lossless
+    # per sequence, TPF is that of the prompt's batch-1 run
+    engine = bench.engine
+    want = [alone(engine, "isd", None, encode_prompt(engine, p), 8).footer["tpf"] for p in BENCH_PROMPTS]
+    assert [p["tpf"] for p in rep["strategies"][1]["per_prompt"]] == [[pytest.approx(t)] * 2 for t in want]
+
+
+def test_bench_concurrency_measures_ar_one_prompt_at_a_time_beside_its_batches(bench, monkeypatch):
+    import studio.run.bench as bench_module
+    sizes, decode = [], bench_module.decode_strategy_batch
+    monkeypatch.setattr(bench_module, "decode_strategy_batch", lambda engine, strategy, sampling, prompts, n:
+                        sizes.append((strategy.name, len(prompts))) or decode(engine, strategy, sampling, prompts, n))
+    res = bench("-s", "isd", "--concurrency", "2", "--repeats", "2", "--warmup", "0", "--max-new-tokens", "6", "--json")
+    assert res.exit_code == 0, (res.output, res.exception)
+    rep = json.loads(res.stdout)
+    # per repeat and batch ([0, 1], then [2]): ar and isd on the batch, then ar on its prompts one at a time
+    assert sizes == [("ar", 2), ("isd", 2), ("ar", 1), ("ar", 1), ("ar", 1), ("isd", 1), ("ar", 1)] * 2
+    assert rep["ar_batch1_tok_s"]["n"] == 4 and rep["ar_speedup_vs_batch1"]["n"] == 2
+    assert rep["ar_speedup_vs_batch1"]["median"] > 0
+
+
+def test_bench_concurrency_table_and_batch_1_fields(bench):
+    res = bench("-s", "isd", "--concurrency", "2", "--repeats", "1", "--warmup", "0", "--max-new-tokens", "4")
+    assert res.exit_code == 0, (res.output, res.exception)
+    assert "stationary batches of 2" in res.stdout and "batch tok/s" in res.stdout
+    assert "ar in batches of 2: ×" in res.stdout and "one prompt at a time" in res.stdout
+    res = bench("-s", "isd", "--repeats", "1", "--warmup", "0", "--max-new-tokens", "4", "--no-transformers", "--json")
+    rep = json.loads(res.stdout)
+    assert rep["concurrency"] == 1 and rep["batches"] is None
+    assert rep["ar_batch1_tok_s"] is None and rep["ar_speedup_vs_batch1"] is None
+    assert all(s["batch_tok_s"] is None and len(s["per_prompt"][0]["tok_s"]) == 1 for s in rep["strategies"])
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["-s", "jacobi", "--concurrency", "2"], "batched decoding supports ar, isd, r-isd, not 'jacobi'"),
+    (["-s", "isd", "--concurrency", "2", "--temperature", "1"], "greedy only"),
+    (["-s", "isd", "--concurrency", "2", "--oracle-accept", "0.5"], "--oracle-accept applies to batch-1 runs only"),
+    (["-s", "isd", "--concurrency", "0"], "--concurrency must be >= 1"),
+])
+def test_bench_concurrency_bad_input_before_the_model_loads(monkeypatch, args, needle):
+    monkeypatch.setattr(Engine, "load", staticmethod(lambda *a, **kw: pytest.fail("the model was loaded")))
+    res = CliRunner().invoke(app, ["bench", *args])
+    assert isinstance(res.exception, BadInput) and needle in str(res.exception) and "\n" not in str(res.exception)

@@ -1,0 +1,138 @@
+"""Integration on the embedded SmolLM2-135M: parity with transformers, greedy exactness of ISD, R-ISD (random
+adapter), Jacobi and Jacobi MR vs AR."""
+import pytest
+import torch
+
+from studio.engine.engine import Engine
+from studio.engine.sampling import SamplingParams
+from studio.engine.strategies import make_strategy
+from studio.presets import load_strategy_preset
+from studio.run.session import Session, Settings, encode_prompt
+from tests.support.prompts import PROMPTS
+
+pytestmark = pytest.mark.slow
+
+
+def test_logit_parity_with_transformers_gguf_loader(default_engine, hf_gguf):
+    hf, _ = hf_gguf
+    ids = encode_prompt(default_engine, PROMPTS[4] + " " + PROMPTS[9])[:64]
+    ids += [100 + i for i in range(64 - len(ids))]
+    assert len(ids) == 64
+    x = torch.tensor(ids)
+    with torch.inference_mode():
+        ref = hf(x[None]).logits[0]
+        kv = default_engine.model.new_cache(64)
+        ours = default_engine.model(x, torch.arange(64), kv)[0]
+    assert (ours - ref).abs().max().item() <= 1e-4
+
+
+def _run(engine, name, ids, params=None, n=64):
+    s = Settings(max_new_tokens=n, sampling=SamplingParams(0.0))
+    return Session(engine, make_strategy(name, params), s).run("", ids)
+
+
+def top2_gap(engine, ids: list[int]) -> float:
+    """The gap between the two largest next-token logits after `ids` (one full forward)."""
+    kv = engine.model.new_cache(len(ids))
+    with torch.inference_mode():
+        logits = engine.model(torch.tensor(ids), torch.arange(len(ids)), kv, logits_rows=[len(ids) - 1])[0, 0]
+    top = logits.topk(2).values
+    return (top[0] - top[1]).item()
+
+
+def assert_same_or_near_tie(engine, prompt_ids, ref: list[int], got: list[int], label: str) -> None:
+    """Token-for-token equality, except at a floating-point near-tie that the test shows (gap < 1e-4)."""
+    if got == ref:
+        return
+    k = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+    gap = top2_gap(engine, prompt_ids + ref[:k])
+    print(f"{label}: first difference at token {k}, top-2 logit gap {gap:.2e}")
+    assert gap < 1e-4, f"{label}: outputs differ at token {k} and the top-2 gap there is {gap:.2e}, not a near-tie"
+
+
+@pytest.mark.parametrize("stride", [4])
+def test_greedy_isd_equals_greedy_ar_on_ten_prompts(default_engine, stride):
+    for prompt in PROMPTS:
+        ids = encode_prompt(default_engine, prompt)
+        ar = _run(default_engine, "ar", ids)
+        isd = _run(default_engine, "isd", ids, {"stride": stride})
+        assert_same_or_near_tie(default_engine, ids, ar.token_ids, isd.token_ids, f"isd {prompt!r}")
+        assert isd.footer["forwards"] > 0 and ar.footer["n_tokens"] > 0
+
+
+# -------------------------------------------------------------------------------------------------
+# the exact strategies on a causal model: greedy r-isd (the shipped adapter), jacobi and jacobi-mr == greedy ar
+# -------------------------------------------------------------------------------------------------
+N_EXACT = 128
+
+
+@pytest.fixture(scope="module")
+def ar_refs(default_engine):
+    """Greedy ar on the ten prompts x 128 new tokens: (prompt ids, tokens), computed once for every strategy."""
+    refs = []
+    for prompt in PROMPTS:
+        ids = encode_prompt(default_engine, prompt)
+        refs.append((prompt, ids, _run(default_engine, "ar", ids, n=N_EXACT).token_ids))
+    return refs
+
+
+@pytest.fixture(scope="module")
+def adapted_engine():
+    """The embedded model as `dlm-studio run -s r-isd` loads it: with the R-ISD adapter shipped for it
+    (presets/adapters/smollm2-risd, trained: its drafts are accepted often, so every accept/reject/rollback
+    path runs), on an engine of its own so the session-wide default_engine never carries one."""
+    from studio.presets.shipped import shipped_for
+    engine = Engine.load("default").for_strategy("r-isd")
+    assert engine.adapter == shipped_for("default", "r-isd") and engine.adapter.endswith("smollm2-risd")
+    assert engine.config.mask_token_id == engine.model.lm_head.weight.shape[0]   # the adapter's own MASK row
+    return engine
+
+
+@pytest.mark.parametrize("name, params", [("s2d2", {"policy": "always"}), ("simsd", {"draft_steps": 1})])
+def test_verified_block_strategies_with_the_shipped_block_adapter_equal_greedy_ar(default_engine, ar_refs, name,
+                                                                                 params):
+    """s2d2 verifying every step and simsd (exact acceptance) draft with the shipped smollm2-block adapter at its
+    block size 8, verify with the base model, and so decode greedy ar's tokens (three prompts x 128 tokens)."""
+    engine = Engine.load("default").for_strategy(name)
+    assert engine.adapter.endswith("smollm2-block") and engine.config.adapter_block_size == 8
+    accepted = 0
+    for prompt, ids, ar in ar_refs[:3]:
+        strategy = make_strategy(name, params)
+        got = Session(engine, strategy, Settings(max_new_tokens=N_EXACT, sampling=SamplingParams(0.0))).run("", ids)
+        assert strategy.B == 8 and got.header["model"]["adapter"] == engine.adapter
+        assert_same_or_near_tie(default_engine, ids, ar, got.token_ids, f"{name} {prompt!r}")
+        accepted += sum(len(e["pos"]) for e in got.events if e["t"] == "accept")
+    assert accepted > 0
+
+
+def _preset_params(name):
+    preset = load_strategy_preset(name)
+    assert preset.sampling == {"temperature": 0.0}
+    return preset.params
+
+
+@pytest.mark.parametrize("name", ["r-isd", "jacobi", "jacobi-mr"])
+def test_greedy_exact_strategies_equal_greedy_ar_on_ten_prompts(request, default_engine, ar_refs, name):
+    """r-isd: stride 4 with the shipped trained adapter gated on at MASK rows only (the clean rows and their KV are
+    base-only); jacobi: the jacobi-n16 preset (n = 16, the default); jacobi-mr: the jacobi-mr-cpu preset."""
+    if name == "r-isd":
+        engine, params = request.getfixturevalue("adapted_engine"), {"stride": 4}
+    else:
+        engine, params = default_engine, _preset_params({"jacobi": "jacobi-n16", "jacobi-mr": "jacobi-mr-cpu"}[name])
+    accepted = verified = 0
+    for prompt, ids, ar in ar_refs:
+        got = _run(engine, name, ids, params, n=N_EXACT)
+        accepted += sum(len(e["pos"]) for e in got.events if e["t"] == "accept")
+        verified += sum(len(e["pos"]) for e in got.events if e["t"] == "accept") + \
+            sum(e["t"] == "reject" for e in got.events)
+        # near-ties are judged on the base model: that is the law every one of these strategies follows
+        assert_same_or_near_tie(default_engine, ids, ar, got.token_ids, f"{name} {prompt!r}")
+        forwards = [e for e in got.events if e["t"] == "forward" and e["role"] != "prefill"]
+        assert len(forwards) == got.footer["forwards"] > 0
+        if name == "r-isd":
+            assert engine.adapter and got.header["model"]["adapter"] == engine.adapter
+            assert all(f["lora_rows"] == 3 for f in forwards)   # the N-1 MASK rows, never a clean row
+        else:
+            assert all(f["role"] == "jacobi" and f["lora_rows"] == 0 for f in forwards)
+    if name == "r-isd":   # the trained adapter's drafts are mostly accepted: exactness under real acceptance
+        assert accepted > 0.4 * verified, (accepted, verified)

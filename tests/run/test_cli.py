@@ -1,0 +1,164 @@
+"""The CLI end to end, as scripts call it: output contracts, traces, exit codes for bad input."""
+import json
+import os
+import shutil
+
+import pytest
+
+from studio.run.config import build_run
+from studio.events import read_trace
+from studio.presets import list_presets, load_strategy_preset
+from tests.support.adapters import random_mask_adapter
+from tests.support.cli import assert_one_line_error, cli
+from tests.support.tiny import tiny_model
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ar", "isd"])
+def test_run_json_and_trace_agree(tmp_path, strategy):
+    trace = tmp_path / "t.jsonl"
+    r = cli("run", "List three colors.", "-s", strategy, "--max-new-tokens", "24", "--temperature", "1.0",
+            "--seed", "3", "--json", "--trace", str(trace), check_rc=0)
+    out = json.loads(r.stdout)
+    assert set(out) >= {"text", "token_ids", "n_tokens", "forwards", "tpf", "accept_rate", "wall_s", "tok_s",
+                        "strategy", "params", "model", "stop_reason"}
+    assert out["strategy"] == strategy and out["model"]["name"] == "default"
+    assert out["n_tokens"] == len(out["token_ids"]) > 0
+    t = read_trace(trace)
+    for key in ("text", "n_tokens", "forwards", "tpf", "accept_rate", "wall_s", "tok_s", "stop_reason"):
+        assert t.footer[key] == out[key], key
+    assert t.header["prompt"]["text"] == "List three colors." and t.header["strategy"] == strategy
+    assert [tok for e in t.events if e["t"] == "emit" for tok in e["tok"]] == out["token_ids"]
+
+
+@pytest.mark.slow
+def test_run_streams_text_and_reports_metrics():
+    r = cli("run", "What is the capital of France?", "-s", "isd", "--max-new-tokens", "16", check_rc=0)
+    assert "Paris" in r.stdout
+    assert "[isd]" in r.stderr and "TPF" in r.stderr and "forwards" in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset, strategy", [("isd-n4", "isd"), ("r-isd-n4", "r-isd")])
+def test_preset_sets_paper_configuration(preset, strategy):
+    r = cli("run", "Hi", "--preset", preset, "--max-new-tokens", "8", "--json", check_rc=0)
+    out = json.loads(r.stdout)
+    params = out["params"]
+    assert out["strategy"] == strategy
+    assert (params["stride"], params["temperature"], params["top_k"], params["top_p"]) == (4, 1.0, 50, 0.95)
+
+
+@pytest.mark.parametrize("preset", list_presets("strategies"))
+def test_every_strategy_preset_builds_a_run(preset):
+    """`run --preset NAME` for every file in presets/strategies: it parses, names a strategy and its params validate."""
+    strategy, settings = build_run(None, preset, [], None, None, None, None, 0, [])
+    assert strategy.name == load_strategy_preset(preset).strategy
+    assert settings.max_new_tokens >= 1
+
+
+def test_unknown_strategy_is_exit_2():
+    assert_one_line_error(cli("run", "hi", "-s", "beam-search"), "unknown strategy", "beam-search")
+
+
+def test_missing_weights_is_exit_2(tmp_path):
+    assert_one_line_error(cli("run", "hi", "-s", "ar", "--model", str(tmp_path / "nope")), "not found")
+
+
+def test_corrupt_weights_are_exit_2(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(64))
+    assert_one_line_error(cli("run", "hi", "-s", "ar", "--model", str(bad)), str(bad))
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 8,
+                                               "hidden_size": 8, "num_hidden_layers": 1,
+                                               "num_attention_heads": 2, "intermediate_size": 8}))
+    (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    assert_one_line_error(cli("run", "hi", "-s", "ar", "--model", str(d)), "safetensors")
+
+
+@pytest.mark.slow
+def test_prompt_longer_than_context_is_exit_2():
+    assert_one_line_error(cli("run", "word " * 9000, "-s", "ar"), "longer than the model's context")
+
+
+def test_bad_sampling_and_params_are_exit_2():
+    assert_one_line_error(cli("run", "hi", "-s", "isd", "--param", "stride=1"), "stride")
+    assert_one_line_error(cli("run", "hi", "-s", "ar", "--top-p", "1.5"), "top_p")
+    assert_one_line_error(cli("run", "hi", "--preset", "no-such-preset"), "unknown strategy preset")
+
+
+def test_no_prompt_is_usage_error():
+    r = cli("run")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+# -------------------------------------------------------------------------------------------------
+# jacobi-mr and r-isd from the command line
+# -------------------------------------------------------------------------------------------------
+def recycled_accepts(events) -> list[tuple[int, int]]:
+    """(pos, tok) accepted from a recycled n-gram candidate: proposed by a propose{src: ngram} earlier in the same
+    step, and not by that step's own Jacobi drafts (so the candidate's chain is what the step committed)."""
+    proposed: dict[tuple[int, str], set] = {}
+    out = []
+    for e in events:
+        if e["t"] == "propose":
+            proposed.setdefault((e["step"], e["src"]), set()).update(zip(e["pos"], e["tok"]))
+        elif e["t"] == "accept":
+            ngram, own = proposed.get((e["step"], "ngram"), set()), proposed.get((e["step"], "jacobi"), set())
+            out += [pt for pt in zip(e["pos"], e["tok"]) if pt in ngram and pt not in own]
+    return out
+
+
+@pytest.mark.slow
+def test_jacobi_mr_recycles_ngrams_on_a_numbered_list(tmp_path):
+    trace = tmp_path / "mr.jsonl"
+    r = cli("run", "Write a numbered list from 1 to 20.", "-s", "jacobi-mr", "--preset", "jacobi-mr-cpu",
+            "--max-new-tokens", "80", "--json", "--trace", str(trace), check_rc=0)
+    out = json.loads(r.stdout)
+    assert out["strategy"] == "jacobi-mr" and (out["params"]["block_size"], out["params"]["pool_size"]) == (8, 2)
+    assert out["tpf"] > 1.0, out                              # measured 2.11 (80 tokens, 38 forwards)
+    t = read_trace(trace)
+    assert t.footer["tpf"] == out["tpf"]
+    assert any(e["t"] == "propose" and e["src"] == "ngram" for e in t.events)
+    assert len(recycled_accepts(t.events)) > 0                # measured 12 tokens
+
+
+@pytest.fixture(scope="module")
+def embedded_adapter(tmp_path_factory, default_engine):
+    """A random adapter (LoRA on q/k/v/o/gate/up/down + a MASK row) saved for the embedded model's shapes."""
+    return random_mask_adapter(tmp_path_factory.mktemp("adapter") / "random", default_engine.model, seed=0)
+
+
+@pytest.mark.slow
+def test_risd_with_an_adapter_follows_greedy_ar(embedded_adapter):
+    prompt = "Write a numbered list of five fruits."
+    ar = json.loads(cli("run", prompt, "-s", "ar", "--max-new-tokens", "32", "--json", check_rc=0).stdout)
+    risd = json.loads(cli("run", prompt, "-s", "r-isd", "--adapter", str(embedded_adapter), "--max-new-tokens", "32",
+                          "--json", check_rc=0).stdout)
+    assert risd["token_ids"] == ar["token_ids"] and risd["text"] == ar["text"]
+    assert risd["strategy"] == "r-isd" and risd["model"]["adapter"] == str(embedded_adapter)
+    assert ar["model"]["adapter"] is None
+
+
+def _other_model(path, adapter):
+    random_mask_adapter(path, tiny_model("llama", dim=48))   # a tiny model: hidden 48, not 576
+
+
+def _no_weights(path, adapter):
+    shutil.copytree(adapter, path)
+    (path / "adapter_model.safetensors").unlink()
+
+
+def _corrupt(path, adapter):
+    shutil.copytree(adapter, path)
+    f = path / "adapter_model.safetensors"
+    f.write_bytes(f.read_bytes()[:4096])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make, needle", [(_other_model, "does not fit this model"),
+                                          (_no_weights, "has no adapter_model.safetensors"),
+                                          (_corrupt, "corrupt safetensors")])
+def test_wrong_adapter_is_exit_2(tmp_path, embedded_adapter, make, needle):
+    make(tmp_path / "bad", embedded_adapter)
+    assert_one_line_error(cli("run", "hi", "-s", "r-isd", "--adapter", str(tmp_path / "bad")), needle)

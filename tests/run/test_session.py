@@ -1,0 +1,186 @@
+"""The steppable run (advance, cancel, lock-step drive) and multi-turn conversations with KV reuse."""
+import pytest
+import torch
+
+from studio.engine.sampling import SamplingParams
+from studio.engine.strategies import make_strategy
+from studio.events import read_trace
+from studio.run.session import CANCELLED, Conversation, Run, Session, Settings, drive
+from tests.support.dlm import full_forward_row
+from tests.support.tiny import tiny_dlm, tiny_engine
+
+PROMPT = [1, 2, 3, 4]
+
+
+def settings(n=24, temperature=0.0, seed=0):
+    return Settings(max_new_tokens=n, sampling=SamplingParams(temperature), seed=seed)
+
+
+@pytest.mark.parametrize("name", ["ar", "isd", "jacobi"])
+def test_advancing_by_hand_equals_session_run(name):
+    engine = tiny_engine("llama", vocab=24, seed=3)
+    whole = Session(engine, make_strategy(name), settings(temperature=1.0, seed=4)).run("", PROMPT)
+    run = Run(engine, make_strategy(name), settings(temperature=1.0, seed=4), "", PROMPT)
+    batches = []
+    while not run.done:
+        batches.append(run.advance())
+    assert run.result.token_ids == whole.token_ids
+    assert [e for b in batches for e in b] == run.result.events
+    assert batches[0][0]["role"] == "prefill" and all(b for b in batches[:-1])
+    # one strategy step per advance: every batch after the prefill starts with a forward
+    assert all(b[0]["t"] == "forward" for b in batches[1:] if b)
+    assert run.forwards == run.result.footer["forwards"]
+    assert run.advance() == []
+
+
+def test_cancel_between_steps_writes_a_readable_trace_and_leaves_the_engine_reusable(tmp_path):
+    engine = tiny_engine("qwen2", vocab=24, seed=1)
+    fresh = Session(engine, make_strategy("isd"), settings(n=30)).run("", PROMPT)
+    run = Run(engine, make_strategy("isd"), settings(n=30), "", PROMPT, trace_path=str(tmp_path / "t.jsonl"))
+    for _ in range(3):
+        run.advance()
+    run.cancel()
+    assert run.advance() == [] and run.done
+    r = run.result
+    assert r.footer["stop_reason"] == CANCELLED
+    assert 0 < r.footer["n_tokens"] < 30 and r.token_ids == fresh.token_ids[:len(r.token_ids)]
+    trace = read_trace(tmp_path / "t.jsonl")
+    assert trace.footer["stop_reason"] == CANCELLED and len(trace.events) == len(r.events)
+    again = Session(engine, make_strategy("isd"), settings(n=30)).run("", PROMPT)
+    assert again.token_ids == fresh.token_ids
+
+
+def test_drive_keeps_runs_in_lock_step_by_forward_count():
+    engine = tiny_engine("llama", vocab=24, seed=3)
+    names = ("ar", "isd", "jacobi")
+    runs = [Run(engine, make_strategy(name), settings(n=30), "", PROMPT) for name in names]
+    log = []
+    for i, r in enumerate(runs):
+        def logged(i=i, advance=r.advance):
+            log.append((i, [x.forwards for x in runs], [x.done for x in runs]))
+            return advance()
+        r.advance = logged
+    drive(runs)
+    assert all(r.done for r in runs) and len({i for i, _, _ in log}) == 3
+    for i, counts, done in log:   # the advanced run had the fewest forwards of those still running
+        assert counts[i] == min(c for c, d in zip(counts, done) if not d)
+    solo = [Session(engine, make_strategy(n), settings(n=30)).run("", PROMPT).token_ids for n in names]
+    assert [r.result.token_ids for r in runs] == solo
+
+
+# -- conversations -------------------------------------------------------------------------------------
+CAUSAL = [("ar", {}), ("isd", {"stride": 3}), ("r-isd", {}), ("jacobi", {"block_size": 4}),
+          ("jacobi-mr", {"block_size": 4}), ("blockdiff", {"cache": "causal"}), ("s2d2", {"cache": "causal"})]
+
+
+def _engine_for(name):
+    # block strategies read a right-shifted block-diffusion model; the rest a plain causal one
+    return tiny_dlm("llama", shift=True, block=4, vocab=20, seed=2) if name in ("blockdiff", "s2d2") \
+        else tiny_engine("llama", vocab=20, seed=2)
+
+
+def _prefills(result):
+    return [e for e in result.events if e["t"] == "forward" and e["role"] == "prefill"]
+
+
+def _finish(run):
+    drive([run])
+    return run.result
+
+
+@pytest.mark.parametrize("name,params", CAUSAL, ids=[n for n, _ in CAUSAL])
+def test_second_turn_prefills_only_new_tokens_and_matches_a_full_prefill(name, params):
+    engine = _engine_for(name)
+    conv = Conversation(engine)
+    first = _finish(conv.start_turn("bcdefg", make_strategy(name, params), settings(n=12)))
+    run = conv.start_turn("hij", make_strategy(name, params), settings(n=12))
+    history = run.prompt_ids
+    assert history == conv.engine.tokenizer.encode("bcdefg" + first.footer["text"] + "hij")
+    second = _finish(run)
+    kv = [e for e in second.events if e["t"] == "kv"][0]
+    turn1_kv = [e for e in first.events if e["t"] == "kv"][-1]["to_len"]
+    assert len(PROMPT_OF(first)) < kv["from_len"] <= turn1_kv   # turn 1's answer is reused, not just its prompt
+    new_rows = _prefills(second)[0]["n_tokens"]
+    full_rows = _prefills(Session(engine, make_strategy(name, params), settings(n=12)).run("", history))[0]["n_tokens"]
+    assert new_rows == full_rows - kv["from_len"]
+    alone = Session(engine, make_strategy(name, params), settings(n=12)).run("", history)
+    assert second.token_ids == alone.token_ids
+    assert [m["role"] for m in conv.messages] == ["user", "assistant", "user", "assistant"]
+
+
+def PROMPT_OF(result):
+    return result.header["prompt"]["token_ids"]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_second_turn_logits_equal_one_forward_over_the_whole_history(family):
+    engine = tiny_engine(family, vocab=20, seed=7)
+    conv = Conversation(engine)
+    _finish(conv.start_turn("bcdef", make_strategy("ar"), settings(n=10)))
+    captured = []
+    hook = engine.model.register_forward_hook(lambda m, args, out: captured.append(out[0, -1].clone()))
+    try:
+        run = conv.start_turn("ghi", make_strategy("ar"), settings(n=10))
+        run.advance()            # the prefill only
+    finally:
+        hook.remove()
+    prefill = run.events[0]
+    assert prefill["n_tokens"] < len(run.prompt_ids) // 2
+    full = full_forward_row(engine.model, run.prompt_ids)
+    torch.testing.assert_close(captured[0], full, atol=1e-5, rtol=0)
+
+
+def test_a_new_strategy_or_parameters_prefill_the_whole_history():
+    engine = tiny_engine("llama", vocab=20, seed=2)
+    conv = Conversation(engine)
+    _finish(conv.start_turn("bcdef", make_strategy("isd"), settings(n=8)))
+    other = _finish(conv.start_turn("gh", make_strategy("ar"), settings(n=8)))
+    assert _prefills(other)[0]["n_tokens"] == len(PROMPT_OF(other))
+    stride = _finish(conv.start_turn("ij", make_strategy("ar"), settings(n=8)))
+    assert _prefills(stride)[0]["n_tokens"] < len(PROMPT_OF(stride))    # same strategy again: reused
+    changed = _finish(conv.start_turn("kl", make_strategy("isd", {"stride": 3}), settings(n=8)))
+    assert _prefills(changed)[0]["n_tokens"] == len(PROMPT_OF(changed)) + 2   # + the N-1 MASK rows
+
+
+def test_block_attention_caches_are_not_reused():
+    engine = tiny_dlm("llama", shift=True, block=4, vocab=20, seed=2)
+    conv = Conversation(engine)
+    _finish(conv.start_turn("bcdefgh", make_strategy("blockdiff"), settings(n=8)))
+    second = _finish(conv.start_turn("ij", make_strategy("blockdiff"), settings(n=8)))
+    assert [e for e in second.events if e["t"] == "kv"][0]["from_len"] == 0
+
+
+def test_an_edited_history_reuses_only_the_prefix_before_the_edit():
+    engine = tiny_engine("llama", vocab=20, seed=2)
+    conv = Conversation(engine)
+    _finish(conv.start_turn("bcdefghij", make_strategy("ar"), settings(n=6)))
+    conv.messages[0]["content"] = "bcdXfghij".replace("X", "k")   # the user edits their first message
+    run = conv.start_turn("lm", make_strategy("ar"), settings(n=6))
+    result = _finish(run)
+    assert [e for e in result.events if e["t"] == "kv"][0]["from_len"] == 3
+    assert result.token_ids == Session(engine, make_strategy("ar"), settings(n=6)).run("", run.prompt_ids).token_ids
+
+
+def test_a_cancelled_turn_stays_in_the_history_and_the_next_turn_is_still_exact():
+    engine = tiny_engine("llama", vocab=20, seed=2)
+    conv = Conversation(engine)
+    run = conv.start_turn("bcdef", make_strategy("isd"), settings(n=20))
+    run.advance()
+    run.advance()
+    run.cancel()
+    _finish(run)
+    assert run.result.footer["stop_reason"] == CANCELLED and conv.messages[-1]["content"] == run.out.text
+    nxt = conv.start_turn("gh", make_strategy("isd"), settings(n=10))
+    result = _finish(nxt)
+    assert _prefills(result)[0]["n_tokens"] < len(nxt.prompt_ids)
+    assert result.token_ids == Session(engine, make_strategy("isd"), settings(n=10)).run("", nxt.prompt_ids).token_ids
+
+
+def test_reset_forgets_messages_and_cache():
+    engine = tiny_engine("llama", vocab=20, seed=2)
+    conv = Conversation(engine)
+    _finish(conv.start_turn("bcdef", make_strategy("ar"), settings(n=6)))
+    conv.reset()
+    run = conv.start_turn("gh", make_strategy("ar"), settings(n=6))
+    assert run.prompt_ids == engine.tokenizer.encode("gh") and conv.messages == [] and conv.turns == []
+    assert _prefills(_finish(run))[0]["n_tokens"] == 2

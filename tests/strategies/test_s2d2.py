@@ -1,0 +1,178 @@
+"""S2D2: the block-size-1 verifier (2L trick / causal), the verify step's law, routing inside the loop."""
+import copy
+
+import pytest
+import torch
+
+from studio.engine.sampling import SamplingParams
+from studio.engine.strategies import make_strategy
+from studio.engine.strategies.routing import AlwaysPolicy
+from studio.engine.strategies.s2d2 import first_run
+from studio.errors import BadInput
+from tests.support.dlm import (block_size_one_greedy, block_size_one_law, block_size_one_probs, block_size_one_row, generate,
+                       opened)
+from tests.support.exact import chi_square_pvalue
+from tests.support.tiny import FAMILIES, tiny_dlm
+
+
+def test_first_run():
+    assert first_run([]) == 0
+    assert first_run([2, 3, 4, 7]) == 3
+    assert first_run([0, 2]) == 1
+
+
+@pytest.mark.parametrize("shift", [False, True])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_verifier_equals_separate_block_size_one_forwards(family, shift):
+    engine = tiny_dlm(family, shift, block=8, vocab=32, seed=2)
+    strat = make_strategy("s2d2", {"cache": "causal"})
+    prompt = list(range(1, 11))                  # 8 prefilled, [9, 10] in the open block
+    ctx = opened(engine, strat, prompt)
+    b = strat.block
+    torch.manual_seed(0)
+    filled = b.tokens[:2] + torch.randint(0, 31, (6,)).tolist()
+    slots = list(range(2, 8))
+    got = strat.verifier_logits(ctx, filled, slots)
+    for i, j in enumerate(slots):
+        ref = block_size_one_row(engine, prompt[:8] + filled[:j])
+        ref[engine.config.mask_token_id] = got[i, engine.config.mask_token_id]   # the helper drops MASK
+        assert (got[i] - ref).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("shift", [False, True])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_always_verify_with_causal_cache_is_the_block_size_one_model(family, shift):
+    """Every token is committed by the verifier, so greedy S2D2 = the model decoding token by token
+    (right-shifted: plain greedy AR)."""
+    engine = tiny_dlm(family, shift, vocab=24, seed=7)
+    r = generate(engine, "s2d2", {"policy": "always", "cache": "causal"}, n=30)
+    assert r.token_ids == block_size_one_greedy(engine, [1, 2, 3, 4, 5], 30)
+    if shift:
+        assert r.token_ids == generate(engine, "ar", n=30).token_ids
+
+
+def _first_token_samples(engine, params, n, prompt):
+    """The token the first S2D2 step commits at the first masked slot, over n seeds (same state)."""
+    strat = make_strategy("s2d2", params)
+    ctx = opened(engine, strat, prompt, temperature=1.0)
+    slot = strat.block.masked_slots()[0]
+    samples = []
+    for seed in range(n):
+        s = copy.copy(strat)
+        s.block, s.policy = copy.deepcopy(strat.block), AlwaysPolicy()
+        ctx.gen.manual_seed(seed)
+        s._denoise(ctx, role="draft")
+        ctx.drain()
+        assert not s.block.masked[slot]
+        samples.append((s.block.tokens[slot],))
+    return samples, prompt[:strat.block.start] + strat.block.tokens[:slot]
+
+
+def test_verify_step_commits_the_verifier_distribution():
+    """The 2L verifier path (position-aligned); the right-shifted path is covered by whole sequences below."""
+    engine = tiny_dlm("qwen3", False, vocab=6, seed=11, dim=16, layers=1)
+    samples, prefix = _first_token_samples(engine, {"policy": "always", "cache": "causal"}, 20_000, [1, 2, 3, 4, 1, 2])
+    p = block_size_one_probs(engine, prefix, SamplingParams(1.0))
+    law = {(v,): float(p[v]) for v in range(6)}
+    assert chi_square_pvalue(samples, law) > 0.01
+
+
+def test_tempering_gamma_is_lossy():
+    engine = tiny_dlm("qwen3", False, vocab=6, seed=11, dim=16, layers=1)
+    params = {"policy": "always", "cache": "causal", "gamma": 0.2}
+    samples, prefix = _first_token_samples(engine, params, 5_000, [1, 2, 3, 4, 1, 2])
+    p = block_size_one_probs(engine, prefix, SamplingParams(1.0))
+    assert chi_square_pvalue(samples, {(v,): float(p[v]) for v in range(6)}) < 1e-4
+
+
+def test_sampled_always_verify_right_shifted_matches_the_ar_law():
+    """Whole sequences, real KV and block commits: with every token verified, sampled S2D2 on a
+    right-shifted model with a causal cache is exactly AR sampling."""
+    engine = tiny_dlm("llama", True, vocab=6, seed=11, dim=16, layers=1)
+    prompt = [1, 2, 3, 4, 5]
+    law = block_size_one_law(engine, prompt, 3, SamplingParams(1.0))
+    samples = [tuple(generate(engine, "s2d2", {"policy": "always", "cache": "causal", "block_size": 2},
+                              prompt=prompt, n=3, temperature=1.0, seed=seed).token_ids) for seed in range(20_000)]
+    assert chi_square_pvalue(samples, law) > 0.01
+
+
+@pytest.mark.parametrize("policy", ["always", "never", "min-span", "score", "hysteresis", "ucb"])
+def test_every_policy_runs_and_reports_its_route(policy):
+    engine = tiny_dlm("qwen3", False, vocab=16, seed=3)
+    r = generate(engine, "s2d2", {"policy": policy}, n=24, temperature=1.0, seed=1)
+    routes = [e for e in r.events if e["t"] == "route"]
+    drafts = [e for e in r.events if e["t"] == "forward" and e["role"] == "draft"]
+    verifies = [e for e in r.events if e["t"] == "forward" and e["role"] == "verify"]
+    assert len(routes) == len(drafts) and all(e["policy"] == policy for e in routes)
+    assert len(verifies) == sum(e["verify"] for e in routes)
+    if policy == "always":
+        assert all(e["verify"] for e in routes)
+    if policy == "never":
+        assert not verifies
+    assert len(r.token_ids) == 24
+
+
+def test_never_verifying_is_blockdiff():
+    engine = tiny_dlm("llama", True, vocab=16, seed=3)
+    for temperature in (0.0, 1.0):
+        s2d2 = generate(engine, "s2d2", {"policy": "never"}, n=30, temperature=temperature, seed=2)
+        bd = generate(engine, "blockdiff", {}, n=30, temperature=temperature, seed=2)
+        assert s2d2.token_ids == bd.token_ids
+
+
+def test_score_policy_threshold_changes_how_often_it_verifies():
+    engine = tiny_dlm("qwen3", False, vocab=16, seed=3)
+    counts = []
+    for threshold in (-10.0, 10.0):
+        r = generate(engine, "s2d2", {"policy": "score", "route.threshold": threshold}, n=24, temperature=1.0)
+        counts.append(sum(e["verify"] for e in r.events if e["t"] == "route"))
+    assert counts[0] > 0 and counts[1] == 0
+
+
+def test_route_params_are_validated():
+    assert make_strategy("s2d2", {"policy": "hysteresis", "route": {"on": 2.0}}).policy.params.on == 2.0
+    assert make_strategy("s2d2", {"policy": "score", "route.c": 3}).policy.params.c == 3.0
+    for bad in ({"policy": "score", "route.nope": 1}, {"policy": "warp"}, {"gamma": 0.0},
+                {"policy": "hysteresis", "route.on": -9.0}):
+        with pytest.raises(BadInput):
+            make_strategy("s2d2", bad)
+
+
+def test_verify_replaces_off_also_unmasks_confident_slots():
+    engine = tiny_dlm("qwen3", False, vocab=16, seed=3)
+    on = generate(engine, "s2d2", {"policy": "always", "threshold": 0.0}, n=24)
+    off = generate(engine, "s2d2", {"policy": "always", "threshold": 0.0, "verify_replaces": False}, n=24)
+    assert not any(e["t"] == "unmask" for e in on.events)
+    assert any(e["t"] == "unmask" for e in off.events)
+    assert off.footer["forwards"] < on.footer["forwards"]
+
+
+def test_an_adapter_works_at_mask_rows_only(tmp_path):
+    """AR model + random adapter: drafts use the adapter, yet always-verify S2D2 with a causal cache still
+    reproduces the base model's greedy AR output (clean rows, their KV and the verifier are base-only)."""
+    from studio.engine.lora import attach_adapter
+    from tests.support.lora import random_adapter
+    engine = tiny_dlm("llama", True, vocab=24, seed=7)
+    ar = generate(engine, "ar", n=24).token_ids
+    attach_adapter(engine, random_adapter(tmp_path / "a", engine.model, seed=3))
+    r = generate(engine, "s2d2", {"policy": "always", "cache": "causal"}, n=24)
+    assert r.token_ids == ar
+    drafts = [e for e in r.events if e["t"] == "forward" and e["role"] == "draft"]
+    others = [e for e in r.events if e["t"] == "forward" and e["role"] != "draft"]
+    assert all(e["lora_rows"] > 0 for e in drafts) and all(e["lora_rows"] == 0 for e in others)
+    everywhere = generate(engine, "s2d2", {"policy": "always", "cache": "causal", "adapter_rows": "all"}, n=24)
+    assert all(e["lora_rows"] == e["n_tokens"] for e in everywhere.events if e["t"] == "forward")
+
+
+def test_an_ar_model_gets_a_causal_cache_by_default(tmp_path):
+    """A plain AR model (no native block size) + adapter: `cache=auto` keeps prefill and commits token-causal, so
+    S2D2's default policy (min-span 1: always verify) reproduces greedy AR; a block cache would not."""
+    from studio.engine.lora import attach_adapter
+    from tests.support.lora import random_adapter
+    from tests.support.tiny import tiny_engine
+    engine = tiny_engine("qwen2", vocab=24, seed=7)
+    assert engine.config.block_size is None
+    ar = generate(engine, "ar", n=24).token_ids
+    attach_adapter(engine, random_adapter(tmp_path / "a", engine.model, seed=3))
+    assert generate(engine, "s2d2", {}, n=24).token_ids == ar
+    assert generate(engine, "s2d2", {"cache": "block"}, n=24).token_ids != ar

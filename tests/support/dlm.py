@@ -1,0 +1,67 @@
+"""Helpers for block-diffusion tests: runs, a context opened by a strategy, naive references."""
+from __future__ import annotations
+
+import torch
+
+from studio.engine.sampling import SamplingParams, process_logits
+from studio.engine.strategies import DecodeContext, Output, make_strategy
+from studio.run.session import Session, Settings
+
+
+def generate(engine, name, params=None, prompt=(1, 2, 3, 4, 5), n=20, temperature=0.0, seed=0, trace=None):
+    s = Settings(max_new_tokens=n, sampling=SamplingParams(temperature), seed=seed)
+    return Session(engine, make_strategy(name, params), s).run("", list(prompt), trace_path=trace)
+
+
+def opened(engine, strategy, prompt, temperature=0.0, seed=0) -> DecodeContext:
+    """A decode context after `strategy.start` (prefill done, first block open)."""
+    out = Output(engine.tokenizer, 1000, frozenset(), ())
+    ctx = DecodeContext(engine.model, engine.tokenizer, SamplingParams(temperature), seed, out,
+                        engine.config.mask_token_id, 256)
+    strategy.start(ctx, list(prompt))
+    ctx.drain()
+    return ctx
+
+
+def full_forward_row(model, ids: list[int], row: int = -1) -> torch.Tensor:
+    """Logits of one row of a plain causal forward over `ids` (fresh cache)."""
+    kv = model.new_cache(len(ids))
+    with torch.inference_mode():
+        return model(torch.tensor(ids), torch.arange(len(ids)), kv, logits_rows=[row % len(ids)])[0, 0]
+
+
+def block_size_one_row(engine, prefix: list[int]) -> torch.Tensor:
+    """The model in block-size-1 mode predicting the token after `prefix`: a causal forward, then the
+    MASK row (position-aligned) or the last row (right-shifted). The MASK logit is removed."""
+    cfg = engine.config
+    ids = prefix if cfg.logit_shift else prefix + [cfg.mask_token_id]
+    row = full_forward_row(engine.model, ids).clone()
+    row[cfg.mask_token_id] = float("-inf")
+    return row
+
+
+def block_size_one_greedy(engine, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding of the model in block-size-1 mode, by full forwards (the S2D2 verifier's law)."""
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(block_size_one_row(engine, list(prompt) + out).argmax()))
+    return out
+
+
+def block_size_one_probs(engine, prefix: list[int], sampling: SamplingParams) -> torch.Tensor:
+    return process_logits(block_size_one_row(engine, prefix).double(), sampling).double()
+
+
+def block_size_one_law(engine, prompt: list[int], length: int, sampling: SamplingParams) -> dict[tuple, float]:
+    """P(x_1..x_length | prompt) of the block-size-1 model sampled token by token (MASK never emitted)."""
+    import itertools
+    cond: dict[tuple, torch.Tensor] = {}
+    law = {}
+    for seq in itertools.product(range(engine.config.vocab_size), repeat=length):
+        prob = 1.0
+        for i in range(length):
+            if seq[:i] not in cond:
+                cond[seq[:i]] = block_size_one_probs(engine, list(prompt) + list(seq[:i]), sampling)
+            prob *= float(cond[seq[:i]][seq[i]])
+        law[seq] = prob
+    return law

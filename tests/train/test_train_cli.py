@@ -1,0 +1,104 @@
+"""`dlm-studio train …` from the command line: bad input is one line and exit 2 before any model loads; the
+whole path (data -> idlm -> eval -> run --adapter) on the embedded model."""
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+
+from studio.engine.lora import read_adapter
+
+from studio.train.prompts import eval_prompts
+from tests.support.cli import CLI, assert_one_line_error, cli
+
+
+def test_a_prompt_file_with_a_held_out_prompt_is_refused(tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text(f"Tell me a joke.\n{eval_prompts()[3]}\n")
+    assert_one_line_error(cli("train", "data", "--out", str(tmp_path / "d"), "--prompts", str(f)),
+                          "held-out evaluation prompt")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["idlm", "--data", "nowhere", "--out", "o"], "not a training-data directory"),
+    (["idlm", "--data", "d", "--out", "o", "--gate", "rows"], "--gate must be 'mask' or 'all'"),
+    (["block", "--data", "d", "--out", "o", "--time-budget", "soon"], "--time-budget"),
+    (["idlm", "--data", "d", "--out", "o", "--steps", "0"], "--steps must be >= 1"),
+    (["idlm", "--data", "d", "--out", "o", "--gate", "all", "--clean-loss", "mse"], "--clean-loss must be one of"),
+    (["block", "--data", "d", "--out", "o", "--clean-loss", "kl"], "--clean-loss applies to --gate all"),
+    (["eval", "no-such-adapter", "--n-prompts", "0"], "--n-prompts"),
+])
+def test_bad_training_arguments_are_one_line_errors(tmp_path, args, needle):
+    assert_one_line_error(cli("train", *args, cwd=tmp_path), needle)
+
+
+@pytest.fixture(scope="module")
+def embedded_data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("train") / "data"
+    r = cli("train", "data", "--out", str(d), "--n-prompts", "4", "--max-new-tokens", "12", "--batch-size", "2",
+            check_rc=0)
+    assert "4 sequences" in r.stdout
+    return d
+
+
+@pytest.mark.slow
+def test_data_idlm_eval_and_run_on_the_embedded_model(tmp_path, embedded_data):
+    d, ad = embedded_data, tmp_path / "adapter"
+    manifest = json.loads((d / "manifest.json").read_text())
+    assert manifest["shard_sizes"] == [4] and manifest["n_answer_tokens"] > 20
+    r = cli("train", "idlm", "--data", str(d), "--out", str(ad), "--steps", "2", "--batch-size", "2", "--rows", "6",
+            "--rank", "2", check_rc=0)
+    assert "step 2/2 (done)" in r.stdout
+    assert [json.loads(x)["step"] for x in (ad / "train_log.jsonl").read_text().splitlines()] == [1, 2]
+    r = cli("train", "eval", str(ad), "--n-prompts", "1", "--max-new-tokens", "8", "--json", check_rc=0)
+    report = json.loads(r.stdout)
+    assert [row["label"] for row in report["rows"]] == ["ar", "r-isd"]          # what a --gate mask adapter is for
+    assert report["rows"][1]["identical_prompts"] == 1                            # lossless
+    prompt = "Name two planets."
+    ar = json.loads(cli("run", prompt, "-s", "ar", "--max-new-tokens", "12", "--json", check_rc=0).stdout)
+    risd = json.loads(cli("run", prompt, "-s", "r-isd", "--adapter", str(ad), "--max-new-tokens", "12", "--json",
+                          check_rc=0).stdout)
+    assert risd["token_ids"] == ar["token_ids"] and risd["model"]["adapter"] == str(ad)
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_a_checkpoint_and_resume_goes_on(tmp_path, embedded_data):
+    """A real SIGINT mid-training: exit 130 with one line, a complete checkpoint at the last finished step,
+    and --resume continues from it."""
+    ad = tmp_path / "adapter"
+    args = ["train", "idlm", "--data", str(embedded_data), "--out", str(ad), "--batch-size", "1", "--rows", "3",
+            "--rank", "2", "--save-every", "1000"]
+    proc = subprocess.Popen(CLI + args + ["--steps", "1000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = ad / "train_log.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1].startswith("dlm-studio: interrupted: checkpoint saved")
+    state = json.loads((ad / "train_state.json").read_text())
+    steps = [json.loads(x)["step"] for x in log.read_text().splitlines()]
+    assert state["stopped"] == "interrupted" and state["step"] == steps[-1] >= 2
+    read_adapter(ad)                                     # the adapter files are whole
+    r = cli(*args, "--steps", str(state["step"] + 2), "--resume", check_rc=0)
+    assert f"step {state['step'] + 2}/{state['step'] + 2} (done)" in r.stdout
+
+
+def test_pack_writes_a_compact_shippable_copy(tmp_path):
+    import torch
+
+    from studio.presets import shipped as adapters
+    from tests.support.adapters import random_mask_adapter
+    from tests.support.tiny import tiny_model
+    src = random_mask_adapter(tmp_path / "src", tiny_model("llama", dim=32))
+    r = cli("train", "pack", str(src), str(tmp_path / "packed"), "--strategies", "r-isd,isd", check_rc=0)
+    assert "in bf16" in r.stdout
+    a, b = read_adapter(src), read_adapter(tmp_path / "packed")
+    for name, (A, B) in a.lora.items():
+        assert b.lora[name][0].dtype == torch.bfloat16
+        assert torch.allclose(b.lora[name][0].float(), A, rtol=1e-2, atol=1e-3)
+    assert (tmp_path / "packed" / adapters.META).read_text() == \
+        'model = "default"\nstrategies = ["r-isd", "isd"]\ndescription = ""\n'
+    assert_one_line_error(cli("train", "pack", str(src), str(tmp_path / "packed")), "exists")

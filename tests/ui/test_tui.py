@@ -1,0 +1,360 @@
+"""The Textual studio driven by its pilot on tiny models: chat turns, every strategy, stop, step mode,
+parameters, compare, replay, bad input, help; and snapshots of the chat, compare and replay screens."""
+from __future__ import annotations
+
+import asyncio
+import io
+import itertools
+import time
+
+import pytest
+
+from studio.run.chat import ChatSession, RunChoice
+from studio.engine.strategies import STRATEGIES
+from studio.run.session import CANCELLED, Session, Settings
+from tests.support.tiny import tiny_dlm, tiny_engine
+
+pytest.importorskip("textual")
+
+from studio.tui.app import StudioApp  # noqa: E402
+from studio.tui.screens.help import HelpScreen  # noqa: E402
+from studio.tui.widgets import MetricsPanel, TokenGrid  # noqa: E402
+
+SIZE = (130, 42)
+BLOCK = ("blockdiff", "s2d2", "simsd")
+
+
+def session(name="ar", n=12, engine=None, **kw):
+    return ChatSession(engine or tiny_engine("llama", vocab=20, seed=2), RunChoice(name, max_new_tokens=n, **kw))
+
+
+async def wait_until(pilot, predicate, timeout=60.0):
+    """Let the app run until `predicate()` holds (one pause is not enough when workers and timers run).
+    The deadline is wall-clock and generous: on a loaded 2-core CI runner a tiny run can take 20 s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for the app; status: {status(pilot.app)}")
+        await pilot.pause(0.02)
+
+
+async def press_button(pilot, selector):
+    """Click a button once it can be pressed: Textual ignores clicks for 0.2 s after the last press (its
+    "-active" effect), and a tiny run can end sooner than that."""
+    button = pilot.app.screen.query_one(selector)
+    await wait_until(pilot, lambda: not button.has_class("-active"))
+    await pilot.click(selector)
+
+
+async def say(pilot, text):
+    prompt = pilot.app.screen.query_one("#prompt")
+    prompt.focus()
+    prompt.value = text
+    await pilot.press("enter")
+
+
+async def turn(pilot, text):
+    """Send a message and wait until its turn is in the conversation."""
+    s = pilot.app.session
+    before = len(s.turns)
+    await say(pilot, text)
+    await wait_until(pilot, lambda: len(s.turns) > before and pilot.app.screen.worker is None)
+    return s.turns[-1]
+
+
+def plain(renderable) -> str:
+    """What a Rich renderable (a table, a text) shows, as plain text."""
+    from rich.console import Console
+    console = Console(width=120, record=True, file=io.StringIO())
+    console.print(renderable)
+    return console.export_text()
+
+
+def status(app) -> str:
+    return str(app.screen.query_one("#status").render())
+
+
+def test_chat_two_turns_stream_into_the_grid_and_the_second_reuses_the_kv():
+    async def go():
+        app = StudioApp(session("isd", n=10))
+        async with app.run_test(size=SIZE) as pilot:
+            first = await turn(pilot, "bcdefg")
+            second = await turn(pilot, "hij")
+            screen = app.screen
+            assert [m["role"] for m in app.session.conversation.messages] == ["user", "assistant"] * 2
+            prefill = next(e for e in second.events if e["t"] == "forward" and e["role"] == "prefill")
+            assert prefill["n_tokens"] < len(second.header["prompt"]["token_ids"])   # only the new tokens
+            assert len(screen.query_one(TokenGrid).grid.final) == second.footer["n_tokens"]
+            assert str(screen.answer.render()) == second.footer["text"]
+            assert f"{second.footer['forwards']} forwards" in status(app)
+            numbers = str(screen.query_one(MetricsPanel).render())
+            assert f"forwards {second.footer['forwards']}" in numbers and f"tokens {second.footer['n_tokens']}" in numbers
+            assert first.token_ids != second.token_ids
+    asyncio.run(go())
+
+
+def test_every_strategy_runs_in_the_chat():
+    async def go():
+        engines = {"ar": tiny_engine("llama", vocab=20, seed=2), "dlm": tiny_dlm("llama", shift=True, block=4, vocab=20)}
+        for name in STRATEGIES:
+            engine = engines["dlm" if name in BLOCK else "ar"]
+            app = StudioApp(session("ar", n=8, engine=engine))
+            async with app.run_test(size=SIZE) as pilot:
+                await say(pilot, f"/strategy {name}")
+                await wait_until(pilot, lambda: app.session.choice.label == name)
+                if name == "jacobi-mr":   # its default blocks (64 × 6 rows) do not fit a 128-token tiny model
+                    await say(pilot, "/set block_size 4")
+                    await wait_until(pilot, lambda: app.session.choice.params == {"block_size": 4})
+                result = await turn(pilot, "bcdef")
+                assert result.header["strategy"] == name and result.footer["n_tokens"] > 0
+                assert len(app.screen.query_one(TokenGrid).grid.final) == result.footer["n_tokens"], name
+                alone = Session(engine, *app.session.choice.build()).run("", result.header["prompt"]["token_ids"])
+                assert result.token_ids == alone.token_ids, name
+    asyncio.run(go())
+
+
+def test_step_mode_advances_one_step_per_key_and_stop_cancels_then_the_chat_goes_on():
+    async def go():
+        app = StudioApp(session("isd", n=40))
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.press("ctrl+t")
+            assert app.screen.step_mode
+            await say(pilot, "bcdef")
+            screen = app.screen
+            await pilot.pause(0.2)
+            assert screen.view.points == []          # nothing runs before the first step is asked for
+            for k in range(1, 4):
+                await pilot.press("ctrl+n")
+                await wait_until(pilot, lambda: len(screen.view.points) == k)
+                await pilot.pause(0.1)
+                assert len(screen.view.points) == k  # exactly one more step, no more
+            await pilot.press("escape")
+            await wait_until(pilot, lambda: screen.worker is None)
+            cancelled = app.session.turns[-1]
+            assert cancelled.footer["stop_reason"] == CANCELLED and cancelled.footer["forwards"] == 2
+            await pilot.press("ctrl+t")
+            assert not screen.step_mode
+            again = await turn(pilot, "gh")
+            assert again.footer["stop_reason"] != CANCELLED and again.footer["n_tokens"] > 0
+    asyncio.run(go())
+
+
+def test_stop_mid_run_without_step_mode():
+    async def go():
+        app = StudioApp(session("ar", n=100))
+        async with app.run_test(size=SIZE) as pilot:
+            app.session.choice = app.session.choice.set("max_new_tokens", 100)
+            await say(pilot, "bcdef")
+            await pilot.press("escape")
+            await wait_until(pilot, lambda: app.screen.worker is None)
+            r = app.session.turns[-1]
+            assert r.footer["stop_reason"] in (CANCELLED, "max_new_tokens")
+            assert "stop" in status(app)
+    asyncio.run(go())
+
+
+def test_parameters_from_the_controls_and_bad_values_stay_in_the_ui():
+    async def go():
+        app = StudioApp(session("isd"))
+        async with app.run_test(size=SIZE) as pilot:
+            screen = app.screen
+            field = screen.query_one("#ctl-n")
+            field.value = "3"
+            field.focus()
+            await pilot.press("enter")
+            await pilot.pause()
+            assert app.session.choice.params == {"stride": 3}
+            result = await turn(pilot, "bcdef")
+            assert result.header["params"]["stride"] == 3
+            field.value = "0"
+            field.focus()
+            await pilot.press("enter")
+            await pilot.pause()
+            assert field.has_class("-invalid") and "stride must be >= 2" in status(app)
+            assert app.session.choice.params == {"stride": 3}
+            temperature = screen.query_one("#ctl-temperature")
+            temperature.value = "0.7"
+            temperature.focus()
+            await pilot.press("enter")
+            await pilot.pause()
+            assert app.session.choice.build()[1].sampling.temperature == 0.7
+            await say(pilot, "/set stride banana")
+            await wait_until(pilot, lambda: "error" in status(app) and "stride" in status(app))
+            await say(pilot, "/strategy nope")
+            await wait_until(pilot, lambda: "unknown strategy or preset 'nope'" in status(app))
+            assert app.is_running and app.session.choice.label == "isd"
+    asyncio.run(go())
+
+
+def test_compare_two_strategies_in_lock_step_then_the_table():
+    async def go():
+        app = StudioApp(session("ar", n=10))
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.press("f3")
+            screen = app.screen
+            assert screen.id == "compare"
+            screen.query_one("#compare-prompt").value = "bcdef"
+            screen.query_one("#compare-specs").value = "isd"
+            await press_button(pilot, "#compare-run")
+            table = screen.query_one("#compare-table")
+            await wait_until(pilot, lambda: table.display and table.row_count == 2)
+            assert [str(table.get_row_at(i)[0]) for i in range(2)] == ["ar", "isd"]
+            assert str(table.get_row_at(1)[7]) == "yes"   # greedy isd is lossless
+            assert [len(v.grid.final) for v in screen.views] == [10, 10]
+            screen.query_one("#compare-specs").value = "isd,jacobi,blockdiff,s2d2"
+            await press_button(pilot, "#compare-run")
+            await wait_until(pilot, lambda: "at most 4 runs" in status(app))
+    asyncio.run(go())
+
+
+def test_replay_a_trace_scrub_and_play(tmp_path):
+    engine = tiny_engine("llama", vocab=20, seed=2)
+    path = tmp_path / "isd.jsonl"
+    from studio.engine.strategies import make_strategy
+    Session(engine, make_strategy("isd"), Settings(16)).run("bcd", [1, 2, 3], trace_path=str(path))
+
+    async def go():
+        app = StudioApp(session())
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.press("f4")
+            screen = app.screen
+            screen.query_one("#replay-path").value = str(path)
+            await press_button(pilot, "#replay-open-button")
+            await wait_until(pilot, lambda: screen.view is not None)
+            assert "replay isd" in str(screen.query_one("#replay-title").render())
+            assert screen.index == 0
+            await pilot.press("full_stop", "full_stop")
+            assert screen.index == 2
+            await pilot.press("comma")
+            assert screen.index == 1
+            grid = screen.query_one(TokenGrid)
+            assert grid.step == screen.step
+            await pilot.press("right")     # the grid cursor: the inspector follows it
+            assert "position 0" in str(screen.query_one("#inspector").render())
+            await pilot.press("plus", "plus", "plus", "space")
+            await wait_until(pilot, lambda: not screen.playing)
+            assert screen.index == len(screen.view.grid.steps) - 1
+    asyncio.run(go())
+
+
+def test_bad_trace_and_tui_trace_option_without_a_model(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"kind": "header", "schema": "dlm-studio.trace/9"}\n')
+
+    async def go():
+        app = StudioApp(session())
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.press("f4")
+            app.screen.query_one("#replay-path").value = str(bad)
+            await press_button(pilot, "#replay-open-button")
+            await wait_until(pilot, lambda: "unsupported trace schema" in status(app))
+            assert app.is_running and app.screen.view is None
+        app = StudioApp(None)
+        async with app.run_test(size=SIZE) as pilot:
+            assert app.screen.id == "replay"
+            await pilot.press("f2")
+            assert app.screen.id == "replay"    # no model: chat refuses with a notification
+    asyncio.run(go())
+
+
+def test_help_screen_lists_the_bindings():
+    async def go():
+        app = StudioApp(session())
+        async with app.run_test(size=SIZE) as pilot:
+            app.screen.query_one(TokenGrid).focus()
+            await pilot.press("question_mark")
+            assert isinstance(app.screen, HelpScreen)
+            text = " ".join(plain(w.content) for w in app.screen.query("Static"))
+            for words in ("step mode", "compare", "replay", "/strategy NAME|PRESET", "prev token"):
+                assert words in text
+            await pilot.press("escape")
+            assert app.screen.id == "chat"
+    asyncio.run(go())
+
+
+def test_a_failing_model_load_is_a_message_not_a_crash(tmp_path):
+    async def go():
+        app = StudioApp(session())
+        async with app.run_test(size=SIZE) as pilot:
+            await say(pilot, f"/model {tmp_path / 'missing'}")
+            await wait_until(pilot, lambda: "error" in status(app))
+            assert app.is_running and app.session.engine.name == "tiny-llama"
+    asyncio.run(go())
+
+
+# -- snapshots ------------------------------------------------------------------------------------
+class FakeClock:
+    """A deterministic perf_counter for the decode loop: every call is 10 ms later."""
+    def __init__(self):
+        self._t = itertools.count()
+
+    def perf_counter(self):
+        return next(self._t) * 0.01
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    import studio.engine.strategies.base as base
+    import studio.run.session as sess
+    clock = FakeClock()
+    monkeypatch.setattr(base, "time", clock)
+    monkeypatch.setattr(sess, "time", clock)
+    return clock
+
+
+def test_snapshot_chat(snap_compare, fake_clock):
+    app = StudioApp(session("isd", n=16))
+
+    async def before(pilot):
+        await turn(pilot, "bcdefg")
+        app.screen.query_one(TokenGrid).focus()
+        await pilot.press("right", "right")
+        await pilot.pause()
+    assert snap_compare(app, terminal_size=SIZE, run_before=before)
+
+
+def test_snapshot_compare(snap_compare, fake_clock):
+    app = StudioApp(session("ar", n=12))
+
+    async def before(pilot):
+        await pilot.press("f3")
+        app.screen.query_one("#compare-prompt").value = "bcdef"
+        app.screen.query_one("#compare-specs").value = "isd,jacobi"
+        await press_button(pilot, "#compare-run")
+        await wait_until(pilot, lambda: app.screen.query_one("#compare-table").display)
+        await pilot.pause()
+    assert snap_compare(app, terminal_size=SIZE, run_before=before)
+
+
+def test_snapshot_replay(snap_compare):
+    from studio.events import read_trace
+    from tests.support.fixtures import traces
+    import pathlib
+    trace = read_trace(pathlib.Path(traces.__file__).with_name("isd_smollm2.jsonl"))
+    app = StudioApp(None, trace=trace)
+
+    async def before(pilot):
+        await pilot.press(*["full_stop"] * 8, "right", "right", "right")
+        await pilot.pause()
+    assert snap_compare(app, terminal_size=SIZE, run_before=before)
+
+
+def test_metrics_panel_widget_counts_from_the_series():
+    from studio.viz.stats import Tracker
+    engine = tiny_engine("llama", vocab=20, seed=2)
+    from studio.engine.strategies import make_strategy
+    r = Session(engine, make_strategy("isd"), Settings(12)).run("", [1, 2, 3])
+    tracker = Tracker()
+    tracker.feed(r.events)
+
+    async def go():
+        app = StudioApp(None)
+        async with app.run_test(size=SIZE):
+            panel = app.screen.query_one(MetricsPanel)
+            panel.show(tracker.points, tracker.acceptance, "isd")
+            text = str(panel.render())
+            assert f"forwards {r.footer['forwards']}" in text and f"TPF      {r.footer['tpf']:.2f}" in text
+            assert f"({tracker.acceptance.accepted}/{tracker.acceptance.verified})" in text
+            slots = [line for line in text.splitlines() if line.startswith("slot ")]
+            assert len(slots) == len(tracker.acceptance.by_pos)
+    asyncio.run(go())

@@ -1,0 +1,307 @@
+"""Palette, trajectory grid, per-step stats, plotly figures and text renderers (no model needed)."""
+from __future__ import annotations
+
+import io
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from studio import events as ev
+from studio.events import read_trace, summarize
+from studio.viz.grid import build_grid
+from studio.viz.palette import (INK, PALETTE, PRIORITY, RICH_FG, RICH_STYLE, RICH_TEXT, State, glyph, legend_text,
+                                 tint)
+from studio.viz.stats import acceptance, diagnostics, progress
+from studio.viz.text import render_plain, rich_step_line, rich_text, step_line
+from tests.support.fixtures.traces import hand_events, synthetic_blockdiff, synthetic_isd, vocab_text, write_trace
+
+FIXTURES = Path(__file__).parents[1] / "support" / "fixtures"
+C, P, A, RJ, RS, B, U = (State.COMMITTED, State.PROPOSED, State.ACCEPTED, State.REJECTED, State.RESAMPLED,
+                         State.BONUS, State.UNMASKED)
+
+
+# -- palette ----------------------------------------------------------------------------------------
+def test_palette_covers_every_state_with_distinct_colour_and_glyph():
+    assert set(PALETTE) == set(State)
+    for s, (col, g, lab) in PALETTE.items():
+        assert re.fullmatch(r"#[0-9A-F]{6}", col), col
+        assert len(g) == 1 and lab
+    shown = [s for s in State if s is not State.EMPTY]
+    assert len({PALETTE[s][0] for s in shown}) == len(shown)
+    assert len({PALETTE[s][1] for s in State}) == len(State)
+    # precedence of the brief: resample > reject > bonus > accept > unmask > propose
+    order = [RS, RJ, B, A, U, P]
+    assert [PRIORITY[s] for s in order] == sorted((PRIORITY[s] for s in order), reverse=True)
+    assert glyph(U, held=True) != glyph(U)
+    assert tint("#000000", 1.0) == "#FFFFFF" and tint("#0072B2", 0.0) == "#0072B2"
+    for s in State:
+        assert s.value in legend_text() or s is State.EMPTY or PALETTE[s][2] in legend_text()
+        assert INK[s].startswith("#")
+
+
+def test_rich_styles_parse():
+    from rich.style import Style
+
+    for s in State:
+        Style.parse(RICH_STYLE[s])
+        Style.parse(RICH_FG[s])
+        Style.parse(RICH_TEXT[s])
+    from studio.viz.text import rich_legend, rich_text_legend
+
+    assert "✓ accepted" in rich_legend().plain and "bold: accepted draft" in rich_text_legend().plain
+
+
+# -- grid -------------------------------------------------------------------------------------------
+EXPECTED = {
+    0: {0: C, 1: P, 2: P, 3: P},
+    1: {0: C, 1: A, 2: A, 3: RS, 4: P, 5: P, 6: P},
+    2: {0: C, 1: C, 2: C, 3: C, 4: A, 5: A, 6: A, 7: B},
+    3: {**{p: C for p in range(8)}, 8: U, 9: U},
+    4: {**{p: C for p in range(8)}, 8: U, 9: U, 10: U},
+    5: {**{p: C for p in range(8)}, 8: U, 9: U, 10: U, 11: U},
+    6: {p: C for p in range(12)},
+}
+
+
+def test_grid_states_of_hand_made_events():
+    g = build_grid(None, hand_events())
+    assert g.steps == list(range(7))
+    assert g.n_pos == 12
+    got = {s: {p: g.state(s, p) for p in range(g.n_pos) if g.state(s, p) is not State.EMPTY} for s in g.steps}
+    assert got == EXPECTED
+    # held = an unmasked token carried over a step without an event; emitted = emitted at that very step
+    held = {k for k, c in g.cells.items() if c.held}
+    assert held == {(4, 8), (4, 9), (5, 8), (5, 9), (5, 10)}
+    emitted = {k for k, c in g.cells.items() if c.emitted}
+    assert emitted == {(0, 0), (1, 1), (1, 2), (1, 3), (2, 4), (2, 5), (2, 6), (2, 7), (6, 8), (6, 9), (6, 10), (6, 11)}
+
+
+def test_grid_cell_details():
+    g = build_grid(None, hand_events())
+    c = g.cell(0, 1)
+    assert (c.tok, c.q, c.src, c.p, c.ratio) == (101, 0.5, "mask", None, None)
+    c = g.cell(1, 1)
+    assert (c.tok, c.p, c.q, c.ratio) == (101, 0.9, 0.5, 1.0)
+    assert g.cell(1, 2).ratio == pytest.approx(0.2 / 0.4)
+    c = g.cell(1, 3)  # reject + resample: the correction's token, the rejected draft kept for the hover
+    assert (c.tok, c.draft_tok, c.p, c.q) == (103, 150, 0.05, 0.3)
+    assert c.ratio == pytest.approx(0.05 / 0.3)
+    assert c.kinds == ("reject", "resample", "emit")
+    assert g.cell(2, 7).tok == 107 and g.cell(2, 7).kinds == ("bonus", "emit")
+    assert g.cell(3, 8).conf == 0.95 and g.cell(4, 8).conf == 0.95
+    assert g.cell(6, 8).committed_step == 6 and g.cell(6, 0).committed_step == 0
+    assert g.cell(3, 10).state is State.EMPTY and g.cell(1, 7).state is State.EMPTY
+    text = "\n".join(g.cell(1, 3).describe())
+    assert "min(1,p/q)=0.167" in text and "rejected draft 150" in text
+    # rows: forward info, routing, kv, blocks
+    assert [g.rows[s].role for s in g.steps] == ["prefill", "verify", "verify", "draft", "draft", "draft", "commit"]
+    assert g.rows[3].route == {"verify": False, "score": 0.31, "policy": "dynamic"}
+    assert g.rows[1].kv == [{"op": "rollback", "from_len": 8, "to_len": 7}]
+    assert [(b.start, b.end, b.open_step, b.close_step) for b in g.blocks] == [(8, 12, 3, 5)]
+    assert g.rows[2].emitted == [104, 105, 106, 107]
+
+
+def test_grid_final_tokens_keep_their_provenance():
+    g = build_grid(None, hand_events())
+    prov = {p: c.state for p, c in sorted(g.final.items())}
+    assert prov == {0: C, 1: A, 2: A, 3: RS, 4: A, 5: A, 6: A, 7: B, 8: U, 9: U, 10: U, 11: U}
+    assert [g.final[p].tok for p in range(12)] == list(range(100, 112))
+    assert g.text == summarize(hand_events())["text"]
+
+
+def test_token_text_sources():
+    g = build_grid(None, hand_events())
+    assert g.cell(0, 0).text == "Sure"         # a single-token emit names its token
+    assert g.cell(1, 1).text is None           # inside a multi-token emit, nothing else names 101
+    g = build_grid(None, hand_events(), token_text=vocab_text)
+    assert g.cell(1, 1).text == ","
+    assert g.cell(1, 3).draft_text == vocab_text(150)
+    # a decoder that fails on an id does not break the grid
+    g = build_grid(None, hand_events(), token_text=lambda t: 1 / 0)
+    assert g.cell(1, 1).text is None
+
+
+def test_token_text_by_elimination_and_pieces():
+    E = [
+        ev.forward(0, 1.0, role="prefill", n_tokens=3, lora_rows=0, wall_ms=1.0),
+        ev.emit(0, 1.0, pos=[0], tok=[7], text=" a"),
+        ev.forward(1, 2.0, role="verify", n_tokens=3, lora_rows=0, wall_ms=1.0),
+        ev.emit(1, 2.0, pos=[1, 2, 3], tok=[7, 8, 7], text=" a big a"),   # one unknown: 8 = " big"
+        ev.forward(2, 3.0, role="verify", n_tokens=3, lora_rows=0, wall_ms=1.0),
+        {**ev.emit(2, 3.0, pos=[4, 5], tok=[9, 10], text="xyz"), "pieces": ["x", "yz"]},  # extra field
+    ]
+    for e in E:
+        ev.validate_event(e)
+    g = build_grid(None, E)
+    assert [g.final[p].text for p in range(6)] == [" a", " a", " big", " a", "x", "yz"]
+    assert [s.text for s in g.segments] == [" a", " a", " big", " a", "x", "yz"]
+
+
+def test_grid_handles_unknown_extra_fields_and_empty_input():
+    g = build_grid(None, [])
+    assert g.steps == [] and g.n_pos == 0 and g.text == ""
+    E = [{**ev.forward(0, 1.0, role="prefill", n_tokens=1, lora_rows=0, wall_ms=1.0), "future": 1}]
+    assert build_grid(None, E).rows[0].role == "prefill"
+
+
+def test_grid_of_real_traces_matches_footer_text():
+    for name in ("isd_smollm2.jsonl", "ar_smollm2.jsonl"):
+        t = read_trace(FIXTURES / name)
+        g = build_grid(t.header, t.events)
+        assert g.text == t.footer["text"]
+        assert len(g.final) == t.footer["n_tokens"]
+        assert len(g.steps) == t.footer["forwards"] + 1
+
+
+def test_block_diffusion_provenance_survives_a_separate_commit_step():
+    E = synthetic_blockdiff(16, 8, seed=3)
+    g = build_grid(None, E)
+    assert {c.state for c in g.final.values()} == {U}
+    assert any(c.held for c in g.cells.values())
+
+
+# -- stats ------------------------------------------------------------------------------------------
+def test_acceptance_matches_summarize():
+    for E in (hand_events(), synthetic_isd(50, 4, 0.6, seed=2), read_trace(FIXTURES / "isd_smollm2.jsonl").events):
+        acc, m = acceptance(E), summarize(E)
+        assert acc.by_pos == m["accept_by_pos"]
+        assert acc.rate == m["accept_rate"]
+    acc = acceptance(hand_events())
+    assert acc.per_verify_step == {1: 2, 2: 3}
+    assert acc.histogram() == {0: 0, 1: 0, 2: 1, 3: 1}
+    assert acc.mean_acceptance_length == pytest.approx(3.5)
+
+
+def test_progress_series():
+    pts = progress(hand_events())
+    assert [p.emitted for p in pts] == [1, 3, 4, 0, 0, 0, 4]
+    assert [p.unmasked for p in pts] == [0, 0, 0, 2, 1, 1, 0]
+    assert [p.forwards for p in pts] == [0, 1, 2, 3, 4, 5, 6]
+    assert pts[0].tpf is None and pts[-1].tpf == summarize(hand_events())["tpf"]
+    assert pts[-1].kv_len == 15
+    assert all(p.progressed for p in pts)
+
+
+def test_diagnostics_flag_stalls_and_no_parallelism():
+    E = hand_events() + [ev.forward(7, 40.0, role="draft", n_tokens=4, lora_rows=0, wall_ms=1.0)]
+    assert any("steps 7" in n for n in diagnostics(E))
+    real = read_trace(FIXTURES / "isd_smollm2.jsonl").events
+    notes = diagnostics(real, "isd")
+    assert any("TPF" in n for n in notes) and any("No draft was accepted" in n for n in notes)
+    assert not any("TPF" in n for n in diagnostics(read_trace(FIXTURES / "ar_smollm2.jsonl").events, "ar"))
+
+
+# -- text renderers ---------------------------------------------------------------------------------
+def test_plain_rows():
+    g = build_grid(None, hand_events(), token_text=vocab_text)
+    lines = render_plain(g).splitlines()
+    assert len(lines) == len(g.steps) + 1 and lines[-1].startswith("legend:")
+    assert lines[0] == '   0 prefill  ■○○○········  +1 "Sure"'
+    assert lines[1].startswith("   1 verify   ■✓✓↻○○○·····  +3 ")
+    assert lines[2].startswith("   2 verify   ■■■■✓✓✓★····  +4 ")
+    assert lines[4] == "   4 draft    ■■■■■■■■◇◇◆·"
+    assert lines[6].startswith("   6 commit   ■■■■■■■■■■■■  +4 ")
+
+
+def test_plain_rows_window_long_outputs():
+    g = build_grid(None, synthetic_isd(80, 4, 0.5, seed=1))
+    for s in g.steps:
+        line = step_line(g, s, width=20)
+        glyphs = line[14:].split("  +")[0]
+        assert len(glyphs) <= 20
+    late = step_line(g, g.steps[-1], width=20)
+    assert late[14] == "…"
+
+
+def test_rich_rows_match_plain_text():
+    from rich.console import Console
+
+    g = build_grid(None, hand_events(), token_text=vocab_text)
+    for s in g.steps:
+        assert rich_step_line(g, s).plain == step_line(g, s)
+    assert rich_text(g).plain == g.text
+    assert rich_text(g, upto_step=1).plain == "Sure, here are"
+    con = Console(file=io.StringIO(), force_terminal=True, color_system="truecolor", width=100)
+    con.print(rich_step_line(g, 1))
+    assert "\x1b[" in con.file.getvalue()
+
+
+# -- figures ----------------------------------------------------------------------------------------
+def _trace(tmp_path, events, **kw):
+    return read_trace(write_trace(tmp_path / "t.jsonl", events, **kw))
+
+
+def test_trajectory_figure_levels_glyphs_and_hover(tmp_path):
+    from studio.viz.figures import trajectory_figure
+
+    t = _trace(tmp_path, hand_events())
+    fig = trajectory_figure(t.header, t.events, t.footer, token_text=vocab_text)
+    bg, hm = fig.data[0], fig.data[1]
+    assert (bg.type, bg.name, hm.type, hm.name) == ("heatmap", "committed", "heatmap", "cells")
+    assert len(hm.z) == 7 and len(hm.z[0]) == 12
+    assert not math.isnan(hm.z[5][11]) and math.isnan(hm.z[3][10]) and math.isnan(bg.z[3][10])
+    assert not math.isnan(bg.z[3][0]) and math.isnan(hm.z[3][0])  # carried committed: background layer
+    assert "committed at step 0" in bg.hovertext[3][0]
+    assert hm.text[1][3] == "↻" and hm.text[2][7] == "★" and hm.text[4][8] == "◇"
+    assert hm.text[3][0] == ""  # old committed cells stay quiet; their emit step shows ■
+    assert hm.text[0][0] == "■"
+    assert "min(1,p/q)=0.167" in hm.hovertext[1][3] and "token 103" in hm.hovertext[1][3]
+    names = [d.name for d in fig.data[2:] if d.showlegend]
+    for s in (P, A, RJ, RS, B, U, C):
+        assert any(PALETTE[s][1] in n for n in names)
+    assert any("held" in n for n in names)
+    assert len(fig.layout.shapes) == 1  # the diffusion block
+    fig.to_json()
+
+
+def test_other_figures(tmp_path):
+    from studio.viz.figures import (acceptance_by_position_figure, acceptance_length_figure, comparison_figure,
+                                    tpf_figure)
+
+    t = _trace(tmp_path, synthetic_isd(40, 4, 0.6, seed=5))
+    f = tpf_figure(t.header, t.events, t.footer)
+    bars = [d for d in f.data if d.type == "bar"]
+    assert sum(sum(d.y) for d in bars) == t.footer["n_tokens"]
+    line = [d for d in f.data if d.name and d.name.startswith("running TPF")][0]
+    assert line.y[-1] == pytest.approx(t.footer["tpf"])
+    f = acceptance_by_position_figure(t.header, t.events, t.footer)
+    assert list(f.data[0].y) == pytest.approx(t.footer["accept_by_pos"])
+    f = acceptance_length_figure(t.header, t.events, t.footer)
+    acc = acceptance(t.events)
+    assert sum(f.data[0].y) == acc.verify_steps
+    ar = read_trace(FIXTURES / "ar_smollm2.jsonl")
+    f = acceptance_by_position_figure(ar.header, ar.events, ar.footer)
+    assert not f.data and "no drafts" in f.layout.annotations[0].text
+    f = comparison_figure([ar, t, read_trace(FIXTURES / "isd_smollm2.jsonl")])
+    assert len([d for d in f.data if d.type == "scatter"]) == 4  # 3 runs + the 1 token/forward line
+    assert list(f.data[0].x) == ["ar", "isd #1", "isd #2"]
+    # acceptance of a run that verified nothing is "n/a", not 0
+    assert f.data[1].text[0] == "n/a"
+    f.to_json()
+
+
+@pytest.mark.parametrize("name", ["isd", "jacobi-mr", "s2d2"])
+def test_grid_and_series_fed_step_by_step_equal_those_of_the_whole_trace(name):
+    from studio.engine.sampling import SamplingParams
+    from studio.engine.strategies import make_strategy
+    from studio.run.session import Run, Settings
+    from studio.viz.grid import GridBuilder
+    from studio.viz.stats import Tracker
+    from tests.support.tiny import tiny_dlm, tiny_engine
+
+    engine = tiny_dlm("llama", shift=False, block=4, vocab=20) if name == "s2d2" else tiny_engine(vocab=20, seed=4)
+    params = {"block_size": 4} if name == "jacobi-mr" else {}
+    run = Run(engine, make_strategy(name, params), Settings(24, SamplingParams(1.0), seed=3), "", [1, 2, 3, 4, 5])
+    builder, tracker = GridBuilder(run.token_text), Tracker()
+    while not run.done:
+        events = run.advance()
+        builder.feed(events)
+        tracker.feed(events)
+    whole = build_grid(run.header, run.result.events, run.token_text)
+    live = builder.grid
+    assert (live.steps, live.n_pos, live.rows, live.blocks) == (whole.steps, whole.n_pos, whole.rows, whole.blocks)
+    assert live.cells == whole.cells and live.final == whole.final and live.segments == whole.segments
+    assert tracker.points == progress(run.result.events)
+    assert tracker.acceptance == acceptance(run.result.events)

@@ -1,0 +1,343 @@
+"""`dlm-studio web` through its HTTP API: the app is served on a free local port with a tiny model and
+driven with gradio_client, as a browser would drive it (no mocks: real runs, real queue, real uploads).
+
+The tiny model's tokenizer spells tokens with characters that matter to HTML (< > & " ' =), so every
+view is also checked for escaping. The browser test (test_web_browser.py) reuses `web_engine`/`served`.
+"""
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+from contextlib import contextmanager
+
+import pytest
+
+pytest.importorskip("gradio")
+from gradio_client import Client, handle_file  # noqa: E402
+
+from studio.run.chat import RunChoice  # noqa: E402
+from studio.run.compare import parse_specs  # noqa: E402
+from studio.engine.strategies import STRATEGIES, make_strategy  # noqa: E402
+from studio.errors import BadInput  # noqa: E402
+from studio.events import read_trace  # noqa: E402
+from studio.run.config import build_run  # noqa: E402
+from studio.run.session import Run, Session, drive, encode_prompt  # noqa: E402
+from studio.web import render  # noqa: E402
+from studio.web.app import build_app, serve  # noqa: E402
+from studio.web.files import read_upload  # noqa: E402
+from studio.web.form import form_values, read_choice  # noqa: E402
+from studio.web.paramspec import param_fields  # noqa: E402
+from tests.support.tiny import TinyTokenizer, tiny_engine  # noqa: E402
+
+# gradio's queue statistics use pandas options that pandas 3 deprecates: noise, not ours
+pytestmark = [pytest.mark.filterwarnings("ignore:'future.no_silent_downcasting':DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore:The copy keyword is deprecated")]
+
+XSS = "<img src=x onerror=alert(1)>"
+ALPHABET = "abcdefghijklmnopqrstuvwxyz<>=()1 &\"'/"   # the last vocab id is the MASK
+
+
+class HtmlTokenizer(TinyTokenizer):
+    """Token i <-> ALPHABET[i]: prompts like XSS are encodable and generated text is full of < > & " '."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ALPHABET.index(c) for c in text if c in ALPHABET]
+
+    def decode(self, ids) -> str:
+        return "".join(ALPHABET[i] if i < len(ALPHABET) else "?" for i in ids)
+
+    def token_text(self, i: int) -> str:
+        return self.decode([i])
+
+
+def web_engine():
+    engine = tiny_engine("llama", vocab=len(ALPHABET) + 1, seed=3)
+    engine.tokenizer = HtmlTokenizer(engine.config.vocab_size)
+    return engine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def served(engine):
+    """The app on a free local port: yields (app, url)."""
+    app = build_app(engine)
+    _, url, share_url = serve(app, port=free_port(), block=False)
+    assert share_url is None and url.startswith("http://127.0.0.1:")
+    try:
+        yield app, url
+    finally:
+        app.close()
+
+
+class ForwardProbe:
+    """Counts model forwards running at the same time (the real model still computes every one)."""
+
+    def __init__(self, model):
+        self.inner, self.active, self.most = model.forward, 0, 0
+        self.lock = threading.Lock()
+        model.forward = self
+
+    def __call__(self, *args, **kw):
+        with self.lock:
+            self.active += 1
+            self.most = max(self.most, self.active)
+        try:
+            return self.inner(*args, **kw)
+        finally:
+            with self.lock:
+                self.active -= 1
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return web_engine()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    probe = ForwardProbe(engine.model)
+    with served(engine) as (app, url):
+        yield app, url, probe
+
+
+def client(url) -> Client:
+    return Client(url, verbose=False, download_files=False)
+
+
+def named(app, api_name: str, values) -> dict:
+    """An endpoint's outputs by elem_id (gradio_client returns them in order, without state and layouts)."""
+    dep = next(d for d in app.fns.values() if d.api_name == api_name)
+    comps = [c for c in dep.outputs if not c.skip_api]
+    return {c.elem_id: v for c, v in zip(comps, values)}
+
+
+def file_path(value) -> str:
+    """The server-side path of a file output (a path, file data, or an update carrying file data)."""
+    if isinstance(value, dict):
+        return file_path(value["value"] if "value" in value else value["path"])
+    return value
+
+
+def chat_text(messages) -> list[str]:
+    return [m["content"][0]["text"] if isinstance(m["content"], list) else m["content"] for m in messages]
+
+
+def solo(engine, prompt: str, strategy: str, n: int, **params):
+    """The same request run directly, without the web app."""
+    strat, settings = build_run(strategy, None, params, n, None, None, None, 0, [])
+    return Session(engine, strat, settings).run(prompt, encode_prompt(engine, prompt))
+
+
+# -- forms ------------------------------------------------------------------------------------------
+def test_forms_come_from_each_strategys_params_and_read_back_to_the_same_run():
+    for name, cls in STRATEGIES.items():
+        fields = param_fields(name)
+        defaults = vars(cls.Params())
+        assert {f.name: f.default for f in fields} == defaults
+        choice = RunChoice(name)
+        values = dict(form_values(choice), strategy=name)
+        strategy, settings = read_choice(values).build()
+        assert strategy.header_params() == make_strategy(name).header_params()
+    # text fields list what the strategy accepts: its validation decides, not a list written here
+    assert next(f for f in param_fields("isd") if f.name == "proposal").choices == ("sample", "argmax")
+    assert "dynamic" in next(f for f in param_fields("simsd") if f.name == "schedule").choices
+    assert next(f for f in param_fields("s2d2") if f.name == "policy").choices[:2] == ("min-span", "score")
+    # a preset fills its strategy's fields with its values
+    shown = form_values(RunChoice(None, "isd-n3"))
+    assert shown["isd_stride"] == 3 and shown["temperature"] == 1.0
+    with pytest.raises(BadInput, match="stride must be >= 2"):
+        read_choice(dict(shown, strategy="isd-n3", isd_stride=1))
+    with pytest.raises(BadInput, match="route must be a table"):
+        read_choice(dict(form_values(RunChoice("s2d2")), strategy="s2d2", s2d2_route="7"))
+
+
+# -- chat -------------------------------------------------------------------------------------------
+def test_chat_streams_a_growing_trajectory_and_matches_the_run_alone(server, engine):
+    app, url, _ = server
+    c = client(url)
+    job = c.submit(text="bcdefg", strategy="isd", max_new_tokens=30, pace_ms=15, api_name="/chat")
+    frames = [named(app, "chat", out) for out in job]
+    grids = [f["chat-trajectory"] for f in frames if isinstance(f.get("chat-trajectory"), dict)]
+    sizes = [len(g["rows"]) for g in grids]
+    assert len(sizes) >= 4 and sizes == sorted(sizes) and sizes[0] < sizes[-1]   # it grew while decoding
+    assert len({g["run"] for g in grids}) == 1                                    # one trajectory, extended
+    for g in grids:                        # every frame extends the last one: rows are never redrawn
+        assert g["rows"] == grids[-1]["rows"][:len(g["rows"])]
+    alone = solo(engine, "bcdefg", "isd", 30)
+    final = named(app, "chat", job.outputs()[-1])
+    assert len(final["chat-trajectory"]["rows"]) == len({e["step"] for e in alone.events})
+    assert chat_text(final["chat-log"]) == [render.esc("bcdefg"), render.esc(alone.footer["text"])]
+    assert "stop max_new_tokens" in final["chat-status"] and "Traceback" not in str(final)
+    # the turn downloaded, then uploaded again, replays exactly as it was drawn live (proposals included)
+    out = named(app, "download_chat", c.predict(label="JSONL trace", api_name="/download_chat"))
+    saved = read_trace(file_path(out["chat-file"]))
+    assert saved.header["prompt"]["text"] == "bcdefg" and saved.footer["text"] == alone.footer["text"]
+    replay = named(app, "load_traces", c.predict(paths=[handle_file(file_path(out["chat-file"]))],
+                                                 api_name="/load_traces"))
+    assert replay["trace-trajectory"]["rows"] == final["chat-trajectory"]["rows"]
+    # later turns continue the conversation; an ar turn after an ar turn reuses its KV (the summary says how much)
+    c.predict(text="hij", strategy="ar", max_new_tokens=8, api_name="/chat")
+    third = named(app, "chat", c.predict(text="klm", strategy="ar", max_new_tokens=8, api_name="/chat"))
+    assert len(third["chat-log"]) == 6 and re.search(r"\+ \d+ reused", third["chat-status"])
+    inspected = c.predict(pos=2, api_name="/inspect_chat")
+    assert "position 2: final token" in inspected
+
+
+def test_stop_ends_the_turn_cleanly_and_keeps_the_partial_answer(server):
+    app, url, _ = server
+    c = client(url)
+    job = c.submit(text="bcd", strategy="ar", max_new_tokens=80, pace_ms=40, api_name="/chat")
+    for i, _ in enumerate(job):
+        if i == 3:
+            c.predict(api_name="/stop_chat")
+    final = named(app, "chat", job.outputs()[-1])
+    assert "stop cancelled" in final["chat-status"]
+    n = len(final["chat-trajectory"]["rows"])
+    assert 2 < n < 80 and len(final["chat-log"]) == 2          # the partial answer joined the conversation
+    after = named(app, "chat", c.predict(text="e", strategy="ar", max_new_tokens=4, api_name="/chat"))
+    assert "stop max_new_tokens" in after["chat-status"]      # the engine is free and the chat goes on
+
+
+def test_an_invalid_parameter_is_a_message_in_the_form_and_nothing_runs(server):
+    app, url, _ = server
+    c = client(url)
+    for bad, message in (({"isd_stride": 1}, "stride must be >= 2"), ({"temperature": -1}, "temperature must be"),
+                         ({"isd_proposal": "guess"}, "proposal must be 'sample' or 'argmax'")):
+        out = named(app, "chat", c.predict(text="bcd", strategy="isd", api_name="/chat", **bad))
+        assert render.esc(message) in out["chat-form-message"] and 'class="note error"' in out["chat-form-message"]
+        assert not isinstance(out["chat-log"], list) or not out["chat-log"]   # no turn was started
+    out = named(app, "chat", c.predict(text="bcd", strategy="isd", max_new_tokens=500, api_name="/chat"))
+    assert render.esc("exceeds the model's context") in out["chat-status"]
+
+
+def test_two_clients_decode_one_at_a_time_and_get_their_own_results(server, engine):
+    app, url, probe = server
+    requests = {"bcdef": ("isd", {"isd_stride": 3}), "ghijk": ("jacobi", {"jacobi_block_size": 4})}
+    finals: dict[str, dict] = {}
+
+    def talk(prompt):
+        strategy, params = requests[prompt]
+        out = client(url).predict(text=prompt, strategy=strategy, max_new_tokens=24, pace_ms=5, api_name="/chat",
+                                  **params)
+        finals[prompt] = named(app, "chat", out)
+
+    threads = [threading.Thread(target=talk, args=(p,)) for p in requests]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert probe.most == 1   # the shared model never ran two forwards at once
+    for prompt, (strategy, params) in requests.items():
+        own = {k.split("_", 1)[1]: v for k, v in params.items()}
+        alone = solo(engine, prompt, strategy, 24, **own)
+        assert chat_text(finals[prompt]["chat-log"]) == [prompt, render.esc(alone.footer["text"])]
+
+
+# -- compare ----------------------------------------------------------------------------------------
+def test_compare_advances_runs_in_lock_step_then_reports(server, engine, tmp_path):
+    app, url, _ = server
+    job = client(url).submit(text="bcdef", run_names=["isd", "jacobi"], n_tokens=24, temp=0, seed_value=0,
+                             pace_ms=10, api_name="/compare")
+    frames = [named(app, "compare", out) for out in job]
+    final = named(app, "compare", job.outputs()[-1])
+    ends = [len(final[f"cmp-trajectory-{i}"]["rows"]) for i in range(3)]
+    specs = parse_specs("isd,jacobi")
+    runs = [Run(engine, *build_run(s.strategy, s.preset, [], 24, 0.0, None, None, 0, []), "bcdef",
+                encode_prompt(engine, "bcdef")) for s in specs]
+    drive(runs)
+    assert ends == [len({e["step"] for e in r.result.events}) for r in runs]
+    seen = 0
+    for f in frames:
+        grids = [f.get(f"cmp-trajectory-{i}") for i in range(3)]
+        sizes = [len(g["rows"]) for g in grids if isinstance(g, dict)]
+        live = [n for n, end in zip(sizes, ends) if n < end]
+        if len(sizes) == 3 and len(live) > 1:
+            seen += 1
+            assert max(live) - min(live) <= 1   # one forward per step here: lock-step by forward count
+    assert seen >= 2
+    table = final["cmp-table"]
+    for label, r in zip(["ar", "isd", "jacobi"], runs):
+        assert f"<td>{label}</td>" in table and render.esc(r.result.footer["text"]) in table
+    assert "<td>jacobi</td><td>24</td>" in table and table.count("<td>yes</td>") >= 2   # greedy jacobi == ar
+    report = file_path(final["cmp-report"])
+    text = open(report, encoding="utf-8").read()
+    assert text.startswith("<!DOCTYPE html>") and "jacobi" in text
+
+
+def test_compare_refuses_too_many_runs_with_a_message(server):
+    app, url, _ = server
+    out = named(app, "compare", client(url).predict(text="bcd", run_names=["isd", "r-isd", "jacobi", "jacobi-mr"],
+                                                     api_name="/compare"))
+    assert "compare 2 to 4 runs" in out["cmp-status"] and "ar, isd, r-isd, jacobi, jacobi-mr" in out["cmp-status"]
+
+
+# -- traces -----------------------------------------------------------------------------------------
+def test_an_uploaded_trace_replays_and_downloads_in_every_format(server, engine, tmp_path):
+    app, url, _ = server
+    src = tmp_path / "run.jsonl"
+    strat, settings = build_run("isd", None, {}, 20, None, None, None, 0, [])
+    result = Session(engine, strat, settings).run(XSS, encode_prompt(engine, XSS), trace_path=str(src))
+    n_steps = len({e["step"] for e in result.events})
+    c = client(url)
+    loaded = named(app, "load_traces", c.predict(paths=[handle_file(str(src))], api_name="/load_traces"))
+    assert "loaded 1 trace(s)" in loaded["trace-status"]
+    assert len(loaded["trace-trajectory"]["rows"]) == n_steps
+    assert render.esc(XSS) in loaded["trace-info"] and XSS not in loaded["trace-info"]
+    seek = named(app, "replay_seek", c.predict(shown=3, api_name="/replay_seek"))
+    assert len(seek["trace-trajectory"]["rows"]) == 3
+    assert seek["trace-trajectory"]["rows"] == loaded["trace-trajectory"]["rows"][:3]
+    played = [named(app, "play", out) for out in c.submit(shown=3, steps_per_s=60, api_name="/play")]
+    shown = [f["trace-step"] for f in played if isinstance(f.get("trace-step"), (int, float))]
+    assert shown == sorted(shown) and shown[0] > 3 and shown[-1] == n_steps
+    for label, check in (("JSONL trace", lambda p: read_trace(p).events == result.events),
+                         ("Parquet", lambda p: open(p, "rb").read(4) == b"PAR1"),
+                         ("Perfetto", lambda p: "traceEvents" in json.load(open(p))),
+                         ("HTML report", lambda p: "<img src=x" not in open(p, encoding="utf-8").read())):
+        out = named(app, "download_trace", c.predict(label=label, api_name="/download_trace"))
+        assert check(file_path(out["trace-file"])), label
+
+
+def test_a_bad_trace_is_a_one_line_message(server, tmp_path):
+    app, url, _ = server
+    bad = tmp_path / "bad.jsonl"
+    good_header = json.dumps({"kind": "header", "schema": "dlm-studio.trace/1"})
+    bad.write_text(good_header + "\n{not json\n")
+    out = named(app, "load_traces", client(url).predict(paths=[handle_file(str(bad))], api_name="/load_traces"))
+    status = out["trace-status"]
+    assert 'class="note error"' in status and "bad.jsonl" in status and "/tmp" not in status
+    assert "Traceback" not in status and "\n" not in status
+    with pytest.raises(BadInput, match="bad.jsonl: .* over the .* upload limit"):
+        read_upload(bad, limit=10)
+
+
+# -- safety -----------------------------------------------------------------------------------------
+def test_a_markup_prompt_is_text_in_every_view(server, engine, tmp_path):
+    app, url, _ = server
+    c = client(url)
+    chat = named(app, "chat", c.predict(text=XSS, strategy="isd", max_new_tokens=12, api_name="/chat"))
+    cmp = named(app, "compare", c.predict(text=XSS, run_names=["isd"], n_tokens=12, api_name="/compare"))
+    report = file_path(cmp["cmp-report"])
+    views = [json.dumps(chat), json.dumps({k: v for k, v in cmp.items() if k != "cmp-figure"}),
+             open(report, encoding="utf-8").read()]
+    assert chat_text(chat["chat-log"])[0] == render.esc(XSS)   # shown as text: the chatbot renders no markup
+    for view in views:
+        assert "<img" not in view
+    rows = "".join(chat["chat-trajectory"]["rows"])
+    # token texts (hover, emitted text) are full of < > & " ': in the HTML every < opens one of our tags and
+    # every & starts an entity
+    assert set(re.findall(r"<(/?[a-z]+)", rows)) <= {"div", "/div", "span", "/span", "i", "/i"}
+    assert not re.search(r"&(?!(lt|gt|amp|quot|#x27);)", rows)
+
+
+def test_the_engine_queue_serves_one_decoding_request_at_a_time(server):
+    app, _, _ = server
+    for api_name in ("chat", "compare"):
+        dep = next(d for d in app.fns.values() if d.api_name == api_name)
+        assert dep.concurrency_id == "engine" and dep.concurrency_limit == 1
