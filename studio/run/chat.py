@@ -6,22 +6,16 @@ Shared by the plain REPL (`dlm-studio chat --plain`) and the TUI's chat screen, 
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from typing import TYPE_CHECKING
 
 from studio.errors import BadInput
-from studio.run.config import build_run, parse_value
+from studio.run.config import RunConfig, parse_value
 
 if TYPE_CHECKING:   # studio.run.session imports torch; the TUI's replay screen runs without it
     from studio.run.session import Run, RunResult
-
-# /set keys that are generation settings; every other key is a strategy parameter
-SAMPLING_KEYS = ("temperature", "top_k", "top_p")
-SETTING_KEYS = SAMPLING_KEYS + ("max_new_tokens", "seed")
-ALIASES = {"top-k": "top_k", "top-p": "top_p", "max-new-tokens": "max_new_tokens", "max_tokens": "max_new_tokens",
-           "max-tokens": "max_new_tokens"}
 
 HELP = """commands:
   /strategy NAME|PRESET   decode the next turns with a strategy or a strategy preset
@@ -34,68 +28,6 @@ HELP = """commands:
 
 
 @dataclass
-class RunChoice:
-    """What the next turn runs: a strategy or a preset, parameter overrides and generation settings.
-    Every change is validated by building the run, so a bad value never reaches a turn."""
-    strategy: str | None = "ar"
-    preset: str | None = None
-    params: dict = field(default_factory=dict)
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    max_new_tokens: int | None = None
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-
-    @property
-    def label(self) -> str:
-        return self.preset or self.strategy or "?"
-
-    def build(self):
-        """(Strategy, Settings) for the next turn."""
-        return build_run(self.strategy, self.preset, self.params, self.max_new_tokens, self.temperature,
-                         self.top_k, self.top_p, self.seed, self.stop)
-
-    def use(self, name: str) -> "RunChoice":
-        """A copy running strategy or preset `name`, with its own defaults (overrides of the old one dropped)."""
-        from studio.engine.strategies import STRATEGIES
-        from studio.presets import list_presets
-        if name in STRATEGIES:
-            choice = RunChoice(name, None, {}, self.temperature, self.top_k, self.top_p, self.max_new_tokens,
-                               self.seed, self.stop)
-        elif name in list_presets("strategies") or name.endswith(".toml"):
-            choice = RunChoice(None, name, {}, self.temperature, self.top_k, self.top_p, self.max_new_tokens,
-                               self.seed, self.stop)
-        else:
-            raise BadInput(f"unknown strategy or preset {name!r} (strategies: {', '.join(STRATEGIES)}; "
-                           f"presets: {', '.join(list_presets('strategies'))})")
-        choice.build()
-        return choice
-
-    def set(self, key: str, value: object) -> "RunChoice":
-        """A copy with one setting or strategy parameter changed (BadInput if it does not build)."""
-        key = ALIASES.get(key, key).replace("-", "_")
-        fields = dict(vars(self), params=dict(self.params))
-        if key in SETTING_KEYS:
-            fields[key] = value
-        else:
-            fields["params"][key] = value
-        choice = RunChoice(**fields)
-        try:
-            choice.build()
-        except TypeError as e:   # a setting of the wrong type
-            raise BadInput(f"{key}: {e}") from None
-        return choice
-
-    def describe(self) -> str:
-        strategy, settings = self.build()
-        s = settings.sampling
-        params = ", ".join(f"{k}={v}" for k, v in strategy.header_params().items())
-        return (f"{self.label} ({strategy.name}{': ' + params if params else ''}) · temperature {s.temperature:g} · "
-                f"top_k {s.top_k} · top_p {s.top_p:g} · seed {settings.seed} · max_new_tokens {settings.max_new_tokens}")
-
-
-@dataclass
 class Reply:
     """What a command did: a message to show, and whether the chat should end."""
     message: str
@@ -105,8 +37,8 @@ class Reply:
 class ChatSession:
     """`draft`: the engine SimSD turns draft with (`--draft-model`); None: SimSD drafts with the model itself."""
 
-    def __init__(self, engine, choice: RunChoice, chat: bool = True, draft=None):
-        from studio.run.session import Conversation
+    def __init__(self, engine, choice: RunConfig, chat: bool = True, draft=None):
+        from studio.run.conversation import Conversation
         self.engine, self.choice, self.draft = engine, choice, draft
         self.conversation = Conversation(engine, chat=chat)
 
@@ -163,7 +95,7 @@ class ChatSession:
         if len(args) not in (1, 2):
             return Reply(f"usage: /model SPEC [ADAPTER] (now: {self.engine.name})")
         from studio.engine.engine import Engine
-        from studio.run.session import Conversation
+        from studio.run.conversation import Conversation
         engine = Engine.load(args[0], adapter=args[1] if len(args) == 2 else None)
         self.engine, self.conversation = engine, Conversation(engine, chat=self.conversation.chat)
         return Reply(f"model {engine.name} loaded in {engine.load_s:.1f}s; conversation reset")

@@ -1,13 +1,29 @@
-"""What to run: a strategy (by name or preset) with its parameters, and the generation settings, merged
-from a preset, user overrides and built-in defaults. The CLI, chat, the TUI and the web UI build runs here."""
+"""What to run, as one typed object: `RunConfig` (a strategy or preset, its parameters, sampling, seed, limits,
+stop strings) and `ModelChoice` (the model, adapter, draft model, device and dtype it runs on).
+
+Every front end builds these the same way (the CLI from its shared options in `studio.run.options`, the chat
+commands with `use`/`set`, the TUI controls and the web form) and turns them into runs through `RunConfig.build`
+and `studio.run.compare.make_runs`. Values merge as: explicit settings > the preset's > built-in defaults.
+"""
 from __future__ import annotations
 
+import dataclasses
 import tomllib
-from typing import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping
 
 from studio.errors import BadInput
 
+if TYPE_CHECKING:   # torch-heavy modules; a config is built before anything loads
+    from studio.engine.engine import Engine
+    from studio.engine.strategies import Strategy
+    from studio.run.session import Settings
+
 DEFAULT_MAX_NEW_TOKENS = 128
+SAMPLING_KEYS = ("temperature", "top_k", "top_p")
+SETTING_KEYS = SAMPLING_KEYS + ("max_new_tokens", "seed")   # `set` keys that are not strategy parameters
+ALIASES = {"top-k": "top_k", "top-p": "top_p", "max-new-tokens": "max_new_tokens", "max_tokens": "max_new_tokens",
+           "max-tokens": "max_new_tokens"}
 
 
 def parse_value(raw: str) -> object:
@@ -29,27 +45,125 @@ def parse_param(text: str) -> tuple[str, object]:
     return key.strip(), parse_value(raw)
 
 
-def build_run(strategy: str | None, preset: str | None, params: Iterable[str] | Mapping[str, object],
-              max_new_tokens: int | None, temperature: float | None, top_k: int | None, top_p: float | None,
-              seed: int, stop: Iterable[str], oracle_accept: float | None = None):
-    """Merge preset and overrides into (Strategy, Settings); overrides win. `params`: `KEY=VALUE` strings
-    or a mapping; `oracle_accept`: bench's acceptance oracle (Settings). BadInput for an unknown strategy,
-    preset or parameter, or a value out of range."""
-    from studio.engine.sampling import SamplingParams
-    from studio.engine.strategies import make_strategy
-    from studio.presets import load_strategy_preset
-    from studio.run.session import Settings
+def strategy_or_preset(name: str) -> tuple[str | None, str | None]:
+    """`name` as (strategy, None) or (None, preset); BadInput naming both lists when it is neither."""
+    from studio.engine.strategies import STRATEGIES
+    from studio.presets import list_presets
+    if name in STRATEGIES:
+        return name, None
+    presets = list_presets("strategies")
+    if name in presets or name.endswith(".toml"):
+        return None, name
+    raise BadInput(f"unknown strategy or preset {name!r} (strategies: {', '.join(STRATEGIES)}; "
+                   f"presets: {', '.join(presets)})")
 
-    base = load_strategy_preset(preset) if preset else None
-    name = strategy or (base.strategy if base else None)
-    if name is None:
-        raise BadInput("give a strategy with -s/--strategy or a --preset")
-    merged = dict(base.params) if base and base.strategy == name else {}
-    merged.update(params.items() if isinstance(params, Mapping) else (parse_param(p) for p in params))
-    sampling = dict(base.sampling) if base else {}
-    for key, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
-        if value is not None:
-            sampling[key] = value
-    mnt = max_new_tokens or (base.max_new_tokens if base else None) or DEFAULT_MAX_NEW_TOKENS
-    return make_strategy(name, merged), Settings(max_new_tokens=mnt, sampling=SamplingParams(**sampling),
-                                                 seed=seed, stop=tuple(stop), oracle_accept=oracle_accept)
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run: a strategy or a strategy preset, parameter overrides and generation settings. `None` settings
+    take the preset's value, then the built-in default. `build` validates everything, so a front end builds
+    once when the user changes something and a bad value never reaches a run."""
+    strategy: str | None = "ar"
+    preset: str | None = None
+    params: Mapping[str, object] = field(default_factory=dict)
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    max_new_tokens: int | None = None
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    oracle_accept: float | None = None   # bench: accept decisions are Bernoulli(P) draws (the output means nothing)
+
+    @property
+    def label(self) -> str:
+        """What the user asked for: the preset's name, else the strategy's."""
+        from pathlib import Path
+        return Path(self.preset).stem if self.preset else self.strategy or "?"
+
+    def build(self) -> tuple[Strategy, Settings]:
+        """The strategy and settings of a run; BadInput for an unknown strategy, preset or parameter, or a value
+        out of range."""
+        from studio.engine.sampling import SamplingParams
+        from studio.engine.strategies import make_strategy
+        from studio.presets import load_strategy_preset
+        from studio.run.session import Settings
+
+        base = load_strategy_preset(self.preset) if self.preset else None
+        name = self.strategy or (base.strategy if base else None)
+        if name is None:
+            raise BadInput("give a strategy with -s/--strategy or a --preset")
+        params = dict(base.params) if base and base.strategy == name else {}
+        params.update(self.params)
+        sampling = dict(base.sampling) if base else {}
+        sampling.update({k: getattr(self, k) for k in SAMPLING_KEYS if getattr(self, k) is not None})
+        limit = self.max_new_tokens or (base.max_new_tokens if base else None) or DEFAULT_MAX_NEW_TOKENS
+        settings = Settings(max_new_tokens=limit, sampling=SamplingParams(**sampling), seed=self.seed,
+                            stop=tuple(self.stop), oracle_accept=self.oracle_accept)
+        return make_strategy(name, params), settings
+
+    def use(self, name: str) -> "RunConfig":
+        """This configuration running strategy or preset `name` with its own parameters (the old overrides are
+        dropped; sampling, seed, limits and stop strings stay)."""
+        strategy, preset = strategy_or_preset(name)
+        config = dataclasses.replace(self, strategy=strategy, preset=preset, params={})
+        config.build()
+        return config
+
+    def set(self, key: str, value: object) -> "RunConfig":
+        """A copy with one setting or strategy parameter changed (BadInput if it does not build)."""
+        key = ALIASES.get(key, key).replace("-", "_")
+        if key in SETTING_KEYS:
+            config = dataclasses.replace(self, **{key: value})
+        else:
+            config = dataclasses.replace(self, params={**self.params, key: value})
+        try:
+            config.build()
+        except TypeError as e:   # a setting of the wrong type (`/set seed x`)
+            raise BadInput(f"{key}: {e}") from None
+        return config
+
+    def describe(self) -> str:
+        strategy, settings = self.build()
+        s = settings.sampling
+        params = ", ".join(f"{k}={v}" for k, v in strategy.header_params().items())
+        return (f"{self.label} ({strategy.name}{': ' + params if params else ''}) · temperature {s.temperature:g} · "
+                f"top_k {s.top_k} · top_p {s.top_p:g} · seed {settings.seed} · max_new_tokens {settings.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """The model runs decode with: a model spec (`default`, a preset, a directory, a .gguf, random:NAME), an adapter
+    (None: each strategy's shipped one; 'none': the plain model), SimSD's drafter, the device and dtype, and
+    whether prompts get the chat template."""
+    model: str = "default"
+    adapter: str | None = None
+    draft_model: str | None = None
+    draft_adapter: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    graphs: bool = True
+    chat_template: bool = True
+
+    def load(self) -> Engine:
+        from studio.engine.engine import Engine
+        return Engine.load(self.model, adapter=self.adapter, device=self.device, dtype=self.dtype, graphs=self.graphs)
+
+    def load_draft(self) -> Engine | None:
+        """SimSD's drafter (`--draft-model`, default: the target model, with `--draft-adapter`) on the target's
+        device and dtype; None without either flag (SimSD then drafts with the target itself)."""
+        if self.draft_model is None and self.draft_adapter is None:
+            return None
+        from studio.engine.engine import Engine
+        return Engine.load(self.draft_model or self.model, adapter=self.draft_adapter, device=self.device,
+                           dtype=self.dtype)
+
+    def attach_draft(self, strategies, engine: Engine) -> None:
+        """Give the SimSD runs among `strategies` the drafter (see `load_draft`)."""
+        if self.draft_model is None and self.draft_adapter is None:
+            return
+        takers = [s for s in strategies if hasattr(s, "use_draft")]
+        if not takers:
+            raise BadInput("--draft-model/--draft-adapter apply to simsd runs only")
+        draft = self.load_draft()
+        for s in takers:
+            s.use_draft(draft, engine.config)

@@ -1,6 +1,6 @@
 """Runs: one strategy on one prompt, driven one forward at a time, and the loops built on it.
 
-`Run` is the steppable object every front end drives (DESIGN §7): `advance()` does the prefill, then
+`Run` is the steppable object every front end drives (docs/architecture.md): `advance()` does the prefill, then
 one strategy step per call, and hands back that step's events; `cancel()` (from any thread) ends the
 run at the next step boundary with `stop_reason = "cancelled"`. `drive` is the one loop: a single run
 to its end, or several in lock-step by forward count (compare). `Session.run` is `drive` on one run.
@@ -44,9 +44,10 @@ class RunResult:
     events: list[dict]
     footer: dict
     token_ids: list[int]
+    model_adapter: str | None = None   # the adapter whose model the output follows (`Run.model_adapter`)
 
     def summary(self) -> dict:
-        """The `run --json` object (DESIGN §2.1)."""
+        """The `run --json` object (docs/cli.md#json-outputs)."""
         f, h = self.footer, self.header
         return {"text": f["text"], "token_ids": self.token_ids, "n_tokens": f["n_tokens"],
                 "forwards": f["forwards"], "tpf": f["tpf"], "accept_rate": f["accept_rate"],
@@ -117,16 +118,15 @@ class Run:
         self.out = Output(engine.tokenizer, settings.max_new_tokens, frozenset(engine.eos_ids()), tuple(settings.stop))
         self.ctx = DecodeContext(engine.model, engine.tokenizer, settings.sampling, settings.seed, self.out,
                                  engine.config.mask_token_id, kv_len, kv=kv, oracle_accept=settings.oracle_accept,
-                                 graphs=engine.graphs)
+                                 graphs=engine.graphs, clean_gate=strategy.clean_gate(engine.lora))
         self._writer = ev.TraceWriter(trace_path, self.header) if trace_path else None
         self._on_finish = on_finish
         self._cancel = threading.Event()
         self.events: list[dict] = []
-        self.forwards = 0            # forwards after the prefill (the lock-step clock, DESIGN §2.3)
+        self.forwards = 0            # forwards after the prefill (the lock-step clock, docs/metrics.md)
         self.started = False
         self.prefill_s = 0.0
         self.decode_s = 0.0
-        self._prefill_tokens = 0
         self.result: RunResult | None = None
 
     def _header(self, prompt_text: str) -> dict:
@@ -142,6 +142,11 @@ class Run:
     @property
     def done(self) -> bool:
         return self.result is not None
+
+    @property
+    def model_adapter(self) -> str | None:
+        """The adapter whose model this run decodes (its LoRA on the clean rows), None for the base model."""
+        return self.engine.adapter if self.ctx.clean_gate else None
 
     def keep_cache(self):
         """The run's KV cache, kept by the caller after the run (not given back to the pool)."""
@@ -174,7 +179,6 @@ class Run:
                 self.strategy.start(self.ctx, self.prompt_ids)
                 synchronize(self.ctx.device)
                 self.prefill_s = time.perf_counter() - t
-                self._prefill_tokens = len(self.out.token_ids)
             else:
                 self.strategy.step(self.ctx)
                 synchronize(self.ctx.device)
@@ -201,14 +205,13 @@ class Run:
         return events
 
     def _finish(self) -> None:
-        decoded = len(self.out.token_ids) - self._prefill_tokens
-        footer = dict(ev.summarize(self.events), stop_reason=self.out.stop_reason, prefill_s=self.prefill_s,
-                      wall_s=self.prefill_s + self.decode_s,
-                      tok_s=decoded / self.decode_s if self.decode_s > 0 else 0.0)
+        tally = ev.Tally().feed_all(self.events)
+        footer = dict(tally.footer(), stop_reason=self.out.stop_reason, prefill_s=self.prefill_s,
+                      wall_s=self.prefill_s + self.decode_s, tok_s=ev.tok_per_s(tally.decoded, self.decode_s))
         if self._writer:
             self._writer.close(footer)
         self.result = RunResult(header=self.header, events=self.events, footer=footer,
-                                token_ids=list(self.out.token_ids))
+                                token_ids=list(self.out.token_ids), model_adapter=self.model_adapter)
         if self._on_finish:
             self._on_finish(self)
         if self._lent:
@@ -248,54 +251,3 @@ class Session:
                     sink(e)
         drive([run], publish)
         return run.result
-
-
-class Conversation:
-    """A multi-turn chat: the messages so far, and the committed KV of the history kept between turns,
-    so that a turn prefills only the tokens after the longest prefix it shares with the cached history.
-
-    The cache is reused only by a strategy whose committed KV is token-causal (`Strategy.causal_kv`) and
-    with the same strategy and parameters as the turn that filled it; otherwise, or after `reset`, the
-    turn prefills the whole history. An edited history shares a shorter prefix and so re-prefills from
-    the first changed token. `chat=False` concatenates the messages without the chat template.
-    """
-
-    def __init__(self, engine: Engine, chat: bool = True):
-        self.engine, self.chat = engine, chat
-        self.messages: list[dict] = []
-        self.turns: list[RunResult] = []
-        self._kv = None            # the cache after the last turn, its committed slots = _kv_ids
-        self._kv_ids: list[int] = []
-        self._kv_key: tuple | None = None
-
-    def reset(self) -> None:
-        self.messages, self.turns = [], []
-        self._kv, self._kv_ids, self._kv_key = None, [], None
-
-    def start_turn(self, user_text: str, strategy: Strategy, settings: Settings,
-                   trace_path: str | None = None) -> Run:
-        """The run of the assistant's answer to `user_text`. When it finishes, both messages join the
-        history; a run that fails or is never finished leaves the history as it was."""
-        messages = self.messages + [{"role": "user", "content": user_text}]
-        ids = encode_messages(self.engine, messages, self.chat)
-        key = (strategy.kv_signature(), self.engine.for_strategy(strategy.name).adapter)
-        kv, self._kv = self._kv, None          # the run owns the cache until it finishes
-        if kv is not None and key == self._kv_key and strategy.causal_kv(self.engine.config):
-            shared = 0
-            for a, b in zip(self._kv_ids, ids):
-                if a != b:
-                    break
-                shared += 1
-            kv.rollback(min(shared, len(ids) - 1))   # at least the last prompt token is recomputed
-        else:
-            kv = None
-
-        def finished(run: Run) -> None:
-            self.messages = messages + [{"role": "assistant", "content": run.out.text}]
-            self.turns.append(run.result)
-            cache = run.keep_cache()
-            # committed slots hold (prompt + output) in order; a commit past the output (drafts after an EOS) is dropped
-            valid = min(cache.length, len(ids) + len(run.out.token_ids))
-            cache.rollback(valid)
-            self._kv, self._kv_ids, self._kv_key = cache, (ids + run.out.token_ids)[:valid], key
-        return Run(self.engine, strategy, settings, user_text, ids, trace_path=trace_path, kv=kv, on_finish=finished)

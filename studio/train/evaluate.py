@@ -14,7 +14,7 @@ from pathlib import Path
 
 from studio.run.compare import RunSpec, first_difference
 from studio.run.session import Session, encode_prompt
-from studio.viz.stats import acceptance
+from studio.events.metrics import Tally, tok_per_s
 
 # the runs that can use an adapter of each recipe (train_state.json's kind and gate)
 RUNS_FOR = {("idlm", "mask"): "r-isd", ("idlm", "all"): "isd,r-isd", ("block", "mask"): "blockdiff,s2d2,simsd",
@@ -33,42 +33,37 @@ def default_runs(adapter_dir: str | Path) -> str:
 
 
 @dataclass
-class Tally:
-    tokens: int = 0
-    forwards: int = 0
+class Pooled:
+    """One strategy's runs over the prompts: their events counted together, timing and agreement with ar."""
+    tally: Tally = field(default_factory=Tally)
     decode_s: float = 0.0
-    accepted: list[int] = field(default_factory=list)
-    verified: list[int] = field(default_factory=list)
     identical: int = 0
     agree: int = 0               # tokens equal to ar's at the same position
     ar_tokens: int = 0
     ratios: list[float] = field(default_factory=list)   # per-prompt tok/s ÷ ar tok/s
 
-    def add_slots(self, acc, ver) -> None:
-        n = max(len(self.accepted), len(acc))
-        self.accepted = [a + b for a, b in zip(self.accepted + [0] * n, list(acc) + [0] * n)][:n]
-        self.verified = [a + b for a, b in zip(self.verified + [0] * n, list(ver) + [0] * n)][:n]
+    @property
+    def tok_s(self) -> float:
+        return tok_per_s(self.tally.decoded, self.decode_s)
 
 
 def evaluate(engine, prompts: list[str], specs: list[RunSpec], max_new_tokens: int = 128, progress=None) -> dict:
     """Returns {model, adapter, prompts, max_new_tokens, rows: [...]} (rows: ar first)."""
-    from studio.run.config import build_run
+    from studio.run.config import RunConfig
 
-    runs = {s.label: build_run(s.strategy, s.preset, [], max_new_tokens, 0.0, None, None, 0, []) for s in specs}
+    runs = {s.label: RunConfig(s.strategy, preset=s.preset, max_new_tokens=max_new_tokens, temperature=0.0).build()
+            for s in specs}
     ids = [encode_prompt(engine, p) for p in prompts]
     for label, (strategy, settings) in runs.items():      # warm-up, not counted
         Session(engine, strategy, settings).run(prompts[0], ids[0][:16])
-    tallies = {label: Tally() for label in runs}
+    pooled = {label: Pooled() for label in runs}
     for i, prompt in enumerate(prompts):
         ar_ids, ar_tok_s = None, None
         for label, (strategy, settings) in runs.items():
             r = Session(engine, strategy, settings).run(prompt, ids[i])
-            t, f = tallies[label], r.footer
-            t.tokens += f["n_tokens"]
-            t.forwards += f["forwards"]
+            t, f = pooled[label], r.footer
+            t.tally.feed_all(r.events)
             t.decode_s += f["wall_s"] - f["prefill_s"]
-            acc = acceptance(r.events)
-            t.add_slots(acc.accepted_by_pos, acc.verified_by_pos)
             if ar_ids is None:
                 ar_ids, ar_tok_s = r.token_ids, f["tok_s"]
             t.identical += first_difference(ar_ids, r.token_ids) is None
@@ -78,16 +73,14 @@ def evaluate(engine, prompts: list[str], specs: list[RunSpec], max_new_tokens: i
                 t.ratios.append(f["tok_s"] / ar_tok_s)
             if progress:
                 progress(i, label)
-    ar = tallies[specs[0].label]
-    ar_rate = ar.tokens / max(ar.decode_s, 1e-9)
+    ar_rate = pooled[specs[0].label].tok_s
     rows = []
-    for label, t in tallies.items():
-        rate = t.tokens / max(t.decode_s, 1e-9)
+    for label, t in pooled.items():
+        acc = t.tally.acceptance
         rows.append({"label": label, "strategy": runs[label][0].name, "params": runs[label][0].header_params(),
-                     "tokens": t.tokens, "forwards": t.forwards, "tpf": t.tokens / max(1, t.forwards),
-                     "accept_rate": sum(t.accepted) / sum(t.verified) if sum(t.verified) else None,
-                     "accept_by_slot": [a / v if v else None for a, v in zip(t.accepted, t.verified)],
-                     "tok_s": rate, "speed_vs_ar": rate / ar_rate,
+                     "tokens": t.tally.n_tokens, "forwards": t.tally.forwards, "tpf": t.tally.tpf,
+                     "accept_rate": acc.rate if acc.verified else None, "accept_by_slot": acc.by_pos,
+                     "tok_s": t.tok_s, "speed_vs_ar": t.tok_s / ar_rate if ar_rate else 0.0,
                      "speed_vs_ar_median": statistics.median(t.ratios) if t.ratios else None,
                      "identical_prompts": t.identical, "token_agreement": t.agree / max(1, t.ar_tokens)})
     return {"model": engine.name, "adapter": engine.adapter, "prompts": prompts, "max_new_tokens": max_new_tokens,

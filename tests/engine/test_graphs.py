@@ -231,7 +231,8 @@ def test_runs_reuse_pooled_caches_and_the_graphs_captured_on_them(monkeypatch):
     tokens of an eager run. Runs alive at once get caches of their own; a chat keeps its cache (and graphs)
     between turns instead of giving it back."""
     from studio.engine.strategies import make_strategy
-    from studio.run.session import Conversation, Run, Session, Settings, drive
+    from studio.run.conversation import Conversation
+    from studio.run.session import Run, Session, Settings, drive
     from tests.support.tiny import tiny_engine
 
     runners = []

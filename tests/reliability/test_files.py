@@ -118,14 +118,14 @@ def test_labels_that_would_share_a_trace_file_are_refused(tmp_path):
 def test_a_malicious_run_label_writes_its_trace_inside_the_trace_dir(tmp_path):
     """A label from a preset or a trace ('../../x', an absolute path) only names a file inside trace_dir."""
     from studio.run.compare import RunSpec, run_compare
-    from studio.run.config import build_run
+    from studio.run.config import RunConfig
     from studio.run.session import encode_prompt
     engine = tiny_engine("llama", vocab=16)
     d = tmp_path / "a" / "traces"
     d.mkdir(parents=True)
     specs = [RunSpec("ar", "ar", None), RunSpec("../../escape", "jacobi", None), RunSpec("/abs/evil", "isd", None)]
     run_compare(engine, "abc", encode_prompt(engine, "abc"), specs,
-                lambda s: build_run(s.strategy, None, [], 4, 0.0, None, None, 0, []), d)
+                lambda s: RunConfig(s.strategy, max_new_tokens=4, temperature=0.0).build(), d)
     assert sorted(p.name for p in d.iterdir()) == ["abs-evil.jsonl", "ar.jsonl", "escape.jsonl"]
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == sorted(p.name for p in d.iterdir())
     assert read_trace(d / "escape.jsonl").header["strategy"] == "jacobi"
@@ -133,11 +133,11 @@ def test_a_malicious_run_label_writes_its_trace_inside_the_trace_dir(tmp_path):
 
 def test_web_downloads_use_safe_names(tmp_path):
     from studio.run.compare import as_trace
-    from studio.run.config import build_run
+    from studio.run.config import RunConfig
     from studio.run.session import Session, encode_prompt
     from studio.web.files import Downloads
     engine = tiny_engine("llama", vocab=16)
-    strat, settings = build_run("ar", None, [], 4, 0.0, None, None, 0, [])
+    strat, settings = RunConfig("ar", max_new_tokens=4, temperature=0.0).build()
     trace = as_trace(Session(engine, strat, settings).run("abc", encode_prompt(engine, "abc")))
     dl = Downloads()
     for fmt in ("jsonl", "perfetto"):

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from studio.engine.sampling import SamplingParams, process_logits
 from studio.engine.strategies import STRATEGIES
 from studio.errors import BadInput
-from studio.run.config import build_run
+from studio.run.config import RunConfig
 from studio.run.session import Session
 from tests.support.lora import random_adapter
 from tests.support.tiny import tiny_engine
@@ -27,7 +27,7 @@ def engine():
 
 
 def token_ids(eng, strategy: str, temperature=None, top_k=None, top_p=None, seed: int = 0) -> list[int]:
-    strat, settings = build_run(strategy, None, [], 16, temperature, top_k, top_p, seed, [])
+    strat, settings = RunConfig(strategy, max_new_tokens=16, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed).build()
     return Session(eng, strat, settings).run("hi", [1, 2, 3]).token_ids
 
 

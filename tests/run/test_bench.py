@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from studio.run.bench import BUILTIN_PROMPTS, load_prompts, spread
 from studio.cli import app
-from studio.run.config import build_run
+from studio.run.config import RunConfig
 from studio.engine.engine import Engine
 from studio.errors import BadInput
 from studio.run.session import Session, encode_prompt
@@ -42,7 +42,7 @@ def bench(engine, monkeypatch, tmp_path):
 
 
 def _tokens(engine, name, preset, prompt, n=10, temperature=0.0, seed=0):
-    strat, settings = build_run(name, preset, [], n, temperature, None, None, seed, [])
+    strat, settings = RunConfig(name, preset=preset, max_new_tokens=n, temperature=temperature, seed=seed).build()
     return Session(engine, strat, settings).run(prompt, encode_prompt(engine, prompt)).token_ids
 
 

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from studio.run.chat import ChatSession, RunChoice
+from studio.run.chat import ChatSession
+from studio.run.config import RunConfig
 from studio.events import read_trace
 from studio.tui.repl import chat_repl
 from studio.run.session import drive
@@ -20,7 +21,7 @@ from tests.support.tiny import tiny_engine
 
 
 def session(name="ar", n=8, **kw):
-    return ChatSession(tiny_engine("llama", vocab=20, seed=2), RunChoice(name, max_new_tokens=n, **kw))
+    return ChatSession(tiny_engine("llama", vocab=20, seed=2), RunConfig(name, max_new_tokens=n, **kw))
 
 
 def finish(s: ChatSession, text: str):

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from studio.run.config import build_run
+from studio.run.config import RunConfig
 from studio.events import read_trace
 from studio.presets import list_presets, load_strategy_preset
 from tests.support.adapters import random_mask_adapter
@@ -50,7 +50,7 @@ def test_preset_sets_paper_configuration(preset, strategy):
 @pytest.mark.parametrize("preset", list_presets("strategies"))
 def test_every_strategy_preset_builds_a_run(preset):
     """`run --preset NAME` for every file in presets/strategies: it parses, names a strategy and its params validate."""
-    strategy, settings = build_run(None, preset, [], None, None, None, None, 0, [])
+    strategy, settings = RunConfig(None, preset=preset).build()
     assert strategy.name == load_strategy_preset(preset).strategy
     assert settings.max_new_tokens >= 1
 
@@ -162,3 +162,37 @@ def _corrupt(path, adapter):
 def test_wrong_adapter_is_exit_2(tmp_path, embedded_adapter, make, needle):
     make(tmp_path / "bad", embedded_adapter)
     assert_one_line_error(cli("run", "hi", "-s", "r-isd", "--adapter", str(tmp_path / "bad")), needle)
+
+
+def test_generation_commands_share_one_declaration_of_each_option():
+    """run, chat, tui, web, compare and bench take the shared options from studio.run.options, each with its help
+    text (compare and bench once redeclared some without), less the ones a command cannot use."""
+    import typer.main
+
+    from studio.cli import app
+    from studio.run.options import MODEL_OPTIONS, RUN_OPTIONS
+    left_out = {"web": {"draft_model", "draft_adapter"}, "compare": {"param"},
+                "bench": {"draft_model", "draft_adapter", "param", "raw"}}
+    commands = typer.main.get_command(app).commands
+    for name in ("run", "chat", "tui", "web", "compare", "bench"):
+        params = {p.name: p for p in commands[name].params}
+        for option, (_, declared) in {**MODEL_OPTIONS, **RUN_OPTIONS}.items():
+            if option in left_out.get(name, ()):
+                assert option not in params, (name, option)
+                continue
+            assert params[option].help and params[option].help == declared.help, (name, option)
+            assert params[option].opts[0] == declared.param_decls[0].split("/")[0], (name, option)
+
+
+def test_strategy_option_names_a_strategy_or_a_preset():
+    """`-s` takes a preset as compare's list does; a preset given twice is refused; nothing given is ar."""
+    from studio.errors import BadInput
+    from studio.run.options import RUN_OPTIONS, run_config
+    values = {name: option.default for name, (_, option) in RUN_OPTIONS.items()}
+    config = run_config("isd-n4", values)
+    strategy, _ = config.build()
+    assert (config.strategy, config.preset, config.label, strategy.name) == (None, "isd-n4", "isd-n4", "isd")
+    assert strategy.header_params()["stride"] == 4
+    with pytest.raises(BadInput, match="not both"):
+        run_config("isd-n4", {**values, "preset": "isd-n3"})
+    assert (run_config(None, values).strategy, run_config("jacobi", values).strategy) == ("ar", "jacobi")

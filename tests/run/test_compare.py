@@ -1,5 +1,5 @@
 """`dlm-studio compare` and the demo (`make run`) on tiny random models: the --json contract, agreement with
-ar, traces, the self-contained HTML report. The CLI runs in-process with `Engine.load` swapped for a tiny engine."""
+ar and with each run's reference (ar on the model it decodes), traces, the self-contained HTML report. The CLI runs in-process with `Engine.load` swapped for a tiny engine."""
 from __future__ import annotations
 
 import json
@@ -9,19 +9,23 @@ import pytest
 from typer.testing import CliRunner
 
 from studio.cli import app
-from studio.run.config import build_run
-from studio.run.compare import RunSpec, first_difference, parse_specs, render_table, rows, run_compare
+from studio.run.config import RunConfig
+from studio.run.compare import RunSpec, first_difference, parse_specs, render_table, rows, run_compare, same_as
 from studio.engine.engine import Engine
+from studio.engine.lora import attach_adapter
 from studio.engine.strategies import STRATEGIES
 from studio.errors import BadInput
 from studio.events import read_trace
+from studio.presets import shipped
 from studio.run.session import Session, encode_prompt
+from tests.support.lora import random_adapter
 from tests.support.tiny import tiny_engine
 
 PROMPT = "abcab"                                     # TinyTokenizer: letters a.. are token ids 0..
 LOSSLESS = ["isd", "r-isd", "jacobi", "jacobi-mr-cpu"]  # greedy output == greedy ar, token for token
 ROW_KEYS = {"label", "strategy", "params", "n_tokens", "token_ids", "forwards", "tpf", "accept_rate", "tok_s",
-            "speed_vs_ar", "identical_to_ar", "first_difference", "stop_reason", "text"}
+            "speed_vs_ar", "identical_to_ar", "first_difference", "reference", "identical_to_reference",
+            "reference_first_difference", "stop_reason", "text"}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +51,7 @@ def cli(engine, monkeypatch):
 
 
 def _ar_tokens(engine, n, prompt=PROMPT, temperature=0.0, seed=0):
-    strat, settings = build_run("ar", None, [], n, temperature, None, None, seed, [])
+    strat, settings = RunConfig("ar", max_new_tokens=n, temperature=temperature, seed=seed).build()
     return Session(engine, strat, settings).run(prompt, encode_prompt(engine, prompt)).token_ids
 
 
@@ -92,6 +96,7 @@ def test_compare_json_fields_and_metrics(cli, engine):
         assert r["tok_s"] > 0
         assert r["speed_vs_ar"] == pytest.approx(r["tok_s"] / ar["tok_s"])
         assert r["identical_to_ar"] is True and r["first_difference"] is None  # greedy, lossless
+        assert r["reference"] == "ar" and r["identical_to_reference"] is True   # no adapter: ar is every reference
     assert ar["accept_rate"] is None and ar["forwards"] == 11           # ar verifies nothing; prefill gives token 0
     isd = out[1]
     assert 0.0 <= isd["accept_rate"] <= 1.0
@@ -126,7 +131,7 @@ def test_differing_run_reports_first_differing_position(engine):
 
     def make_run(spec):
         name, n, temp = settings[spec.label]
-        return build_run(name, None, [], n, temp, None, None, 1, [])
+        return RunConfig(name, max_new_tokens=n, temperature=temp, seed=1).build()
     specs = [RunSpec(label, "ar", None) for label in settings]
     results = run_compare(engine, PROMPT, ids, specs, make_run)
     table = {r["label"]: r for r in rows(results)}
@@ -141,17 +146,96 @@ def test_differing_run_reports_first_differing_position(engine):
     con = Console(width=140, record=True)
     con.print(render_table(list(table.values()), sampled=True))
     text = con.export_text()
-    assert f"no (token {k})" in text and "no (token 5)" in text and "in distribution" in text
+    assert f"no at token {k} (ar)" in text and "no at token 5 (ar)" in text and "in distribution" in text
 
 
 def test_compare_cli_table_and_bad_input(cli):
     res = cli("compare", PROMPT, "-s", "isd", "--max-new-tokens", "6")
     assert res.exit_code == 0, res.output
-    assert re.search(r"│ isd\s+│\s+6 │", res.stdout) and "same as ar" in res.stdout
+    assert re.search(r"│ isd\s+│\s+6 │.*│ yes \(ar\)\s+│", res.stdout) and "same as" in res.stdout
     assert "── isd: " in res.stdout
     res = cli("compare", PROMPT, "-s", "isd,nope")
     assert isinstance(res.exception, BadInput) and "nope" in str(res.exception)
     assert cli.loads == ["default"]  # the bad list was refused before loading any model
+
+
+# -- references: each run against ar on the model it decodes ------------------------------------------
+def _build(n):
+    return lambda s: RunConfig(s.strategy, preset=s.preset, max_new_tokens=n, temperature=0.0).build()
+
+
+@pytest.fixture
+def shipped_engine(tmp_path, monkeypatch):
+    """A tiny engine of its own and a presets/adapters stand-in for it: `every` (an adapter of every row) shipped
+    for isd, `masked` (MASK rows only) for r-isd."""
+    engine = tiny_engine("llama", vocab=16, seed=4)
+    for name, rows_, strategy in (("every", "all", "isd"), ("masked", "mask", "r-isd")):
+        path = random_adapter(tmp_path / "adapters" / name, engine.model, seed=1, adapted_rows=rows_)
+        (path / "studio.toml").write_text(f'model = "tiny-llama"\nstrategies = ["{strategy}"]\n')
+    monkeypatch.setattr(shipped, "ADAPTERS_DIR", tmp_path / "adapters")
+    shipped.shipped.cache_clear()
+    yield engine
+    shipped.shipped.cache_clear()
+
+
+def test_each_run_is_compared_with_ar_on_the_model_it_decodes(shipped_engine, tmp_path):
+    """isd decodes `every`'s model: its reference is an extra ar run on that adapter, placed before it; r-isd
+    (whatever its adapter) and jacobi decode the base model: their reference is the ar row. The fields defined
+    against ar keep their meaning."""
+    ids = encode_prompt(shipped_engine, PROMPT)
+    results = run_compare(shipped_engine, PROMPT, ids, parse_specs("isd,r-isd,jacobi"), _build(12))
+    assert list(results) == ["ar", "ar · every", "isd", "r-isd", "jacobi"]
+    assert results["ar · every"].header["model"]["adapter"] == str(tmp_path / "adapters" / "every")
+    assert results["r-isd"].header["model"]["adapter"] == str(tmp_path / "adapters" / "masked")
+    table = {r["label"]: r for r in rows(results)}
+    assert {label: r["reference"] for label, r in table.items()} == \
+        {"ar": "ar", "ar · every": "ar · every", "isd": "ar · every", "r-isd": "ar", "jacobi": "ar"}
+    assert all(r["identical_to_reference"] and r["reference_first_difference"] is None for r in table.values())
+    isd = table["isd"]
+    k = first_difference(table["ar"]["token_ids"], isd["token_ids"])
+    assert k is not None and isd["first_difference"] == k and isd["identical_to_ar"] is False   # another model
+    assert isd["speed_vs_ar"] == pytest.approx(isd["tok_s"] / table["ar"]["tok_s"])
+    from rich.console import Console
+    con = Console(width=160, record=True)
+    con.print(render_table(list(table.values()), sampled=False))
+    text = con.export_text()
+    assert re.search(r"│ isd\s+│.*│ yes \(ar · every\)\s+│", text) and re.search(r"│ r-isd\s+│.*│ yes \(ar\)\s+│", text)
+    # a front end that runs the specs only names the reference all the same
+    partial = rows({label: results[label] for label in ("ar", "isd")})
+    assert partial[1]["reference"] == "ar · every" and partial[1]["identical_to_reference"] is None
+    assert same_as(partial[1]) == "— (ar · every did not run)"
+
+
+def test_when_ar_reads_an_adapter_of_every_row_the_base_model_gets_its_own_reference(tmp_path):
+    """`compare --adapter EVERY -s r-isd`: ar decodes the adapter's model and r-isd the base model, so r-isd is
+    compared with an extra ar run without the adapter."""
+    engine = tiny_engine("llama", vocab=16, seed=4)
+    base_ar = _ar_tokens(engine, 12)
+    attach_adapter(engine, random_adapter(tmp_path / "every", engine.model, seed=1, adapted_rows="all"))
+    ids = encode_prompt(engine, PROMPT)
+    results = run_compare(engine, PROMPT, ids, parse_specs("r-isd"), _build(12))
+    assert list(results) == ["ar", "ar · base", "r-isd"]
+    assert results["ar · base"].token_ids == base_ar != results["ar"].token_ids
+    r_isd = rows(results)[2]
+    assert r_isd["reference"] == "ar · base" and r_isd["identical_to_reference"] is True
+    assert r_isd["identical_to_ar"] is False
+
+
+def test_compare_cli_and_demo_run_and_show_the_references(shipped_engine, monkeypatch, tmp_path):
+    monkeypatch.setattr(Engine, "load", staticmethod(lambda spec, adapter=None, **kw: shipped_engine))
+    res = CliRunner().invoke(app, ["compare", PROMPT, "-s", "isd", "--max-new-tokens", "8", "--json"])
+    assert res.exit_code == 0, (res.output, res.exception)
+    out = json.loads(res.stdout)
+    assert [(r["label"], r["reference"], r["identical_to_reference"]) for r in out] == \
+        [("ar", "ar", True), ("ar · every", "ar · every", True), ("isd", "ar · every", True)]
+    d = tmp_path / "tr"
+    res = CliRunner().invoke(app, ["demo", "--prompt", PROMPT, "-s", "isd,r-isd", "--max-new-tokens", "8",
+                                   "--trace-dir", str(d), "--no-html"])
+    assert res.exit_code == 0, (res.output, res.exception)
+    assert sorted(p.name for p in d.iterdir()) == ["demo-ar-every.jsonl", "demo-ar.jsonl", "demo-isd.jsonl",
+                                                  "demo-r-isd.jsonl"]
+    assert "── ar, r-isd (identical output):" in res.stdout and "── ar · every, isd (identical output):" in res.stdout
+    assert read_trace(d / "demo-ar-every.jsonl").header["strategy"] == "ar"
 
 
 # -- traces and the HTML report -----------------------------------------------------------------------
@@ -229,7 +313,7 @@ def test_table_keeps_long_labels_on_80_columns(engine):
     ids = encode_prompt(engine, PROMPT)
     specs = parse_specs("jacobi-mr-cpu")
     results = run_compare(engine, PROMPT, ids, specs,
-                          lambda s: build_run(s.strategy, s.preset, [], 4, 0.0, None, None, 0, []))
+                          lambda s: RunConfig(s.strategy, preset=s.preset, max_new_tokens=4, temperature=0.0).build())
     con = Console(width=80, record=True)
     con.print(render_table(rows(results), sampled=False))
     assert "│ jacobi-mr-cpu │" in con.export_text()

@@ -5,7 +5,8 @@ import torch
 from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import make_strategy
 from studio.events import read_trace
-from studio.run.session import CANCELLED, Conversation, Run, Session, Settings, drive
+from studio.run.conversation import Conversation
+from studio.run.session import CANCELLED, Run, Session, Settings, drive
 from tests.support.dlm import full_forward_row
 from tests.support.tiny import tiny_dlm, tiny_engine
 

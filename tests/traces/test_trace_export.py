@@ -361,7 +361,7 @@ def strategy_traces(tmp_path_factory):
     """One real trace per registered strategy: greedy on a tiny engine, written by the Session."""
     import torch
 
-    from studio.run.config import build_run
+    from studio.run.config import RunConfig
     from studio.run.compare import parse_specs, run_compare
     from studio.run.session import encode_prompt
     from tests.support.tiny import tiny_engine
@@ -372,7 +372,7 @@ def strategy_traces(tmp_path_factory):
     torch.set_num_threads(1)
     try:
         run_compare(engine, "abcab", encode_prompt(engine, "abcab"), parse_specs(",".join(_strategy_names())),
-                    lambda s: build_run(s.strategy, s.preset, [], 10, 0.0, None, None, 0, []), d)
+                    lambda s: RunConfig(s.strategy, preset=s.preset, max_new_tokens=10, temperature=0.0).build(), d)
     finally:
         torch.set_num_threads(old)
     return {name: d / f"{name}.jsonl" for name in _strategy_names()}
