@@ -41,7 +41,7 @@ TraceLike = Union[Trace, str, os.PathLike]
 
 
 def metrics_from_events(events: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """The one metric definition (DESIGN §2.3): `studio.events.summarize`."""
+    """The one metric definition (docs/metrics.md): `studio.events.summarize`."""
     return summarize(events)
 
 

@@ -10,9 +10,9 @@ import time
 from typing import Any, Callable
 
 from studio.events import Trace, read_trace
-from studio.viz.grid import TokenText, build_grid
-from studio.viz.stats import progress
+from studio.viz.grid import TokenText
 from studio.viz.text import rich_legend, rich_step_line, rich_text, rich_text_legend
+from studio.viz.view import RunView
 
 MAX_SLEEP_S = 3.0  # one long step (a slow prefill) never stalls a replay for more than this
 
@@ -42,8 +42,9 @@ def replay(trace: Trace | str, speed: float = 1.0, console: Any = None, step_del
 
     t = trace if isinstance(trace, Trace) else read_trace(trace)
     console = console or Console()
-    grid = build_grid(t.header, t.events, token_text)
-    pts = {p.step: p for p in progress(t.events)}
+    view = RunView.of_trace(t, token_text)
+    grid = view.grid
+    pts = {p.step: p for p in view.points}
     h = t.header
     model = h.get("model", {})
     title = Text.assemble(("replay ", "bold"), (str(h.get("strategy")), "bold cyan"),

@@ -1,4 +1,5 @@
-"""Visualisation of traces: palette, trajectory grid, per-step series, plotly figures, text renderers.
+"""Visualisation of traces: palette, trajectory grid, per-step series, the run view every interface draws
+from (`view`), plotly figures, text renderers.
 
 Everything here consumes `dlm-studio.trace/1` events only. `figures` imports plotly; the rest is light.
 """

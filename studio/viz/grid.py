@@ -232,9 +232,7 @@ def build_grid(header: Mapping[str, Any] | None, events: Iterable[Mapping[str, A
     """Build the trajectory grid from a trace's events (header is accepted for symmetry and future
     use; nothing in it is needed today). `token_text(id) -> str` decodes ids that no emit names."""
     events = list(events)
-    emits = [e for e in events if e["t"] == "emit"]
-    builder = GridBuilder(token_text, _token_texts(emits))
-    builder.emitted_tok.update((p, t) for e in emits for p, t in zip(e["pos"], e["tok"]))
+    builder = GridBuilder.of_events(events, token_text)
     builder.feed(events)
     return builder.grid
 
@@ -258,6 +256,15 @@ class GridBuilder:
         self._open_blocks: list[BlockSpan] = []
         self._committed: dict[int, Cell] = {}   # pos -> the shared committed cell shown after its emit step
         self._held: dict[int, Cell] = {}        # pos -> unmasked, not yet emitted
+
+    @classmethod
+    def of_events(cls, events: list[Mapping[str, Any]], token_text: TokenText | None = None) -> "GridBuilder":
+        """An empty builder that already knows the token texts of all `events` (a whole trace): feed it those
+        events, at once or step by step."""
+        emits = [e for e in events if e["t"] == "emit"]
+        builder = cls(token_text, _token_texts(emits))
+        builder.emitted_tok.update((p, t) for e in emits for p, t in zip(e["pos"], e["tok"]))
+        return builder
 
     def feed(self, events: Iterable[Mapping[str, Any]]) -> list[int]:
         """Add events (whole steps, in step order); returns the steps added."""

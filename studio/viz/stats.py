@@ -101,7 +101,7 @@ def kind_counts(events: Iterable[Mapping[str, Any]]) -> dict[str, int]:
 
 
 def diagnostics(events: list[Mapping[str, Any]], strategy: str | None = None) -> list[str]:
-    """Plain-language flags a user would want to see (anchors §8.7): stalls, no parallelism, drop-off.
+    """Plain-language flags a user would want to see: stalls, no parallelism, drop-off.
     `strategy` (the header's) silences the TPF ≈ 1 flag for plain AR, where it is expected."""
     notes: list[str] = []
     pts = progress(events)

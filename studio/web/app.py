@@ -1,6 +1,6 @@
 """The Gradio app: three tabs over one engine, and how it is served.
 
-Load and safety (DESIGN §7): the server binds 127.0.0.1 unless told otherwise and never makes a share
+Load and safety (docs/ui.md#web): the server binds 127.0.0.1 unless told otherwise and never makes a share
 link; uploads are size-limited; the page loads nothing from outside (system fonts, no analytics). The
 model is one object shared by every browser tab, so every handler that decodes runs in one queue,
 `engine`, one request at a time; each request builds its own runs and keeps its state in its own
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from studio.run.chat import RunChoice
+from studio.run.config import RunConfig
 from studio.web import chat_tab, compare_tab, render, traces_tab
 from studio.web.files import MAX_UPLOAD_BYTES, Downloads
 
@@ -20,10 +20,10 @@ THEME = gr.themes.Default(font=["ui-sans-serif", "system-ui", "sans-serif"],
                           font_mono=["ui-monospace", "SFMono-Regular", "monospace"])
 
 
-def build_app(engine, choice: RunChoice | None = None, chat_template: bool = True) -> gr.Blocks:
+def build_app(engine, choice: RunConfig | None = None, chat_template: bool = True) -> gr.Blocks:
     """The studio for `engine`; `choice`: what the chat form starts with; `chat_template`: wrap messages in
     the model's chat template (False: concatenate them, the CLI's --raw)."""
-    choice = choice or RunChoice()
+    choice = choice or RunConfig()
     choice.build()
     downloads = Downloads()
     adapter = f" + {engine.adapter}" if engine.adapter else ""

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import gradio as gr
 
-from studio.run.chat import ChatSession, RunChoice
+from studio.run.chat import ChatSession
+from studio.run.config import RunConfig
 from studio.run.compare import as_trace
 from studio.errors import BadInput
 from studio.viz.figures import acceptance_by_position_figure, tpf_figure
@@ -27,7 +28,7 @@ class ChatTab:
     def __init__(self, session: ChatSession):
         self.session = session
         self.worker: Worker | None = None
-        self.view: Trajectory | None = None
+        self.trajectory: Trajectory | None = None
 
     def cancel(self, wait: bool = False) -> None:
         """Stop the turn being decoded (it ends at its next step); `wait`: until it has ended."""
@@ -37,7 +38,7 @@ class ChatTab:
                 self.worker.join()
 
 
-def build(engine, initial: RunChoice, chat_template: bool, downloads: Downloads, engine_queue: dict) -> None:
+def build(engine, initial: RunConfig, chat_template: bool, downloads: Downloads, engine_queue: dict) -> None:
     """The tab's components and handlers (call inside a gr.Tab)."""
     state = gr.State(None)
     with gr.Row():
@@ -56,7 +57,7 @@ def build(engine, initial: RunChoice, chat_template: bool, downloads: Downloads,
                 pace = gr.Slider(0, 500, value=0, step=10, label="Slow motion: ms per step (0 = full speed)",
                                  elem_id="chat-pace")
         with gr.Column(scale=3, min_width=420):
-            metrics = gr.HTML(render.metrics_html([]), elem_id="chat-metrics")
+            metrics = gr.HTML(render.metrics_html(), elem_id="chat-metrics")
             components.legend()
             trajectory = components.trajectory("chat-trajectory")
             position = gr.Number(None, label="Inspect output position (or click a cell)", precision=0,
@@ -80,28 +81,28 @@ def build(engine, initial: RunChoice, chat_template: bool, downloads: Downloads,
             yield {status: render.note_html(str(e), "error"), form.message: "", state: tab}
             return
         history = list(tab.session.conversation.messages) + [{"role": "user", "content": text}]
-        tab.view = view = Trajectory(run.token_text, title=tab.session.choice.label)
+        tab.trajectory = traj = Trajectory.live(run.token_text, title=tab.session.choice.label)
         tab.worker = worker = Worker([run], step_mode=(pace_ms or 0) > 0).start()
-        yield {state: tab, message: "", form.message: "", status: "", trajectory: view.frame(),
-               metrics: view.metrics(),
+        yield {state: tab, message: "", form.message: "", status: "", trajectory: traj.frame(),
+               metrics: traj.metrics(),
                chatbot: render.chat_messages(history + [{"role": "assistant", "content": ""}])}
         try:
-            for finished in frames(worker, [view], (pace_ms or 0) / 1000):
+            for finished in frames(worker, [traj], (pace_ms or 0) / 1000):
                 if finished:
                     break
-                yield {chatbot: render.chat_messages(history + [{"role": "assistant", "content": view.text}]),
-                       trajectory: view.frame(), metrics: view.metrics()}
+                yield {chatbot: render.chat_messages(history + [{"role": "assistant", "content": traj.view.text}]),
+                       trajectory: traj.frame(), metrics: traj.metrics()}
         finally:
             worker.cancel()   # a closed page ends the run at its next step, before the engine is free again
             worker.join()
         if worker.error is not None:
-            yield {status: render.error_html(worker.error), trajectory: view.frame(),
+            yield {status: render.error_html(worker.error), trajectory: traj.frame(),
                    chatbot: render.chat_messages(tab.session.conversation.messages)}
             return
         result = run.result
-        view.footer = result.footer
-        yield {chatbot: render.chat_messages(tab.session.conversation.messages), trajectory: view.frame(),
-               metrics: view.metrics(),
+        traj.view.footer = result.footer
+        yield {chatbot: render.chat_messages(tab.session.conversation.messages), trajectory: traj.frame(),
+               metrics: traj.metrics(),
                status: render.note_html(run_summary_line(result.footer, tab.session.choice.label, result.events)),
                tpf_plot: tpf_figure(result.header, result.events, result.footer),
                acc_plot: acceptance_by_position_figure(result.header, result.events, result.footer)}
@@ -120,15 +121,15 @@ def build(engine, initial: RunChoice, chat_template: bool, downloads: Downloads,
         if tab is not None:
             tab.cancel(wait=True)   # else the cancelled turn would join the history after the reset
             tab.session.conversation.reset()
-            tab.view = None
-        return ([], components.EMPTY, render.metrics_html([]), render.inspector_html(None, None),
+            tab.trajectory = None
+        return ([], components.EMPTY, render.metrics_html(), render.inspector_html(None, None),
                 render.note_html("new conversation"))
 
     reset.click(on_reset, state, [chatbot, trajectory, metrics, inspector, status], api_name="reset_chat",
                 concurrency_limit=None)
 
     def on_inspect(tab: ChatTab | None, pos: int | None):
-        return render.inspector_html(tab.view.grid if tab and tab.view else None, pos)
+        return render.inspector_html(tab.trajectory.view.grid if tab and tab.trajectory else None, pos)
 
     position.input(on_inspect, [state, position], inspector, api_name="inspect_chat", concurrency_limit=None)
 

@@ -9,7 +9,7 @@ import gradio as gr
 
 from studio.run.compare import as_trace, parse_specs, rows, write_html
 from studio.errors import BadInput
-from studio.run.config import build_run
+from studio.run.config import RunConfig
 from studio.run.session import Run, encode_prompt
 from studio.viz.figures import comparison_figure
 from studio.web import components, render
@@ -39,8 +39,7 @@ def make_runs(engine, prompt: str, names: list[str], max_new_tokens, temperature
         raise BadInput(f"compare 2 to {MAX_RUNS} runs (ar always runs as the baseline); got {len(specs)}: "
                        + ", ".join(s.label for s in specs))
     ids = encode_prompt(engine, prompt, chat=chat_template)
-    runs = [Run(engine, *build_run(s.strategy, s.preset, [], max_new_tokens, temperature, None, None,
-                                   0 if seed is None else seed, []), prompt, ids) for s in specs]
+    runs = [Run(engine, *RunConfig(s.strategy, preset=s.preset, max_new_tokens=max_new_tokens, temperature=temperature, seed=0 if seed is None else seed).build(), prompt, ids) for s in specs]
     return [s.label for s in specs], runs
 
 
@@ -79,7 +78,7 @@ def build(engine, chat_template: bool, downloads: Downloads, engine_queue: dict)
         except BadInput as e:
             yield {status: render.note_html(str(e), "error"), state: tab}
             return
-        tab.views = views = [Trajectory(run.token_text, title=label) for label, run in zip(labels, runs)]
+        tab.views = views = [Trajectory.live(run.token_text, title=label) for label, run in zip(labels, runs)]
         tab.worker = worker = Worker(runs, step_mode=(pace_ms or 0) > 0).start()
         shown = {col: gr.Column(visible=i < len(runs)) for i, col in enumerate(columns)}
         yield {state: tab, status: render.note_html("running " + ", ".join(labels) + " in lock-step"),
@@ -97,8 +96,8 @@ def build(engine, chat_template: bool, downloads: Downloads, engine_queue: dict)
             yield {status: render.error_html(worker.error), **_frame(views)}
             return
         results = {label: run.result for label, run in zip(labels, runs)}
-        for view, run in zip(views, runs):
-            view.footer = run.result.footer
+        for traj, run in zip(views, runs):
+            traj.view.footer = run.result.footer
         path = downloads.folder() / "compare-report.html"
         write_html(results, path, title=f"compare: {text[:60]}")
         yield {**_frame(views), status: render.note_html("done"), table: render.comparison_html(rows(results)),
@@ -124,7 +123,7 @@ def build(engine, chat_template: bool, downloads: Downloads, engine_queue: dict)
 
     for i, traj in enumerate(trajectories):
         def on_cell(tab: CompareTab | None, evt: gr.EventData, i=i):
-            view = tab.views[i] if tab and i < len(tab.views) else None
-            return render.inspector_html(view.grid if view else None, components.clicked_position(evt),
-                                         view.title if view else "")
+            traj = tab.views[i] if tab and i < len(tab.views) else None
+            return render.inspector_html(traj.view.grid if traj else None, components.clicked_position(evt),
+                                         traj.title if traj else "")
         traj.inspect(on_cell, state, inspector, api_name=f"inspect_compare_{i}", concurrency_limit=None)

@@ -1,5 +1,5 @@
 """The run form: a strategy or preset, that strategy's parameters (a form generated from its `Params`, see
-`paramspec`) and the generation settings. It reads back as a `RunChoice`, which validates everything, so
+`paramspec`) and the generation settings. It reads back as a `RunConfig`, which validates everything, so
 a bad value becomes a one-line message beside the form and never reaches a run.
 
 Every strategy gets its own group of fields, shown while it is picked. Picking a preset fills its
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from studio.run.chat import RunChoice
+from studio.run.config import RunConfig
 from studio.engine.strategies import STRATEGIES
 from studio.errors import BadInput
 from studio.presets import list_presets, load_strategy_preset
@@ -32,11 +32,11 @@ def strategy_of(name: str) -> str:
     """The strategy a strategy or preset name runs (BadInput for neither)."""
     if name in STRATEGIES:
         return name
-    RunChoice().use(name)   # the one place that knows what a valid name is
+    RunConfig().use(name)   # the one place that knows what a valid name is
     return load_strategy_preset(name).strategy
 
 
-def form_values(choice: RunChoice) -> dict[str, object]:
+def form_values(choice: RunConfig) -> dict[str, object]:
     """What the form shows for `choice`: its strategy's parameters and its settings, by form key."""
     strategy, settings = choice.build()
     values: dict[str, object] = {f.key: _shown(f, getattr(strategy.params, f.name))
@@ -47,14 +47,14 @@ def form_values(choice: RunChoice) -> dict[str, object]:
     return values
 
 
-def read_choice(values: dict) -> RunChoice:
-    """The form's values (by key, as handlers receive them) as a RunChoice; BadInput for a bad value."""
+def read_choice(values: dict) -> RunConfig:
+    """The form's values (by key, as handlers receive them) as a RunConfig; BadInput for a bad value."""
     name = values.get("strategy") or ""
     strategy = strategy_of(name)
     params = {f.name: _read(f, values.get(f.key, f.default)) for f in param_fields(strategy)}
     preset = None if name == strategy else name
     seed = values.get("seed")
-    choice = RunChoice(None if preset else strategy, preset, params,
+    choice = RunConfig(None if preset else strategy, preset, params,
                        *(values.get(k) for k in ("temperature", "top_k", "top_p", "max_new_tokens")),
                        seed=0 if seed is None else seed)
     choice.build()
@@ -81,7 +81,7 @@ def _read(field: ParamField, value: object) -> object:
 class RunForm:
     """The form's components; build it inside a gr.Blocks context."""
 
-    def __init__(self, initial: RunChoice, prefix: str):
+    def __init__(self, initial: RunConfig, prefix: str):
         picked = initial.preset or initial.strategy
         shown = form_values(initial)
         self.pick = gr.Dropdown(pick_choices(), value=picked, label="Strategy or preset", elem_id=f"{prefix}-pick")
@@ -114,7 +114,7 @@ class RunForm:
     def _on_pick(self, name: str) -> dict:
         try:
             strategy = strategy_of(name)
-            shown = form_values(RunChoice().use(name))
+            shown = form_values(RunConfig().use(name))
         except BadInput as e:
             return {self.message: note_html(str(e), "error")}
         updates: dict = {group: gr.Group(visible=s == strategy) for s, group in self.groups.items()}
@@ -125,7 +125,7 @@ class RunForm:
 
 
 def _component(f: ParamField, value: object, elem_id: str) -> gr.components.Component:
-    common = dict(label=f.name, info=f.help or None, elem_id=elem_id, min_width=140)
+    common = dict(label=f.label, info=f.help or None, elem_id=elem_id, min_width=140)
     if f.kind is bool:
         return gr.Checkbox(value, **common)
     if f.kind is int:

@@ -1,7 +1,7 @@
 """Runs as the page sees them: a trajectory fed step by step, and the loop that turns a decoding worker into
 frames at most `FPS` times a second.
 
-Why it keeps up (viz_anchors §4.3): the worker decodes on its own thread and never waits for the page;
+Why it keeps up: the worker decodes on its own thread and never waits for the page;
 each frame drains whatever steps arrived since the last one, renders only those steps' rows, and hands
 the page the trajectory as a list that only grows. Gradio streams a generator's outputs as diffs against
 the previous frame, so a frame carries the new rows only, and the page appends them without touching
@@ -16,59 +16,47 @@ import uuid
 from typing import Callable, Iterator, Mapping, Sequence
 
 from studio.events import Trace
-from studio.viz.grid import Grid, GridBuilder
-from studio.viz.stats import Tracker
-from studio.web import render
 from studio.run.worker import Worker
+from studio.viz.view import RunView
+from studio.web import render
 
 FPS = 10
 
 
 class Trajectory:
-    """One run's trajectory for the page: the grid and step series of `studio.viz`, and each step's row of
-    HTML, rendered once, when its step is fed. `feed` takes the events of whole steps."""
+    """One run on the page: its `RunView` and each step's row of HTML, rendered once, when its step is fed
+    (a step's cells never change later, so a row rendered live equals one rendered from the trace)."""
 
-    def __init__(self, token_text: Callable[[int], str | None] | None = None, title: str = ""):
+    def __init__(self, view: RunView, title: str = ""):
         self.id = uuid.uuid4().hex   # a new trajectory replaces, never extends, the one on the page
-        self.title = title
-        self._builder = GridBuilder(token_text)
-        self.tracker = Tracker()
-        self.rows: list[str] = []
-        self.text = ""   # the output so far
-        self.footer: Mapping | None = None
+        self.view, self.title = view, title
+        self.rows = [render.row_html(view.grid, step) for step in view.grid.steps]
+
+    @classmethod
+    def live(cls, token_text: Callable[[int], str | None] | None = None, title: str = "") -> "Trajectory":
+        """An empty trajectory that a run's steps will be fed into."""
+        return cls(RunView(token_text), title)
 
     @classmethod
     def of_trace(cls, trace: Trace, title: str = "",
                  token_text: Callable[[int], str | None] | None = None) -> "Trajectory":
-        """A finished (or truncated) trace, fed step by step exactly as it was decoded. Token texts come from
-        the trace's emits, then from `token_text` (the tokenizer the trace was made with, when the page has
-        it); without one, ids the trace never emitted (rejected drafts) have no text."""
-        texts = {t: s for e in trace.events if e["t"] == "emit" for t, s in zip(e["tok"], e.get("pieces") or [])}
-        view = cls(lambda t: texts[t] if t in texts else token_text(t) if token_text else None, title)
-        by_step: dict[int, list] = {}
-        for e in trace.events:
-            by_step.setdefault(e["step"], []).append(e)
-        for step in sorted(by_step):
-            view.feed(by_step[step])
-        view.footer = trace.footer
-        return view
-
-    @property
-    def grid(self) -> Grid:
-        return self._builder.grid
+        """A finished (or truncated) trace (see `RunView.of_trace` for where token texts come from)."""
+        return cls(RunView.of_trace(trace, token_text), title)
 
     def feed(self, events: Sequence[Mapping]) -> None:
-        for step in self._builder.feed(events):
-            self.rows.append(render.row_html(self.grid, step))
-        self.tracker.feed(events)
-        self.text += "".join(e["text"] for e in events if e["t"] == "emit")
+        for step in self.view.feed(events):
+            self.rows.append(render.row_html(self.view.grid, step))
 
     def frame(self, n_rows: int | None = None) -> dict:
         """The trajectory component's value: a new list each time (gradio diffs it against the last frame)."""
         return {"run": self.id, "rows": self.rows[:n_rows]}
 
-    def metrics(self) -> str:
-        return render.metrics_html(self.tracker.points, self.tracker.acceptance, self.footer, self.title)
+    def metrics(self, n_rows: int | None = None) -> str:
+        """The metrics of the run so far, or as they stood after its first `n_rows` steps (replay)."""
+        if n_rows is None:
+            return render.metrics_html(self.view.numbers, self.title)
+        steps = self.view.grid.steps[:n_rows]
+        return render.metrics_html(self.view.upto(steps[-1] if steps else -1), self.title)
 
 
 def frames(worker: Worker, views: Sequence[Trajectory], pace_s: float = 0.0, fps: int = FPS) -> Iterator[bool]:

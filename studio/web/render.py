@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 from studio.viz.grid import Grid, show_text
 from studio.viz.palette import INK, PALETTE, State, label, tint
 from studio.viz.stats import Acceptance, StepPoint
+from studio.viz.view import RunNumbers
 
 CELL_PX = 16        # one output position in the trajectory
 MAX_TAIL_CHARS = 40  # emitted text shown at the end of a step row
@@ -109,31 +110,19 @@ def _token(tok: int | None, text: str | None) -> str:
 
 
 # -- metrics ----------------------------------------------------------------------------------------
-def metrics_html(points: Sequence[StepPoint], acc: Acceptance | None = None,
-                 footer: Mapping[str, Any] | None = None, title: str = "") -> str:
-    """The numbers of a run so far (or at its end, from the footer) and two small charts: running TPF over
-    steps and acceptance by draft slot. Cheap enough to redraw at every frame."""
-    acc = acc or Acceptance()
-    last = points[-1] if points else None
-    tokens = last.tokens if last else 0
-    forwards = last.forwards if last else 0
-    tpf = last.tpf if last else None
-    tok_s = footer["tok_s"] if footer else _decode_rate(points)
-    chips = [f"<b>{tokens}</b> tokens", f"<b>{forwards}</b> forwards", f"TPF <b>{num(tpf, '.2f')}</b>",
-             f"accept <b>{num(acc.rate if acc.verified else None, '.0%')}</b>",
-             f"<b>{num(tok_s, '.1f')}</b> tok/s"]
+def metrics_html(numbers: RunNumbers | None = None, title: str = "") -> str:
+    """A run's numbers so far (or at its end, with the footer's tok/s and stop reason) and two small charts:
+    running TPF over steps and acceptance by draft slot. Cheap enough to redraw at every frame."""
+    numbers = numbers or RunNumbers()
+    tally, acc, footer = numbers.tally, numbers.acceptance, numbers.footer
+    chips = [f"<b>{tally.n_tokens}</b> tokens", f"<b>{tally.forwards}</b> forwards",
+             f"TPF <b>{num(numbers.tpf, '.2f')}</b>", f"accept <b>{num(acc.rate if acc.verified else None, '.0%')}</b>",
+             f"<b>{num(numbers.tok_s(), '.1f')}</b> tok/s"]
     if footer:
         chips.append(f"stopped: <b>{esc(footer.get('stop_reason'))}</b>")
     head = f'<span class="ttl">{esc(title)}</span>' if title else ""
     return (f'<div class="metrics">{head}' + "".join(f"<span>{c}</span>" for c in chips) + "</div>"
-            f'<div class="charts">{_tpf_svg(points)}{_acceptance_svg(acc)}</div>')
-
-
-def _decode_rate(points: Sequence[StepPoint]) -> float | None:
-    """Tokens per second since the prefill, from the events' own clock (drawing is not in it)."""
-    if len(points) < 2 or points[0].ms is None or points[-1].ms is None or points[-1].ms <= points[0].ms:
-        return None
-    return (points[-1].tokens - points[0].tokens) / ((points[-1].ms - points[0].ms) / 1000)
+            f'<div class="charts">{_tpf_svg(numbers.points)}{_acceptance_svg(acc)}</div>')
 
 
 def _tpf_svg(points: Sequence[StepPoint], width: int = 240, height: int = 56, most: int = 120) -> str:
@@ -168,15 +157,15 @@ def _acceptance_svg(acc: Acceptance, width: int = 240, height: int = 56) -> str:
 # -- tables -----------------------------------------------------------------------------------------
 def comparison_html(table_rows: Sequence[Mapping[str, Any]]) -> str:
     """`studio.run.compare.rows` as a table, each run's text below it."""
+    from studio.run.compare import same_as
     head = "".join(f"<th>{h}</th>" for h in ("run", "tokens", "forwards", "TPF", "accept", "tok/s", "× ar",
-                                              "same as ar", "stop"))
+                                              "same as", "stop"))
     body = []
     for r in table_rows:
-        same = "yes" if r["identical_to_ar"] else f"no (token {r['first_difference']})"
         speed = None if r["speed_vs_ar"] is None else f"{r['speed_vs_ar']:.2f}×"
         body.append("<tr>" + "".join(f"<td>{x}</td>" for x in (
             esc(r["label"]), r["n_tokens"], r["forwards"], num(r["tpf"], ".2f"), num(r["accept_rate"], ".0%"),
-            num(r["tok_s"], ".1f"), speed or "—", same, esc(r["stop_reason"]))) + "</tr>")
+            num(r["tok_s"], ".1f"), speed or "—", esc(same_as(r)), esc(r["stop_reason"]))) + "</tr>")
     texts = "".join(f'<div class="out"><b>{esc(r["label"])}</b> {esc(r["text"])}</div>' for r in table_rows)
     return f'<table class="tbl">{head and "<tr>" + head + "</tr>"}{"".join(body)}</table>{texts}'
 

@@ -12,7 +12,6 @@ import gradio as gr
 from studio.errors import BadInput
 from studio.events import Trace
 from studio.viz.figures import acceptance_by_position_figure, comparison_figure, trace_metrics, tpf_figure
-from studio.viz.stats import acceptance
 from studio.web import components, render
 from studio.web.files import DOWNLOADS, Downloads, read_upload
 from studio.web.live import FPS, Trajectory
@@ -22,20 +21,11 @@ from studio.web.live import FPS, Trajectory
 class Replay:
     name: str
     trace: Trace
-    view: Trajectory
+    trajectory: Trajectory
 
     @property
     def n_steps(self) -> int:
-        return len(self.view.rows)
-
-    def metrics(self, shown: int) -> str:
-        """The run's numbers after its first `shown` steps (its footer's once every step is shown)."""
-        steps = self.view.grid.steps[:shown]
-        last = steps[-1] if steps else -1
-        done = shown >= self.n_steps
-        return render.metrics_html(self.view.tracker.points[:shown],
-                                   acceptance(e for e in self.trace.events if e["step"] <= last),
-                                   self.trace.footer if done else None, self.name)
+        return len(self.trajectory.rows)
 
 
 @dataclass
@@ -73,8 +63,9 @@ def build(engine, downloads: Downloads) -> None:
         t = replay.trace
         n = replay.n_steps
         return {info: render.trace_info_html(replay.name, t.header, trace_metrics(t)),
-                step: gr.Slider(0, n, value=n, step=1), trajectory: replay.view.frame(),
-                metrics: replay.metrics(n), inspector: render.inspector_html(replay.view.grid, None),
+                step: gr.Slider(0, n, value=n, step=1), trajectory: replay.trajectory.frame(),
+                metrics: replay.trajectory.metrics(n),
+                inspector: render.inspector_html(replay.trajectory.view.grid, None),
                 tpf_plot: tpf_figure(t.header, t.events, t.footer),
                 acc_plot: acceptance_by_position_figure(t.header, t.events, t.footer)}
 
@@ -119,7 +110,7 @@ def build(engine, downloads: Downloads) -> None:
             return {}
         tab.playing += 1
         shown = max(0, min(int(shown), tab.current.n_steps))
-        return {trajectory: tab.current.view.frame(shown), metrics: tab.current.metrics(shown)}
+        return {trajectory: tab.current.trajectory.frame(shown), metrics: tab.current.trajectory.metrics(shown)}
 
     step.release(on_seek, [step, state], [trajectory, metrics], api_name="replay_seek", concurrency_limit=None)
 
@@ -134,7 +125,7 @@ def build(engine, downloads: Downloads) -> None:
         per_frame = max(1, math.ceil(steps_per_s / FPS))
         while shown < replay.n_steps and tab.playing == me:
             shown = min(replay.n_steps, shown + per_frame)
-            yield {trajectory: replay.view.frame(shown), step: shown, metrics: replay.metrics(shown)}
+            yield {trajectory: replay.trajectory.frame(shown), step: shown, metrics: replay.trajectory.metrics(shown)}
             time.sleep(per_frame / steps_per_s)
 
     play.click(on_play, [step, speed, state], [trajectory, step, metrics], api_name="play",
@@ -148,7 +139,7 @@ def build(engine, downloads: Downloads) -> None:
 
     def on_cell(tab: TracesTab | None, evt: gr.EventData):
         replay = tab.current if tab else None
-        return render.inspector_html(replay.view.grid if replay else None, components.clicked_position(evt),
+        return render.inspector_html(replay.trajectory.view.grid if replay else None, components.clicked_position(evt),
                                      replay.name if replay else "")
 
     trajectory.inspect(on_cell, state, inspector, api_name="inspect_trace", concurrency_limit=None)

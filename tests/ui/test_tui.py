@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from studio.run.chat import ChatSession, RunChoice
+from studio.run.chat import ChatSession
+from studio.run.config import RunConfig
 from studio.engine.strategies import STRATEGIES
 from studio.run.session import CANCELLED, Session, Settings
 from tests.support.tiny import tiny_dlm, tiny_engine
@@ -19,13 +20,14 @@ pytest.importorskip("textual")
 from studio.tui.app import StudioApp  # noqa: E402
 from studio.tui.screens.help import HelpScreen  # noqa: E402
 from studio.tui.widgets import MetricsPanel, TokenGrid  # noqa: E402
+from studio.tui.widgets.controls import Controls  # noqa: E402
 
 SIZE = (130, 42)
 BLOCK = ("blockdiff", "s2d2", "simsd")
 
 
 def session(name="ar", n=12, engine=None, **kw):
-    return ChatSession(engine or tiny_engine("llama", vocab=20, seed=2), RunChoice(name, max_new_tokens=n, **kw))
+    return ChatSession(engine or tiny_engine("llama", vocab=20, seed=2), RunConfig(name, max_new_tokens=n, **kw))
 
 
 async def wait_until(pilot, predicate, timeout=60.0):
@@ -199,7 +201,7 @@ def test_compare_two_strategies_in_lock_step_then_the_table():
             table = screen.query_one("#compare-table")
             await wait_until(pilot, lambda: table.display and table.row_count == 2)
             assert [str(table.get_row_at(i)[0]) for i in range(2)] == ["ar", "isd"]
-            assert str(table.get_row_at(1)[7]) == "yes"   # greedy isd is lossless
+            assert str(table.get_row_at(1)[7]) == "yes (ar)"   # greedy isd is lossless
             assert [len(v.grid.final) for v in screen.views] == [10, 10]
             screen.query_one("#compare-specs").value = "isd,jacobi,blockdiff,s2d2"
             await press_button(pilot, "#compare-run")
@@ -339,22 +341,80 @@ def test_snapshot_replay(snap_compare):
     assert snap_compare(app, terminal_size=SIZE, run_before=before)
 
 
-def test_metrics_panel_widget_counts_from_the_series():
-    from studio.viz.stats import Tracker
+def test_metrics_panel_widget_counts_from_the_runs_tally():
+    from studio.viz.view import RunView
     engine = tiny_engine("llama", vocab=20, seed=2)
     from studio.engine.strategies import make_strategy
     r = Session(engine, make_strategy("isd"), Settings(12)).run("", [1, 2, 3])
-    tracker = Tracker()
-    tracker.feed(r.events)
+    view = RunView()
+    view.feed(r.events)
+    accept = view.tally.acceptance
 
     async def go():
         app = StudioApp(None)
         async with app.run_test(size=SIZE):
             panel = app.screen.query_one(MetricsPanel)
-            panel.show(tracker.points, tracker.acceptance, "isd")
+            panel.show(view.numbers, "isd")
             text = str(panel.render())
             assert f"forwards {r.footer['forwards']}" in text and f"TPF      {r.footer['tpf']:.2f}" in text
-            assert f"({tracker.acceptance.accepted}/{tracker.acceptance.verified})" in text
+            assert f"tok/s    {view.tally.decode_rate():.1f}" in text     # live: the events' decode rate
+            assert f"({accept.accepted}/{accept.verified})" in text
             slots = [line for line in text.splitlines() if line.startswith("slot ")]
-            assert len(slots) == len(tracker.acceptance.by_pos)
+            assert len(slots) == len(accept.by_pos)
+            view.footer = r.footer
+            panel.show(view.numbers, "isd")
+            assert f"tok/s    {r.footer['tok_s']:.1f}" in str(panel.render())   # finished: the run's own
     asyncio.run(go())
+
+
+# -- the run panel's N and τ --------------------------------------------------------------------------
+async def submit(pilot, selector, value):
+    field = pilot.app.screen.query_one(selector)
+    field.value = value
+    field.focus()
+    await pilot.press("enter")
+    await pilot.pause()
+
+
+def test_n_and_tau_set_the_parameter_with_that_role_in_each_strategy():
+    # (N, τ) of each strategy; None: the field is disabled
+    roles = {"ar": (None, None), "isd": ("stride", "tau"), "r-isd": ("stride", "tau"), "jacobi": ("block_size", None),
+             "jacobi-mr": ("block_size", None), "blockdiff": ("block_size", "threshold"),
+             "s2d2": ("block_size", "threshold"), "simsd": ("block_size", "threshold")}
+    assert set(roles) == set(STRATEGIES)
+
+    async def go():
+        app = StudioApp(session())
+        async with app.run_test(size=SIZE) as pilot:
+            for name, (n, tau) in roles.items():
+                app.session.choice = RunConfig(name)
+                app.screen.query_one(Controls).sync(app.session.choice, app.session.engine)
+                for selector, param, value in (("#ctl-n", n, "3"), ("#ctl-tau", tau, "0.5")):
+                    field = app.screen.query_one(selector)
+                    assert field.disabled == (param is None), (name, selector)
+                    if param is not None:
+                        await submit(pilot, selector, value)
+                        assert app.session.choice.params.get(param) == float(value), (name, selector)
+                        assert field.value == value   # the panel shows what was set
+    asyncio.run(go())
+
+
+def test_the_run_panel_shows_the_block_size_a_run_would_use(tmp_path):
+    from tests.support.lora import random_adapter
+    plain = tiny_engine("llama", vocab=20, seed=2)
+    random_adapter(tmp_path, plain.model, block_size=8)
+    adapted = plain.with_adapter(str(tmp_path))   # a block adapter trained at B = 8
+
+    async def shown(engine, name):
+        app = StudioApp(session(name, engine=engine))
+        async with app.run_test(size=SIZE) as pilot:
+            value = app.screen.query_one("#ctl-n").value
+            await submit(pilot, "#ctl-n", value)   # Enter on what is shown changes nothing
+            assert app.session.choice.params == {} and "error" not in status(app)
+            result = await turn(pilot, "bcdef")
+            # blocks after the first lie wholly in the output (the first one may start in the prompt)
+            return value, {e["end"] - e["start"] for e in result.events if e["t"] == "block" and e["start"] > 0}
+
+    assert asyncio.run(shown(adapted, "s2d2")) == ("8 (adapter)", {8})
+    assert asyncio.run(shown(tiny_dlm("llama", shift=True, block=4, vocab=20), "simsd")) == ("4 (model)", {4})
+    assert asyncio.run(shown(plain, "blockdiff")) == ("4 (default)", {4})

@@ -15,7 +15,9 @@ from studio.viz.palette import (INK, PALETTE, PRIORITY, RICH_FG, RICH_STYLE, RIC
                                  tint)
 from studio.viz.stats import acceptance, diagnostics, progress
 from studio.viz.text import render_plain, rich_step_line, rich_text, step_line
-from tests.support.fixtures.traces import hand_events, synthetic_blockdiff, synthetic_isd, vocab_text, write_trace
+from studio.viz.view import RunView
+from tests.support.fixtures.traces import (footer_for, hand_events, synthetic_blockdiff, synthetic_isd, vocab_text,
+                                           write_trace)
 
 FIXTURES = Path(__file__).parents[1] / "support" / "fixtures"
 C, P, A, RJ, RS, B, U = (State.COMMITTED, State.PROPOSED, State.ACCEPTED, State.REJECTED, State.RESAMPLED,
@@ -282,26 +284,69 @@ def test_other_figures(tmp_path):
     f.to_json()
 
 
+# -- the run view -----------------------------------------------------------------------------------
+def numbers_of(n):
+    """What the interfaces show of a RunNumbers, comparable with ==."""
+    return (n.points, n.tally.n_tokens, n.tally.forwards, n.tpf, n.acceptance, n.tally.decode_rate(), n.tally.text,
+            n.footer)
+
+
 @pytest.mark.parametrize("name", ["isd", "jacobi-mr", "s2d2"])
-def test_grid_and_series_fed_step_by_step_equal_those_of_the_whole_trace(name):
+def test_a_run_view_fed_live_equals_the_view_of_its_trace(name):
     from studio.engine.sampling import SamplingParams
     from studio.engine.strategies import make_strategy
     from studio.run.session import Run, Settings
-    from studio.viz.grid import GridBuilder
-    from studio.viz.stats import Tracker
     from tests.support.tiny import tiny_dlm, tiny_engine
 
     engine = tiny_dlm("llama", shift=False, block=4, vocab=20) if name == "s2d2" else tiny_engine(vocab=20, seed=4)
     params = {"block_size": 4} if name == "jacobi-mr" else {}
     run = Run(engine, make_strategy(name, params), Settings(24, SamplingParams(1.0), seed=3), "", [1, 2, 3, 4, 5])
-    builder, tracker = GridBuilder(run.token_text), Tracker()
+    live = RunView(run.token_text, run.header)
     while not run.done:
-        events = run.advance()
-        builder.feed(events)
-        tracker.feed(events)
-    whole = build_grid(run.header, run.result.events, run.token_text)
-    live = builder.grid
-    assert (live.steps, live.n_pos, live.rows, live.blocks) == (whole.steps, whole.n_pos, whole.rows, whole.blocks)
-    assert live.cells == whole.cells and live.final == whole.final and live.segments == whole.segments
-    assert tracker.points == progress(run.result.events)
-    assert tracker.acceptance == acceptance(run.result.events)
+        live.feed(run.advance())
+    result = run.result
+    live.footer = result.footer
+    replayed = RunView.of_trace(ev.Trace(result.header, result.events, result.footer), run.token_text)
+    assert live.grid.steps and live.grid == replayed.grid == build_grid(result.header, result.events, run.token_text)
+    assert numbers_of(live.numbers) == numbers_of(replayed.numbers)
+    assert live.points == progress(result.events) and live.tally.acceptance == acceptance(result.events)
+    assert live.text == result.footer["text"] and live.tally.n_tokens == result.footer["n_tokens"]
+
+
+def test_upto_a_step_equals_a_view_fed_up_to_that_step():
+    events = synthetic_isd(40, 4, 0.6, seed=5)
+    trace = ev.Trace({}, events, footer_for(events))
+    view = RunView.of_trace(trace)
+    steps = view.grid.steps
+    for k in steps[:-1]:
+        fresh = RunView()
+        fresh.feed(e for e in events if e["step"] <= k)
+        assert numbers_of(view.upto(k)) == numbers_of(fresh.numbers)
+    middle = view.upto(steps[len(steps) // 2])
+    assert 0 < middle.tally.n_tokens < view.tally.n_tokens and middle.acceptance.verified < view.tally.acceptance.verified
+    assert view.upto(steps[-1]).footer == trace.footer and view.upto(-1).last is None
+
+
+def test_the_decode_rate_counts_from_the_end_of_the_prefill_and_the_footer_has_the_last_word():
+    view = RunView()
+    view.feed([ev.forward(0, 5.0, role="prefill", n_tokens=4, lora_rows=0, wall_ms=5.0),
+               ev.emit(0, 10.0, pos=[0], tok=[1], text="a")])
+    assert view.numbers.tok_s() is None            # no decode step yet
+    view.feed([ev.forward(1, 20.0, role="verify", n_tokens=3, lora_rows=0, wall_ms=9.0),
+               ev.emit(1, 30.0, pos=[1, 2], tok=[2, 3], text="bc")])
+    view.feed([ev.forward(2, 40.0, role="verify", n_tokens=3, lora_rows=0, wall_ms=9.0),
+               ev.emit(2, 60.0, pos=[3, 4], tok=[4, 5], text="de")])
+    assert view.numbers.tok_s() == pytest.approx(4 / 0.050)     # 4 tokens after the prefill in 50 ms
+    assert view.upto(1).tok_s() == pytest.approx(2 / 0.020)
+    assert view.numbers.tpf == pytest.approx(5 / 2) and view.text == "abcde"
+    view.footer = {"tok_s": 12.5}
+    assert view.numbers.tok_s() == 12.5
+
+
+def test_a_trace_view_names_tokens_from_its_emits_then_the_tokenizer():
+    trace = ev.Trace({}, hand_events(), None)   # truncated: no footer
+    plain = RunView.of_trace(trace)
+    assert plain.grid.cell(1, 3).draft_text is None and plain.footer is None   # a rejected draft: never emitted
+    named = RunView.of_trace(trace, token_text=lambda t: f"<{t}>")
+    assert named.grid.cell(1, 3).draft_text == "<150>"
+    assert named.grid.cell(0, 0).text == "Sure"   # an emitted token keeps the text its emit gave it

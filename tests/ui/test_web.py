@@ -17,12 +17,12 @@ import pytest
 pytest.importorskip("gradio")
 from gradio_client import Client, handle_file  # noqa: E402
 
-from studio.run.chat import RunChoice  # noqa: E402
+from studio.run.config import RunConfig  # noqa: E402
 from studio.run.compare import parse_specs  # noqa: E402
 from studio.engine.strategies import STRATEGIES, make_strategy  # noqa: E402
+from studio.engine.strategies.params import N, TAU  # noqa: E402
 from studio.errors import BadInput  # noqa: E402
 from studio.events import read_trace  # noqa: E402
-from studio.run.config import build_run  # noqa: E402
 from studio.run.session import Run, Session, drive, encode_prompt  # noqa: E402
 from studio.web import render  # noqa: E402
 from studio.web.app import build_app, serve  # noqa: E402
@@ -131,7 +131,7 @@ def chat_text(messages) -> list[str]:
 
 def solo(engine, prompt: str, strategy: str, n: int, **params):
     """The same request run directly, without the web app."""
-    strat, settings = build_run(strategy, None, params, n, None, None, None, 0, [])
+    strat, settings = RunConfig(strategy, params=params, max_new_tokens=n).build()
     return Session(engine, strat, settings).run(prompt, encode_prompt(engine, prompt))
 
 
@@ -141,21 +141,65 @@ def test_forms_come_from_each_strategys_params_and_read_back_to_the_same_run():
         fields = param_fields(name)
         defaults = vars(cls.Params())
         assert {f.name: f.default for f in fields} == defaults
-        choice = RunChoice(name)
+        choice = RunConfig(name)
         values = dict(form_values(choice), strategy=name)
         strategy, settings = read_choice(values).build()
         assert strategy.header_params() == make_strategy(name).header_params()
-    # text fields list what the strategy accepts: its validation decides, not a list written here
-    assert next(f for f in param_fields("isd") if f.name == "proposal").choices == ("sample", "argmax")
-    assert "dynamic" in next(f for f in param_fields("simsd") if f.name == "schedule").choices
-    assert next(f for f in param_fields("s2d2") if f.name == "policy").choices[:2] == ("min-span", "score")
     # a preset fills its strategy's fields with its values
-    shown = form_values(RunChoice(None, "isd-n3"))
+    shown = form_values(RunConfig(None, "isd-n3"))
     assert shown["isd_stride"] == 3 and shown["temperature"] == 1.0
     with pytest.raises(BadInput, match="stride must be >= 2"):
         read_choice(dict(shown, strategy="isd-n3", isd_stride=1))
     with pytest.raises(BadInput, match="route must be a table"):
-        read_choice(dict(form_values(RunChoice("s2d2")), strategy="s2d2", s2d2_route="7"))
+        read_choice(dict(form_values(RunConfig("s2d2")), strategy="s2d2", s2d2_route="7"))
+
+
+def test_every_parameter_has_help_and_its_choices_are_what_the_strategy_accepts():
+    for name in STRATEGIES:
+        fields = param_fields(name)
+        for f in fields:
+            assert f.help, (name, f.name)
+            if f.kind is str:   # every text parameter today takes one of a few values: the form offers them
+                assert f.choices and f.default in f.choices, (name, f.name)
+                for value in f.choices:
+                    make_strategy(name, {f.name: value})
+                with pytest.raises(BadInput):
+                    make_strategy(name, {f.name: "not-" + f.choices[0]})
+            else:
+                assert f.choices is None, (name, f.name)
+        assert [f.role for f in fields if f.role] in ([], [N], [N, TAU]), name
+    labels = {f.name: f.label for f in param_fields("s2d2")}
+    assert (labels["block_size"], labels["threshold"], labels["steps"]) == ("block_size (N)", "threshold (τ)", "steps")
+
+
+def test_a_new_parameter_appears_in_the_form_with_its_metadata(monkeypatch):
+    from dataclasses import dataclass
+    import gradio as gr
+    from studio.engine.strategies.isd import ISD
+    from studio.engine.strategies.params import param
+    from studio.web.form import RunForm
+
+    class SaltedISD(ISD):
+        name = "salted-isd"
+
+        @dataclass
+        class Params(ISD.Params):
+            salt: str = param("fine", "how coarse the salt is", choices=("fine", "coarse"))
+
+    monkeypatch.setitem(STRATEGIES, SaltedISD.name, SaltedISD)
+    salt = next(f for f in param_fields("salted-isd") if f.name == "salt")
+    assert (salt.key, salt.kind, salt.default, salt.help, salt.choices, salt.role) == \
+        ("salted_isd_salt", str, "fine", "how coarse the salt is", ("fine", "coarse"), None)
+    shown = form_values(RunConfig("salted-isd"))
+    assert shown["salted_isd_salt"] == "fine" and shown["salted_isd_stride"] == 4
+    chosen = read_choice(dict(shown, strategy="salted-isd", salted_isd_salt="coarse"))
+    assert chosen.build()[0].params.salt == "coarse"
+    with gr.Blocks():
+        form = RunForm(RunConfig("salted-isd"), "test")
+    field = form.fields["salted_isd_salt"]
+    assert isinstance(field, gr.Dropdown) and [value for _, value in field.choices] == ["fine", "coarse"]
+    assert (field.label, field.info) == ("salt", "how coarse the salt is")
+    assert form.fields["salted_isd_stride"].label == "stride (N)"
 
 
 # -- chat -------------------------------------------------------------------------------------------
@@ -249,7 +293,7 @@ def test_compare_advances_runs_in_lock_step_then_reports(server, engine, tmp_pat
     final = named(app, "compare", job.outputs()[-1])
     ends = [len(final[f"cmp-trajectory-{i}"]["rows"]) for i in range(3)]
     specs = parse_specs("isd,jacobi")
-    runs = [Run(engine, *build_run(s.strategy, s.preset, [], 24, 0.0, None, None, 0, []), "bcdef",
+    runs = [Run(engine, *RunConfig(s.strategy, preset=s.preset, max_new_tokens=24, temperature=0.0).build(), "bcdef",
                 encode_prompt(engine, "bcdef")) for s in specs]
     drive(runs)
     assert ends == [len({e["step"] for e in r.result.events}) for r in runs]
@@ -265,7 +309,7 @@ def test_compare_advances_runs_in_lock_step_then_reports(server, engine, tmp_pat
     table = final["cmp-table"]
     for label, r in zip(["ar", "isd", "jacobi"], runs):
         assert f"<td>{label}</td>" in table and render.esc(r.result.footer["text"]) in table
-    assert "<td>jacobi</td><td>24</td>" in table and table.count("<td>yes</td>") >= 2   # greedy jacobi == ar
+    assert "<td>jacobi</td><td>24</td>" in table and table.count("<td>yes (ar)</td>") >= 2   # greedy jacobi == ar
     report = file_path(final["cmp-report"])
     text = open(report, encoding="utf-8").read()
     assert text.startswith("<!DOCTYPE html>") and "jacobi" in text
@@ -282,7 +326,7 @@ def test_compare_refuses_too_many_runs_with_a_message(server):
 def test_an_uploaded_trace_replays_and_downloads_in_every_format(server, engine, tmp_path):
     app, url, _ = server
     src = tmp_path / "run.jsonl"
-    strat, settings = build_run("isd", None, {}, 20, None, None, None, 0, [])
+    strat, settings = RunConfig("isd", max_new_tokens=20).build()
     result = Session(engine, strat, settings).run(XSS, encode_prompt(engine, XSS), trace_path=str(src))
     n_steps = len({e["step"] for e in result.events})
     c = client(url)

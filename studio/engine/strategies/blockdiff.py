@@ -1,29 +1,8 @@
-"""Block diffusion with confidence-threshold unmasking: the baseline S2D2 and SimSD are measured against
-(dInfer / Fast-dLLM / SDAR; DESIGN §4; references/jacobi_dinfer.md B.2, references/s2d2_simsd.md A.1, A.5).
+"""Block diffusion with confidence-threshold unmasking (dInfer / Fast-dLLM / SDAR), the baseline S2D2 and SimSD
+are measured against, and the machinery they share: blocks at multiples of B, one forward of the open block per
+step, an unmasking rule, and a commit forward that writes each finished block's KV.
 
-Blocks of B slots sit at absolute positions that are multiples of B. The prompt's whole blocks are
-prefilled; its tail stays in the first open block as filled slots. Each step is one forward of the open
-block (bidirectional inside, over the committed KV); an unmasking rule fills some masked slots; when none
-is left, a commit forward writes the block's KV (intra-block bidirectional, or token-causal with
-`cache = "causal"`, S2D2's `cache_ver`; the default for an AR model + adapter, whose clean rows were only ever
-trained causal).
-
-Two kinds of model (ModelConfig.logit_shift):
-  position-aligned (SDAR): row j of the block predicts slot j.
-  right-shifted (Fast-dLLM v2, an AR model + adapter): row j-1 predicts slot j, so slot 0 of a block is
-    never masked: it is the prompt tail or the token the previous block's commit forward predicted from
-    its last row (Fast-dLLM v2's one AR token per block).
-
-Unmasking rules over the masked slots, with confidence = probability of the chosen token (the plain
-softmax of the argmax when greedy, as the references do), and a per-step quota = the block's masks
-spread over `steps` steps (remainder first):
-  dynamic       every slot with confidence > threshold, or the top-quota when fewer pass (Fast-dLLM, SDAR)
-  static        the top-quota
-  hierarchical  per contiguous masked run its best slot if > low_threshold, any slot > threshold, and the
-                global best (dInfer HierarchyDecoder)
-  credit        the dynamic rule on logits + alpha·log(1 + C), C an exponentially decayed credit of each
-                slot's repeated top-1 (dInfer CreditThresholdParallelDecoder)
-The MASK token is never a valid output: its logit is removed before any rule sees it.
+Design: docs/strategies.md#blockdiff
 """
 from __future__ import annotations
 
@@ -34,6 +13,7 @@ import torch
 from studio.engine.masks import block_causal, causal, partially_causal_draft
 from studio.engine.sampling import Proposal, SamplingParams, process_logits, sample, sample_token
 from studio.engine.strategies.base import DecodeContext, Strategy
+from studio.engine.strategies.params import N, TAU, param
 from studio.errors import BadInput
 
 DEFAULT_BLOCK = 4   # SDAR's training block size; used when neither the params nor the model give one
@@ -126,21 +106,23 @@ class BlockDiffusion(Strategy):
 
     @dataclass
     class Params:
-        block_size: int = 0            # B; 0 = the model's block_size (SDAR 4, Fast-dLLM v2 32), else the
-                                       # block adapter's training block size, else 4
-        steps: int = 0                 # S denoising steps per block; 0 = B (one token per step at least)
-        schedule: str = "dynamic"      # dynamic (threshold + quota) | static (quota only)
-        threshold: float = 0.9         # τ: Fast-dLLM / dInfer serving default (S2D2's SDAR configs use 0.85)
-        decoder: str = "threshold"     # threshold | hierarchical | credit (dInfer)
-        low_threshold: float = 0.62    # hierarchical: dInfer eval guide (with threshold 0.92)
-        credit_alpha: float = 0.7      # credit decoder defaults (dInfer)
-        credit_gamma: float = 0.2
-        credit_beta: float = 0.8
-        cache: str = "auto"            # prefill/commit attention: block (bidirectional in a block) | causal (S2D2
-                                       # cache_ver, "AR-like caching") | auto: block for native dLLMs (the model
-                                       # has a block_size), causal for an AR model + adapter
-        causal_prefix: bool = False    # partially causal drafting: decoded prefix rows causal (S2D2 draft_ver)
-        adapter_rows: str = "mask"     # where an adapter applies: MASK rows only (R-ISD style) | all rows
+        block_size: int = param(0, "B; 0 = the model's block_size (SDAR 4, Fast-dLLM v2 32), else the block "
+                                   "adapter's training block size, else 4", role=N)
+        steps: int = param(0, "S denoising steps per block; 0 = B (one token per step at least)")
+        schedule: str = param("dynamic", "dynamic (threshold + quota) | static (quota only)", choices=SCHEDULES)
+        threshold: float = param(0.9, "τ: the confidence that unmasks a slot; Fast-dLLM / dInfer serving default "
+                                      "(S2D2's SDAR configs use 0.85)", role=TAU)
+        decoder: str = param("threshold", "threshold | hierarchical | credit (dInfer)", choices=DECODERS)
+        low_threshold: float = param(0.62, "hierarchical decoder: dInfer eval guide (with threshold 0.92)")
+        credit_alpha: float = param(0.7, "credit decoder α (dInfer default)")
+        credit_gamma: float = param(0.2, "credit decoder γ (dInfer default)")
+        credit_beta: float = param(0.8, "credit decoder β (dInfer default)")
+        cache: str = param("auto", "prefill/commit attention: block (bidirectional in a block) | causal (S2D2 "
+                                   'cache_ver, "AR-like caching") | auto: block for native dLLMs (the model has a '
+                                   "block_size), causal for an AR model + adapter", choices=CACHES)
+        causal_prefix: bool = param(False, "partially causal drafting: decoded prefix rows causal (S2D2 draft_ver)")
+        adapter_rows: str = param("mask", "where an adapter applies: MASK rows only (R-ISD style) | all rows",
+                                  choices=ADAPTER_ROWS)
 
     @classmethod
     def validate(cls, p) -> None:

@@ -1,14 +1,67 @@
-"""Typed parameters for strategies and policies: a dataclass of defaults, checked against user input."""
+"""Typed parameters for strategies and policies: a dataclass of defaults, checked against user input.
+
+Each field is declared with `param`, which records what the interfaces say about it (help text, the values a
+text field accepts, the role a UI shows it under); `param_specs` reads that back for the TUI and the web form.
+"""
 from __future__ import annotations
 
 import dataclasses
 import math
 import sys
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from studio.errors import BadInput
 
 
 _MAX_FLOAT_INT = int(sys.float_info.max)
+
+# Roles: the parameter a UI shows under a generic name, whatever the strategy calls it
+N = "n"        # N: tokens per forward at best (isd's stride, the block size of jacobi and block diffusion)
+TAU = "tau"    # τ: the acceptance or confidence threshold (isd's tau, block diffusion's threshold)
+ROLE_LABELS = {N: "N", TAU: "τ"}
+
+
+def param(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
+          choices: tuple[str, ...] | None = None, role: str | None = None) -> Any:
+    """A `Params` field: its default (or `factory` for a mutable one) and its metadata. `choices`: the
+    values a text field accepts (the strategy's validation must accept exactly these); `role`: N or TAU."""
+    if role is not None and role not in ROLE_LABELS:
+        raise ValueError(f"unknown parameter role {role!r}")
+    metadata = {"help": help, "choices": tuple(choices) if choices else None, "role": role}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What an interface shows of one parameter."""
+    name: str
+    kind: type                       # the default's type: int, float, bool, str or dict
+    default: object
+    help: str
+    choices: tuple[str, ...] | None  # the values a text field accepts; None: any text (or not text)
+    role: str | None                 # N, TAU or None
+
+
+def param_specs(params_cls) -> tuple[ParamSpec, ...]:
+    """The fields of a `Params` dataclass, with the metadata `param` gave them."""
+    out = []
+    for f in dataclasses.fields(params_cls):
+        default = _default(f)
+        out.append(ParamSpec(f.name, type(default), default, f.metadata.get("help", ""),
+                             f.metadata.get("choices"), f.metadata.get("role")))
+    return tuple(out)
+
+
+def role_param(params_cls, role: str) -> str | None:
+    """The name of the parameter with `role` (N or TAU), or None when the strategy has none."""
+    return next((s.name for s in param_specs(params_cls) if s.role == role), None)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def _short(v) -> str:
@@ -29,8 +82,7 @@ def parse_params(owner: str, params_cls, params: dict):
         raise BadInput(f"{owner} has no parameter {_short(unknown[0])} (parameters: {', '.join(known) or 'none'})")
     p = params_cls(**params)
     for f in known.values():
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        value, expected = getattr(p, f.name), type(default)
+        value, expected = getattr(p, f.name), type(_default(f))
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             if abs(value) > _MAX_FLOAT_INT:  # float() would raise OverflowError
                 raise BadInput(f"{owner} parameter {f.name!r} must be finite, got {_short(value)}")

@@ -1,26 +1,12 @@
-"""S2D2 verification routing (papers/002 §4.3, App. A Alg. 4, A.5, A.6; references/s2d2_simsd.md A.3).
+"""S2D2 verification routing: whether a step verifies the first contiguous masked span C_t of the open block
+(policies from the S2D2 paper, §4.3 and appendix A: min-span, score, hysteresis, ucb; plus always and never).
 
-Pure decision logic, no model calls. At every denoising step the S2D2 strategy builds a `RouteInput`
-for the first contiguous masked span C_t of the open block and asks its policy `decide(x)` ->
-(verify?, score); it reports the `route {verify, score, policy}` event itself, and after the step
-calls `feedback(accepted, verified)` (only the UCB bandit learns from it).
+Pure decision logic, no model calls: the S2D2 strategy builds a `RouteInput` per step, `decide(x)` returns
+(verify?, score), and `feedback(accepted, verified)` after the step feeds the UCB bandit. Defaults are the
+paper's operating points where it states one (cited per field), else the reference code's
+(`SDAR/generate_ssd_policy.py`); where they disagree the paper's rule is the default and the code's an option.
 
-Expected accepted prefix length (paper Eq. 5):  K̂ = Σ_{k=1..L} Π_{i≤k} α_i,  α_i ∈ [0, 1] per span
-position from the drafter distribution P_i (estimators below).
-Score (paper Eq. 6):  static  s = K̂ − c;   dynamic  s = K̂ − c·N_hi,  N_hi = #{masked positions of
-the block with draft confidence > τ} (τ = the block-diffusion threshold; the strategy counts it).
-An empty span scores −inf (reference `_decide_do_verify`) and is never verified.
-
-Policies (canonical name / reference-code name):
-  always, never                         baselines
-  min-span     / mask_span_length       verify iff |C_t| ≥ τ_span
-  score        / score_threshold        verify iff s ≥ τ_score
-  hysteresis   / score_hysteresis       ON→OFF when s < τ_off, OFF→ON when s ≥ τ_on (state per run)
-  ucb          / contextual_bandit_ucb  UCB1 over {skip, verify} per context bucket (paper A.6)
-
-Defaults: the paper's operating points where it states one (cited per field), else the reference
-code's (`SDAR/generate_ssd_policy.py`). Where the paper and the code disagree, the paper's rule is
-the default and the code's is a named option (hysteresis `strict_on`).
+Design: docs/strategies.md#s2d2-routing-policies
 """
 from __future__ import annotations
 
@@ -31,7 +17,7 @@ from typing import ClassVar
 import torch
 
 from studio.errors import BadInput
-from studio.engine.strategies.params import parse_params
+from studio.engine.strategies.params import param, parse_params
 
 
 # -- the protocol ---------------------------------------------------------------------------------
@@ -185,9 +171,9 @@ class MinSpanPolicy(RoutingPolicy):
 
     @dataclass
     class Params:
-        # τ_span. Reference default `min_ssd_span_length` = 1 (always verify); the paper uses 2
+        # Reference default `min_ssd_span_length` = 1 (always verify); the paper uses 2
         # (SDAR-1.7B config A) and 8 (Fast-dLLM v2 config C), B/2 and B as examples (§4.3).
-        min_span: int = 1
+        min_span: int = param(1, "τ_span: verify when the first masked span has at least this many slots")
 
     @staticmethod
     def validate(p) -> None:
@@ -201,19 +187,18 @@ class MinSpanPolicy(RoutingPolicy):
 @dataclass
 class _ScoreParams:
     """The score s shared by `score` and `hysteresis` (paper Eq. 5–6)."""
-    # static: s = K̂ − c; dynamic: s = K̂ − c·N_hi. Reference default "difference_dynamic"; the
-    # paper's SDAR-8B config A (its headline setting) is static, hysteresis is dynamic (Table 9).
-    mode: str = "static"
-    # c, the verifier cost. Reference default `score_penalty_coef` = 2.0; the paper uses c = 1 for
-    # SDAR-8B config A and every hysteresis run (Tables 7–9 sweep 1, 2, 4).
-    c: float = 1.0
-    # α estimator: "entropy" in all of the paper's main experiments (App. A.5; reference default is
-    # hard_margin_threshold).
-    estimator: str = "entropy"
-    beta: float = 1.0               # β of exp(−β·H̃): paper main experiments, reference default
-    margin: float = 0.05            # τ_margin: reference default, paper Table 8
-    margin_coef: float = 1.0        # soft-margin coefficient: reference default
-    entropy_threshold: float = 0.1  # τ_ent of hard-entropy: reference CLI default (function: 0.5)
+    # Reference default "difference_dynamic"; the paper's SDAR-8B config A (its headline setting) is
+    # static, hysteresis is dynamic (Table 9).
+    mode: str = param("static", "static: s = K̂ − c; dynamic: s = K̂ − c·N_hi", choices=MODES)
+    # Reference default `score_penalty_coef` = 2.0; the paper uses c = 1 for SDAR-8B config A and every
+    # hysteresis run (Tables 7–9 sweep 1, 2, 4).
+    c: float = param(1.0, "c, the verifier cost")
+    # "entropy" in all of the paper's main experiments (App. A.5; reference default is hard_margin_threshold).
+    estimator: str = param("entropy", "α estimator: how likely a draft is accepted", choices=ESTIMATORS)
+    beta: float = param(1.0, "β of exp(−β·H̃): paper main experiments, reference default")
+    margin: float = param(0.05, "τ_margin: reference default, paper Table 8")
+    margin_coef: float = param(1.0, "soft-margin coefficient: reference default")
+    entropy_threshold: float = param(0.1, "τ_ent of hard-entropy: reference CLI default (function: 0.5)")
 
 
 def _validate_score(name: str, p) -> None:
@@ -257,9 +242,9 @@ class ScorePolicy(RoutingPolicy):
 
     @dataclass
     class Params(_ScoreParams):
-        # τ_score: 0 in the paper's SDAR-8B config A (with static, c = 1: verify iff K̂ ≥ 1) and the
-        # reference CLI default (function default −1).
-        threshold: float = 0.0
+        # 0 in the paper's SDAR-8B config A (with static, c = 1: verify iff K̂ ≥ 1) and the reference
+        # CLI default (function default −1).
+        threshold: float = param(0.0, "τ_score: verify when the score s reaches it")
 
     @staticmethod
     def validate(p) -> None:
@@ -280,13 +265,13 @@ class HysteresisPolicy(RoutingPolicy):
     class Params(_ScoreParams):
         # dynamic score, c = 1: paper Table 9 ("dynamic score only, fixed c = 1") and Fast-dLLM v2
         # configs A/B.
-        mode: str = "dynamic"
+        mode: str = param("dynamic", "static: s = K̂ − c; dynamic: s = K̂ − c·N_hi", choices=MODES)
         # τ_on = 1, τ_off = −5: paper Fast-dLLM v2 configs A/B (§5). Reference defaults are 0 / −1.
-        on: float = 1.0
-        off: float = -5.0
+        on: float = param(1.0, "τ_on: turn verification on when s ≥ τ_on")
+        off: float = param(-5.0, "τ_off: turn verification off when s < τ_off")
         # the reference code turns ON only when s > τ_on (its comment: "in paper it is >=, but we
         # used > in experiments"); the paper's "≥" is the default.
-        strict_on: bool = False
+        strict_on: bool = param(False, "turn on only when s > τ_on (the reference code), not s ≥ τ_on")
 
     @staticmethod
     def validate(p) -> None:
@@ -328,10 +313,12 @@ class UCBPolicy(RoutingPolicy):
 
     @dataclass
     class Params:
-        beta: float = 1.0        # β of Eq. 16: reference default `ucb_beta` (Table 10 sweeps 0.2–5)
-        span_bins: int = 2       # "By default, we use two bins for each dimension" (A.6); reference
-        progress_bins: int = 2   # `ucb_span_length_bins`, `ucb_block_progress_bins`,
-        entropy_bins: int = 2    # `ucb_entropy_bins` = 2
+        beta: float = param(1.0, "β of Eq. 16: reference default `ucb_beta` (Table 10 sweeps 0.2–5)")
+        # "By default, we use two bins for each dimension" (A.6); reference `ucb_span_length_bins`,
+        # `ucb_block_progress_bins`, `ucb_entropy_bins` = 2
+        span_bins: int = param(2, "bins of the span length")
+        progress_bins: int = param(2, "bins of the block progress")
+        entropy_bins: int = param(2, "bins of the span's mean normalized entropy")
 
     @staticmethod
     def validate(p) -> None:

@@ -1,25 +1,13 @@
-"""S2D2: block diffusion drafting + self-verification in block-size-1 mode (papers/002 §4, App. A;
-references/s2d2_simsd.md A.1-A.4).
+"""S2D2: block-diffusion drafting + self-verification of the first masked span by the same model in block-size-1
+mode (the "2L trick" mask for position-aligned models, a plain causal forward for right-shifted ones). A routing
+policy (routing.py) decides at each step whether to verify; the verifier never writes the KV cache.
 
-Each step drafts the open block like `blockdiff`, then a routing policy (routing.py) decides whether to
-verify the first contiguous masked span C_t with the same model as an autoregressive verifier:
-  position-aligned models: the "2L trick", one forward of [draft-filled block | B MASKs] where MASK row
-    B+r sees the committed KV and the filled tokens left of r only (masks.s2d2_verifier);
-  right-shifted models: one plain causal forward of the draft-filled block up to the span's end.
-Acceptance over the span, left to right, with the exact rule of DESIGN §4 (p = verifier, q = drafter;
-greedy: accept iff the draft is the verifier's argmax); `gamma` != 1 is the paper's lossy tempering
-min(1, (p/q)^γ). The first rejected slot gets a token from the residual; no bonus token after a fully
-accepted span. Verification replaces the threshold rule on the steps that verify (the reference's
-behaviour) unless `verify_replaces` is off, in which case confident slots outside the span are unmasked
-as well. The verifier never writes the KV cache; the commit forward does.
-
-LoRA gate: BlockDiffusion.gate (by default on at MASK rows only, so an AR model + adapter verifies a
-right-shifted span with the plain base model).
+Design: docs/strategies.md#s2d2
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -27,7 +15,8 @@ from studio.engine.masks import s2d2_verifier
 from studio.engine.sampling import process_logits
 from studio.engine.strategies.base import DecodeContext
 from studio.engine.strategies.blockdiff import BlockDiffusion, Draft
-from studio.engine.strategies.routing import RouteInput, make_policy
+from studio.engine.strategies.params import param
+from studio.engine.strategies.routing import POLICIES, RouteInput, make_policy
 from studio.errors import BadInput
 
 
@@ -36,10 +25,10 @@ class S2D2(BlockDiffusion):
 
     @dataclass
     class Params(BlockDiffusion.Params):
-        policy: str = "min-span"       # min-span | score | hysteresis | ucb | always | never (routing.py)
-        route: dict = field(default_factory=dict)   # the policy's parameters (CLI: -p route.c=1)
-        gamma: float = 1.0             # acceptance tempering (lossy when != 1)
-        verify_replaces: bool = True   # verifying steps skip the threshold rule (reference behaviour)
+        policy: str = param("min-span", "when to verify the draft (the routing policy)", choices=POLICIES)
+        route: dict = param(help="the policy's parameters (CLI: -p route.c=1)", factory=dict)
+        gamma: float = param(1.0, "acceptance tempering (lossy when != 1)")
+        verify_replaces: bool = param(True, "verifying steps skip the threshold rule (reference behaviour)")
 
     def __init__(self, params: dict | None = None):
         params = dict(params or {})

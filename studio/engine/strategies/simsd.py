@@ -1,28 +1,9 @@
-"""SimSD: a draft dLLM proposes, the target dLLM verifies in one forward (papers/003 §3;
-references/s2d2_simsd.md part B).
+"""SimSD: a draft dLLM reveals γ slots of the open block, the target scores them in one forward (temporal mask and
+RoPE copy for position-aligned targets, a causal forward for right-shifted ones) and accepts them in the draft's
+order; with fewer than γ masks left the target finishes the block itself. Without `use_draft` the target drafts
+for itself.
 
-Per round, while the open block's masked slots form a contiguous suffix of at least `gamma` slots:
-  draft    the drafter reveals γ of them (γ = `gamma`, 0 = all of them) in `draft_steps` forwards of the
-           block (most confident first; ceil schedule), remembering the step that revealed each one;
-  verify   one target forward. Position-aligned targets use the `[filled prefix | D | D~]` layout with the
-           temporal mask and RoPE copy (masks.simsd_temporal): the mask copy of the r-th revealed token
-           sees the prefix and the tokens revealed before it, so p^(r) is the target's distribution in
-           the draft's own order, and acceptance runs in that order. Right-shifted targets (an AR model
-           + adapter, Fast-dLLM v2) have no mask-copy reading: one causal forward scores the revealed
-           tokens left to right (row j-1 predicts slot j), up to the first slot the drafter left masked.
-           Position-order verification is exact only if each draft token was drawn given the drafts left
-           of it and nothing right of it, so for these targets the drafter reveals left to right
-           (`reveal = "auto"`); a confidence-ordered drafter would bias the output.
-  accept   the exact rule of DESIGN §4 (sampled drafts: u·q < p, residual on reject; greedy: argmax match),
-           or `acceptance = "greedy-match"` (the release default: accept while d = argmax p, correct with
-           argmax p; lossy when sampling). On rejection the target's token fills that slot; a fully
-           accepted draft gets no bonus.
-Otherwise the target completes the block with the threshold rule (paper: "fall back to vanilla target
-decoding when fewer than γ positions remain"). A full block is committed into both caches.
-
-The drafter: `use_draft(engine)` gives a separate draft model with its own KV cache; without one the
-target drafts for itself ("self draft", one shared cache). LoRA gates follow BlockDiffusion.gate: an AR
-model + adapter drafts with the adapter at MASK rows and verifies (right-shifted) with the plain base.
+Design: docs/strategies.md#simsd
 """
 from __future__ import annotations
 
@@ -33,7 +14,8 @@ import torch
 from studio.engine.masks import simsd_temporal
 from studio.engine.sampling import SamplingParams, process_logits
 from studio.engine.strategies.base import DecodeContext
-from studio.engine.strategies.blockdiff import BlockDiffusion, transfer_counts, top_k
+from studio.engine.strategies.blockdiff import SCHEDULES, BlockDiffusion, transfer_counts, top_k
+from studio.engine.strategies.params import param
 from studio.errors import BadInput
 
 ACCEPTANCE = ("exact", "greedy-match")
@@ -45,12 +27,13 @@ class SimSD(BlockDiffusion):
 
     @dataclass
     class Params(BlockDiffusion.Params):
-        gamma: int = 0                 # γ drafted tokens per round; 0 = every masked slot (paper: γ = B)
-        draft_steps: int = 0           # drafter forwards per round; 0 = γ (one reveal per step, paper ds = B)
-        acceptance: str = "exact"      # exact | greedy-match
-        reveal: str = "auto"           # confidence | left-to-right; auto = confidence for position-aligned
-                                       # targets, left-to-right for right-shifted ones (see below)
-        schedule: str = "static"       # the target's fallback rule: SDAR's low_confidence_static
+        gamma: int = param(0, "γ drafted tokens per round; 0 = every masked slot (paper: γ = B)")
+        draft_steps: int = param(0, "drafter forwards per round; 0 = γ (one reveal per step, paper ds = B)")
+        acceptance: str = param("exact", "exact | greedy-match (lossy when sampling)", choices=ACCEPTANCE)
+        reveal: str = param("auto", "confidence | left-to-right; auto = confidence for position-aligned targets, "
+                                    "left-to-right for right-shifted ones", choices=REVEAL)
+        schedule: str = param("static", "the target's fallback rule: SDAR's low_confidence_static",
+                              choices=SCHEDULES)
 
     def __init__(self, params: dict | None = None):
         super().__init__(params)

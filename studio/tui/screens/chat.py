@@ -16,13 +16,14 @@ from textual.widgets import Footer, Header, Input, Static
 
 from studio.run.chat import ChatSession, Reply
 from studio.errors import BadInput
-from studio.tui.live import FRAME_S, FramePacer, RunView
+from studio.tui.live import FRAME_S, FramePacer
 from studio.tui.widgets import Inspector, MetricsPanel, StatusBar, TokenGrid
 from studio.tui.widgets.status import error_line
 from studio.tui.widgets.live_text import LiveText
 from studio.tui.widgets.controls import Controls, apply_change
 from studio.viz.palette import legend_text
 from studio.viz.text import rich_text, run_summary_line
+from studio.viz.view import RunView
 from studio.run.worker import Worker
 
 TEXT_EVERY = 3   # the answer, metrics and inspector on every 3rd drawn frame: numbers and prose cannot be
@@ -77,9 +78,9 @@ class ChatScreen(Screen):
     def on_mount(self) -> None:
         self.query_one("#grid-box").border_title = "tokens"
         self.query_one("#side").border_title = "run"
-        self.query_one(Controls).sync(self.session.choice)
+        self.query_one(Controls).sync(self.session.choice, self.session.engine)
         self.query_one(Inspector).show(None, None)
-        self.query_one(MetricsPanel).show([])
+        self.query_one(MetricsPanel).show(None)
         self.title = f"dlm-studio · {self.session.engine.name}"
         self.query_one("#prompt", Input).focus()
         self.status(f"model {self.session.engine.name} · {self.session.choice.describe()} · /help for commands")
@@ -132,7 +133,7 @@ class ChatScreen(Screen):
             if line.split()[0] in ("/reset", "/model"):
                 self.query_one("#conversation", VerticalScroll).remove_children()
             self.note(reply.message)
-            self.query_one(Controls).sync(self.session.choice)
+            self.query_one(Controls).sync(self.session.choice, self.session.engine)
             self.title = f"dlm-studio · {self.session.engine.name}"
 
     def send(self, text: str) -> None:
@@ -179,7 +180,7 @@ class ChatScreen(Screen):
             grid.reveal_row(max(0, view.grid.n_pos - 1) // grid.per_row())
         if not all_widgets:
             return
-        self.query_one(MetricsPanel).show(view.points, view.acceptance, self.session.choice.label)
+        self.query_one(MetricsPanel).show(view.numbers, self.session.choice.label)
         self.query_one(Inspector).show(view.grid, grid.cursor)
         if self.answer is not None:
             text = rich_text(view.grid)
@@ -196,6 +197,8 @@ class ChatScreen(Screen):
             self.status(error_line(worker.error), error=True)
             return
         result = run.result
+        self.view.footer = result.footer
+        self.query_one(MetricsPanel).show(self.view.numbers, self.session.choice.label)
         line = run_summary_line(result.footer, self.session.choice.label, result.events)
         self.note(line)
         self.status(line)
@@ -251,7 +254,7 @@ class ChatScreen(Screen):
             controls.invalid(event.key)
             self.status(error_line(e), error=True)
             return
-        controls.sync(self.session.choice)
+        controls.sync(self.session.choice, self.session.engine)
         self.status(f"next turn: {self.session.choice.describe()}")
 
     def on_controls_step_mode(self, event: Controls.StepMode) -> None:

@@ -13,25 +13,26 @@ from textual.widgets import Button, DataTable, Footer, Header, Input, Static
 
 from studio.run.chat import ChatSession
 from studio.errors import BadInput
-from studio.tui.live import FRAME_S, FramePacer, RunView
+from studio.tui.live import FRAME_S, FramePacer
 from studio.tui.widgets import StatusBar, TokenGrid
 from studio.tui.widgets.status import error_line
 from studio.viz.palette import legend_text
+from studio.viz.view import RunNumbers, RunView
 from studio.run.worker import Worker
 
 MAX_PANES = 4
 DEFAULT_SPECS = "isd,jacobi-mr-cpu"
 
 
-def pane_line(label: str, view: RunView, done: bool) -> Text:
+def pane_line(label: str, numbers: RunNumbers, done: bool) -> Text:
     """`✓ isd  fwd 10 tok 12 TPF 1.20 acc 17%`: the run's numbers so far (✓ once it has finished)."""
-    last = view.points[-1] if view.points else None
     out = Text("✓ " if done else "", style="bold #009E73")
     out.append(label, style="bold")
-    if last is not None:
-        tpf = f"{last.tpf:.2f}" if last.tpf is not None else "—"
-        acc = f"{last.accept_rate:.0%}" if last.accept_rate is not None else "n/a"
-        out.append(f"  fwd {last.forwards} tok {last.tokens} TPF {tpf} acc {acc}", style="dim")
+    if numbers.last is not None:
+        tally, accept = numbers.tally, numbers.acceptance
+        tpf = f"{numbers.tpf:.2f}" if numbers.tpf is not None else "—"
+        acc = f"{accept.rate:.0%}" if accept.verified else "n/a"
+        out.append(f"  fwd {tally.forwards} tok {tally.n_tokens} TPF {tpf} acc {acc}", style="dim")
     return out
 
 
@@ -46,12 +47,12 @@ class ComparePane(Vertical):
         self.label, self.view = label, view
 
     def compose(self) -> ComposeResult:
-        yield Static(pane_line(self.label, self.view, False), classes="pane-title")
+        yield Static(pane_line(self.label, self.view.numbers, False), classes="pane-title")
         with VerticalScroll():
             yield TokenGrid()
 
     def redraw(self, done: bool) -> None:
-        self.query_one(".pane-title", Static).update(pane_line(self.label, self.view, done), layout=False)
+        self.query_one(".pane-title", Static).update(pane_line(self.label, self.view.numbers, done), layout=False)
         grid = self.query_one(TokenGrid)
         grid.show(self.view.grid)
         grid.reveal_row(max(0, self.view.grid.n_pos - 1) // grid.per_row())
@@ -116,7 +117,7 @@ class CompareScreen(Screen):
     def _runs(self, prompt: str, items: str):
         """One Run per spec (ar first), on the chat's sampling settings; BadInput for a bad list."""
         from studio.run.compare import parse_specs
-        from studio.run.config import build_run
+        from studio.run.config import RunConfig
         from studio.run.session import Run, encode_prompt
         if not prompt:
             raise BadInput("type a prompt first")
@@ -124,7 +125,7 @@ class CompareScreen(Screen):
         if len(specs) > MAX_PANES:
             raise BadInput(f"compare shows at most {MAX_PANES} runs (ar included): {', '.join(s.label for s in specs)}")
         c, engine = self.session.choice, self.session.engine
-        made = [build_run(s.strategy, s.preset, [], c.max_new_tokens, c.temperature, c.top_k, c.top_p, c.seed, c.stop)
+        made = [RunConfig(s.strategy, preset=s.preset, max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p, seed=c.seed, stop=tuple(c.stop)).build()
                 for s in specs]
         ids = encode_prompt(engine, prompt, chat=self.session.conversation.chat)
         return [Run(engine, strategy, settings, prompt, ids) for strategy, settings in made], [s.label for s in specs]
@@ -153,18 +154,18 @@ class CompareScreen(Screen):
                 self.show_table(worker)
 
     def show_table(self, worker: Worker) -> None:
-        from studio.run.compare import rows
+        from studio.run.compare import rows, same_as
         table = self.query_one("#compare-table", DataTable)
         table.clear(columns=True)
-        table.add_columns("strategy", "tokens", "forwards", "TPF", "accept", "tok/s", "× ar", "same as ar", "stop")
+        table.add_columns("strategy", "tokens", "forwards", "TPF", "accept", "tok/s", "× ar", "same as", "stop")
         results = {label: run.result for label, run in zip(self.labels, worker.runs)}
         for r in rows(results):
-            same = "yes" if r["identical_to_ar"] else f"no (token {r['first_difference']})"
             table.add_row(r["label"], str(r["n_tokens"]), str(r["forwards"]), f"{r['tpf']:.2f}",
                           "—" if r["accept_rate"] is None else f"{r['accept_rate']:.2f}", f"{r['tok_s']:.1f}",
-                          "—" if r["speed_vs_ar"] is None else f"{r['speed_vs_ar']:.2f}×", same, r["stop_reason"])
+                          "—" if r["speed_vs_ar"] is None else f"{r['speed_vs_ar']:.2f}×", same_as(r), r["stop_reason"])
         table.display = True
-        self.status("done: the table compares every run with ar (same prompt, seed and sampling)")
+        self.status("done: each run's output is compared with ar on the model it decodes (same prompt, seed and "
+                    "sampling)")
 
     @on(Button.Pressed, "#compare-stop")
     def action_stop(self) -> None:

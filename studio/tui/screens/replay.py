@@ -12,11 +12,11 @@ from textual.widgets import Button, Footer, Header, Input, Static
 
 from studio.errors import BadInput
 from studio.events import Trace
-from studio.tui.live import RunView
 from studio.tui.widgets import Inspector, MetricsPanel, StatusBar, TokenGrid
 from studio.tui.widgets.status import error_line
 from studio.tui.widgets.metrics import bar
 from studio.viz.palette import legend_text
+from studio.viz.view import RunView
 
 SPEEDS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 MIN_DELAY_S, MAX_DELAY_S = 0.03, 2.0   # a frame is never shorter or a pause longer than these
@@ -115,13 +115,12 @@ class ReplayScreen(Screen):
         grid = self.query_one(TokenGrid)
         if view is None or step is None:
             grid.show(None)
-            self.query_one(MetricsPanel).show([])
+            self.query_one(MetricsPanel).show(None)
             self.query_one(Inspector).show(None, None)
             self.query_one("#scrubber", Static).update("")
             return
         grid.show(view.grid, step)
-        points, accept = view.upto(step)
-        self.query_one(MetricsPanel).show(points, accept, str(view.header.get("strategy", "")))
+        self.query_one(MetricsPanel).show(view.upto(step), str(view.header.get("strategy", "")))
         self.query_one(Inspector).show(view.grid, grid.cursor, step)
         n = len(view.grid.steps)
         frac = self.index / (n - 1) if n > 1 else 1.0

@@ -1,7 +1,11 @@
 """Run controls: strategy/preset picker, N, τ, temperature, top-k, top-p, seed, max tokens, step mode.
 
+N and τ are the strategy's parameters with those roles in its `Params` metadata (`param_specs`): isd's stride
+and tau, a block strategy's block_size and threshold. A block size of 0 (take it from the model or the block
+adapter) shows the size a run would use, asked of the strategy with the engine's config, e.g. `8 (adapter)`.
+
 The widget only reports what the user changed (`Controls.Changed`); the screen applies it to the chat's
-`RunChoice`, which validates it, and marks a refused value with `invalid(...)`.
+`RunConfig`, which validates it, and marks a refused value with `invalid(...)`.
 """
 from __future__ import annotations
 
@@ -10,15 +14,13 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Checkbox, Input, Label, Select
 
-from studio.run.chat import RunChoice
+from studio.engine.strategies.params import N, TAU, role_param
+from studio.run.config import RunConfig
 
-# What the generic N and τ fields set for each strategy ("—": not used by it)
-N_PARAM = {"isd": "stride", "r-isd": "stride", "jacobi": "block_size", "jacobi-mr": "block_size",
-           "blockdiff": "block_size", "s2d2": "block_size", "simsd": "block_size"}
-TAU_PARAM = {"isd": "tau", "r-isd": "tau", "blockdiff": "threshold", "s2d2": "threshold", "simsd": "threshold"}
-# field id -> (label, RunChoice key; "N"/"tau" are resolved per strategy)
-FIELDS = [("n", "N"), ("tau", "τ"), ("temperature", "temperature"), ("top_k", "top-k"), ("top_p", "top-p"),
+# (field id, label): a RunConfig setting, or N / TAU, the strategy parameter with that role
+FIELDS = [(N, "N"), (TAU, "τ"), ("temperature", "temperature"), ("top_k", "top-k"), ("top_p", "top-p"),
           ("seed", "seed"), ("max_new_tokens", "max tokens")]
+UNUSED = "—"   # shown for a role the strategy has no parameter for
 
 
 def choices() -> list[tuple[str, str]]:
@@ -40,7 +42,7 @@ class Controls(Vertical):
     """
 
     class Changed(Message):
-        """The user set `key` (a RunChoice setting, "strategy", "N" or "tau") to `value` (raw text)."""
+        """The user set `key` (a RunConfig setting, "strategy", "N" or "tau") to `value` (raw text)."""
         def __init__(self, key: str, value: str) -> None:
             super().__init__()
             self.key, self.value = key, value
@@ -50,9 +52,10 @@ class Controls(Vertical):
             super().__init__()
             self.on = on
 
-    def __init__(self, choice: RunChoice, *, id: str | None = None):
+    def __init__(self, choice: RunConfig, *, id: str | None = None):
         super().__init__(id=id)
         self.initial = choice
+        self._shown: dict[str, str] = {}   # field id -> the text sync put there
 
     def compose(self) -> ComposeResult:
         yield Select(choices(), value=self.initial.label, allow_blank=False, id="ctl-strategy", compact=True)
@@ -62,23 +65,24 @@ class Controls(Vertical):
                 yield Input(id=f"ctl-{key}", compact=True)
         yield Checkbox("step mode (ctrl+t; ctrl+n steps)", id="ctl-step", compact=True)
 
-    def sync(self, choice: RunChoice) -> None:
-        """Show `choice`'s current values (after any change, so the fields never lie)."""
+    def sync(self, choice: RunConfig, engine=None) -> None:
+        """Show `choice`'s current values (after any change, so the fields never lie). `engine`: the chat's,
+        whose config resolves a block size of 0."""
         strategy, settings = choice.build()
         select = self.query_one("#ctl-strategy", Select)
         with select.prevent(Select.Changed):
             select.value = choice.label
-        params = strategy.header_params()
-        values = {"n": params.get(N_PARAM.get(strategy.name, ""), "—"),
-                  "tau": params.get(TAU_PARAM.get(strategy.name, ""), "—"),
+        config = engine.for_strategy(strategy.name).config if engine is not None else None
+        values = {N: shown_n(strategy, config), TAU: shown_role(strategy, TAU),
                   "temperature": settings.sampling.temperature, "top_k": settings.sampling.top_k,
                   "top_p": settings.sampling.top_p, "seed": settings.seed, "max_new_tokens": settings.max_new_tokens}
+        self._shown = {key: str(value) for key, value in values.items()}
         for key, _ in FIELDS:
             field = self.query_one(f"#ctl-{key}", Input)
             with field.prevent(Input.Changed):
-                field.value = str(values[key])
+                field.value = self._shown[key]
             field.remove_class("-invalid")
-            field.disabled = values[key] == "—"
+            field.disabled = values[key] == UNUSED
 
     def invalid(self, key: str) -> None:
         self.query_one(f"#ctl-{key}", Input).add_class("-invalid")
@@ -89,19 +93,39 @@ class Controls(Vertical):
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
-        self.post_message(self.Changed(event.input.id.removeprefix("ctl-"), event.value))
+        key = event.input.id.removeprefix("ctl-")
+        if event.value != self._shown.get(key):   # Enter on what sync showed (e.g. `8 (adapter)`) changes nothing
+            self.post_message(self.Changed(key, event.value))
 
     def on_checkbox_changed(self, event: Checkbox.Changed) -> None:
         event.stop()
         self.post_message(self.StepMode(event.value))
 
 
-def apply_change(choice: RunChoice, key: str, value: str) -> RunChoice:
+def apply_change(choice: RunConfig, key: str, value: str) -> RunConfig:
     """The choice after one control change (BadInput when refused)."""
     from studio.run.config import parse_value
     if key == "strategy":
         return choice.use(value)
-    strategy, _ = choice.build()
-    if key in ("n", "tau"):
-        key = (N_PARAM if key == "n" else TAU_PARAM).get(strategy.name, key)
+    if key in (N, TAU):
+        strategy, _ = choice.build()
+        key = role_param(type(strategy).Params, key) or key
     return choice.set(key, parse_value(value))
+
+
+def shown_role(strategy, role: str) -> object:
+    """The value of the strategy's parameter with `role`, or UNUSED."""
+    name = role_param(type(strategy).Params, role)
+    return UNUSED if name is None else getattr(strategy.params, name)
+
+
+def shown_n(strategy, config) -> object:
+    """N as a run would use it: a block size of 0 resolved with the engine's `config` by the strategy itself
+    (`block_size(config)`), with where it came from."""
+    value = shown_role(strategy, N)
+    if value != 0 or config is None or not hasattr(strategy, "block_size"):
+        return value
+    size = strategy.block_size(config)
+    source = ("model" if size == config.block_size else "adapter" if size == config.adapter_block_size
+              else "default")
+    return f"{size} ({source})"

@@ -1,6 +1,6 @@
 """The metrics panel: forwards, tokens, TPF (with a sparkline of tokens per forward over the steps),
-acceptance by draft position, tok/s, KV length and the current forward's role. Everything comes from the
-step series of `studio.viz.stats` (the one metric definition, DESIGN §2.3).
+acceptance by draft position, tok/s, KV length and the current forward's role, all read off a run's
+`RunNumbers` (`studio.viz.view`): counted by `studio.events.metrics`, the one definition (docs/metrics.md).
 
 One widget drawing one Text: it is redrawn every frame while a run decodes, and a single repaint (a
 layout pass only when a new draft slot adds a line) keeps the UI thread's share of the GIL small.
@@ -10,7 +10,8 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widget import Widget
 
-from studio.viz.stats import Acceptance, StepPoint
+from studio.viz.stats import Acceptance
+from studio.viz.view import RunNumbers
 
 BAR = "▏▎▍▌▋▊▉█"
 SPARK = "▁▂▃▄▅▆▇█"
@@ -31,16 +32,6 @@ def sparkline(values: list[float], width: int) -> str:
     return "".join(SPARK[min(7, max(0, round(v / top * 7)))] for v in values)
 
 
-def decode_tok_s(points: list[StepPoint]) -> float | None:
-    """Tokens emitted after the prefill ÷ the run's decode time, both read off the step series (live)."""
-    prefill = next((p for p in points if p.role == "prefill"), None)
-    last = points[-1] if points else None
-    if prefill is None or last is None or last is prefill or last.ms is None or prefill.ms is None:
-        return None
-    span = (last.ms - prefill.ms) / 1000
-    return (last.tokens - prefill.tokens) / span if span > 0 else None
-
-
 def acceptance_text(accept: Acceptance) -> Text:
     """Acceptance overall and by draft slot, as bars (nothing verified: says so)."""
     if not accept.verified:
@@ -53,20 +44,20 @@ def acceptance_text(accept: Acceptance) -> Text:
     return out
 
 
-def metrics_text(points: list[StepPoint], accept: Acceptance, label: str, width: int) -> Text:
-    last = points[-1] if points else None
+def metrics_text(numbers: RunNumbers, label: str, width: int) -> Text:
+    points, tally, last = numbers.points, numbers.tally, numbers.last
     out = Text()
     if label:
         out.append(f"{label}\n", style="bold")
     if last is None:
         out.append("no steps yet", style="dim")
         return out
-    tok_s = decode_tok_s(points)
+    tpf, tok_s = numbers.tpf, numbers.tok_s()
     prefill = next((p for p in points if p.role == "prefill"), None)
     out.append(f"step {last.step}  ·  {last.role or '—'}\n")
-    out.append("forwards ", style="dim").append(f"{last.forwards:<6}")
-    out.append("tokens ", style="dim").append(f"{last.tokens}\n")
-    out.append("TPF      ", style="dim").append(f"{last.tpf:.2f}\n" if last.tpf is not None else "—\n")
+    out.append("forwards ", style="dim").append(f"{tally.forwards:<6}")
+    out.append("tokens ", style="dim").append(f"{tally.n_tokens}\n")
+    out.append("TPF      ", style="dim").append(f"{tpf:.2f}\n" if tpf is not None else "—\n")
     out.append("tok/s    ", style="dim").append(f"{tok_s:.1f}\n" if tok_s is not None else "—\n")
     out.append("KV       ", style="dim").append(f"{last.kv_len if last.kv_len is not None else '—'}")
     if prefill is not None and prefill.wall_ms is not None:
@@ -75,7 +66,7 @@ def metrics_text(points: list[StepPoint], accept: Acceptance, label: str, width:
     out.append(f"\ntokens per forward, by step (max {max(per_step, default=0)})\n", style="dim")
     out.append(sparkline(per_step, width) or " ", style="#0072B2")
     out.append("\n\n")
-    out.append_text(acceptance_text(accept))
+    out.append_text(acceptance_text(numbers.acceptance))
     return out
 
 
@@ -89,8 +80,9 @@ class MetricsPanel(Widget):
         self._text = Text()
         self._lines = 0
 
-    def show(self, points: list[StepPoint], accept: Acceptance | None = None, label: str = "") -> None:
-        self._text = metrics_text(points, accept or Acceptance(), label, max(8, self.size.width))
+    def show(self, numbers: RunNumbers | None, label: str = "") -> None:
+        """Show `numbers` (None: a run that has not started)."""
+        self._text = metrics_text(numbers or RunNumbers(), label, max(8, self.size.width))
         lines = self._text.plain.count("\n") + 1
         self.refresh(layout=lines != self._lines)
         self._lines = lines
