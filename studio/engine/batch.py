@@ -1,4 +1,4 @@
-"""Batched greedy decoding: B prompts in one stationary batch (I-DLM §3.3) for `ar`, `isd` and `r-isd`.
+"""Batched greedy decoding: B prompts in one stationary batch for `ar`, `isd` and `r-isd`.
 
 One KV cache with a batch dimension, one committed length per sequence: ISD accepts a different number
 of drafts in every sequence, so sequences advance at their own rates. Every round of every sequence is
@@ -9,105 +9,170 @@ rows, W = 1):
                                              attention no real row sees it, and its outputs are ignored
 Sequence b writes row t at slot length[b] + t (a SlotView with [B, T] slots), attends to its committed
 slots and its own rows up to t, and commits what batch-1 ISD commits: the pending token and the
-accepted drafts, never a MASK row. The rules are the greedy ones (DESIGN §4, temperature 0: accept iff
-draft == argmax, else the argmax is the correction), so each sequence goes through the rounds of its
-batch-1 run: the same tokens, forwards and acceptance (up to float reduction order; tests check
+accepted drafts, never a MASK row. The rules are the greedy ones (docs/verification.md, temperature 0:
+accept iff draft == argmax, else the argmax is the correction), so each sequence goes through the rounds
+of its batch-1 run: the same tokens, forwards and acceptance (up to float reduction order; tests check
 equality on tiny models of each family).
 
 Prompts are left-padded to one length, so the prefill (which folds in the first cold round, as batch 1
 does) reads the same logits rows for every sequence; positions start at 0 at each sequence's first real
 token, and pad slots are masked out of every row (a pad row sees only itself, so its values stay finite
-and never reach a real row). A finished sequence (EOS or max_new_tokens) stops counting at once and
-leaves the batch once a quarter of it is done, so long answers do not drag dead rows along.
-`greedy_batch` (AR) is what `train data` generates with.
+and never reach a real row). A finished sequence (EOS or max_new_tokens) stops at once and leaves the
+batch once a quarter of it is done, so long answers do not drag dead rows along.
+
+Every sequence records the events of its batch-1 run (docs/events.md): the same kinds in the same order
+within a step, with the same step, pos, tok, role, n_tokens (its own tokens, not its row's padding),
+lora_rows, kv lengths (its own, not counting the left padding), greedy p and q (an accepted draft has
+p = 1, the rejected one p = 0; q = 1, the drafts being argmaxes) and emit texts (batch-1's `Output`
+makes them, with its stop rules). Two fields differ because the sequences share their forwards: `ms` is
+the batch's clock (time since the batch's prefill began) and a forward's `wall_ms` is that of the whole
+batched forward. A result's footer is computed from its events by studio.events.metrics, as every
+run's is, so TPF and acceptance are counted one way everywhere; its timings are on the batch's clock.
+`greedy_batch` (AR, token ids only) is what `train data` generates with.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from studio import events as ev
 from studio.engine.kv_cache import SlotView
 from studio.engine.model import RowGate
+from studio.engine.strategies.base import Output
 from studio.engine.strategies.isd import ISD
 from studio.errors import BadInput
 
 BATCHED = ("ar", "isd", "r-isd")
 
+Row = tuple[list[int], list[bool]]     # one sequence's tokens in a batched forward, and their LoRA gate
+
 
 @dataclass
 class SequenceResult:
-    """One sequence of a batch, measured as its batch-1 run's footer measures it (DESIGN §2.3)."""
-    tokens: list[int] = field(default_factory=list)
-    stop_reason: str | None = None                        # eos | max_new_tokens
-    forwards: int = 0          # forwards after the prefill while the sequence was live (each batched one counts once)
-    accepted: list[int] = field(default_factory=list)     # per draft slot k: drafts accepted there
-    verified: list[int] = field(default_factory=list)     # per draft slot k: drafts verified there
+    """One sequence of a batch, as a `RunResult` without a header: the events its batch-1 run records, the
+    footer `studio.events.metrics` computes from them (timings on the batch's clock), and its tokens."""
+    events: list[dict]
+    footer: dict
+    token_ids: list[int]
 
-    @property
-    def tpf(self) -> float:
-        return len(self.tokens) / self.forwards if self.forwards else 0.0
 
-    @property
-    def accept_rate(self) -> float | None:
-        """accepted / verified drafts; None when nothing was verified."""
-        return sum(self.accepted) / sum(self.verified) if sum(self.verified) else None
+class _IdsOnly:
+    """The tokenizer of a batch whose caller wants token ids only (`greedy_batch`): no round decodes any text,
+    and the emit events carry empty texts."""
 
-    @property
-    def accept_by_pos(self) -> list[float]:
-        # slot k is verified only after slot k-1 was accepted: the verified slots are a prefix
-        return [a / v for a, v in zip(self.accepted, self.verified) if v]
+    @staticmethod
+    def decode(ids) -> str:
+        return ""
+
+    @staticmethod
+    def token_text(token_id: int) -> str:
+        return ""
+
+
+def _has_adapter(model) -> bool:
+    # as batch 1 counts them, a forward's lora_rows are its gated rows when an adapter is attached, else 0
+    return any(getattr(m, "lora_A", None) is not None for m in model.modules())
 
 
 class _Sequence:
-    """One sequence's decoding state -- batch-1 ISD's `pending` and `drafts` -- its committed KV length and its
-    result."""
+    """One sequence: batch-1 ISD's decoding state (`pending`, `drafts`), its output under batch-1's stop rules,
+    its slots in the batch's cache, and the events its batch-1 run would record."""
 
-    def __init__(self, n_mask: int, max_new_tokens: int, eos: frozenset[int]):
-        self.out = SequenceResult(accepted=[0] * n_mask, verified=[0] * n_mask)
-        self.n_mask, self.max_new_tokens, self.eos = n_mask, max_new_tokens, eos
+    def __init__(self, prompt: list[int], output: Output, tokenizer, n_mask: int, gate_clean_rows: bool,
+                 pad: int, lora: bool, clock: Callable[[], float]):
+        self.prompt, self.out, self.tokenizer = prompt, output, tokenizer
+        self.n_mask, self.gate_clean_rows, self.lora, self.clock = n_mask, gate_clean_rows, lora, clock
+        self.pad = pad                   # left-padding slots before the prompt
+        self.length = pad                # committed slots, left padding included
         self.pending = 0                 # the last emitted token: the next round writes its K/V first
         self.drafts: list[int] = []      # proposals the next round verifies ([]: a cold round)
-        self.length = 0                  # committed slots, left padding included
+        self.step = 0                    # forwards after the prefill: batch-1's step numbers
+        self.events: list[dict] = []
 
     @property
     def live(self) -> bool:
-        return self.out.stop_reason is None
+        return not self.out.finished
 
-    def round_tokens(self, mask_id: int, width: int) -> list[int]:
-        rows = [self.pending] + self.drafts + [mask_id] * self.n_mask
-        return rows + [mask_id] * (width - len(rows))
+    # -- rows -----------------------------------------------------------------------------------------------
+    def prefill_row(self, mask_id: int | None) -> Row:
+        """[padding, prompt, M x (N-1)]: the prefill with the first cold round folded in."""
+        return [0] * self.pad + self.prompt + [mask_id] * self.n_mask, self._gate(self.pad, len(self.prompt))
 
-    def round_gate(self, gate_clean_rows: bool, width: int) -> list[bool]:
-        """LoRA on the MASK rows, on the clean rows too for isd (not r-isd), never on padding."""
-        n_clean = 1 + len(self.drafts)
-        return [gate_clean_rows] * n_clean + [True] * self.n_mask + [False] * (width - n_clean - self.n_mask)
+    def round_row(self, mask_id: int | None, width: int) -> Row:
+        """[pending, drafts, M x (N-1), padding to `width`]."""
+        tokens = [self.pending] + self.drafts + [mask_id] * self.n_mask
+        return tokens + [mask_id] * (width - len(tokens)), self._gate(0, 1 + len(self.drafts), width)
 
-    def absorb(self, targets: list[int]) -> int:
-        """One round's argmax per row (row 0 = the pending token's): verify the drafts, emit, take the MASK
-        rows' proposals when every draft was accepted. Returns the rows to commit (pending + accepted)."""
-        k = len(self.drafts)
+    def _gate(self, left: int, n_clean: int, width: int = 0) -> list[bool]:
+        """LoRA on the MASK rows, on the clean rows as `gate_clean_rows` says, never on padding."""
+        gate = [False] * left + [self.gate_clean_rows] * n_clean + [True] * self.n_mask
+        return gate + [False] * (width - len(gate))
+
+    # -- what a forward's row gives -------------------------------------------------------------------------
+    def take_prefill(self, targets: list[int], gate: list[bool], wall_ms: float) -> None:
+        """The argmax of the last prompt row and of the MASK rows."""
+        self._forwarded("prefill", len(self.prompt), gate, wall_ms)
+        self._absorb(targets, clean=len(self.prompt))
+
+    def take_round(self, targets: list[int], gate: list[bool], wall_ms: float) -> None:
+        """The argmax of every row of this sequence's round."""
+        self.step += 1
+        role = "verify" if self.drafts else "cold" if self.n_mask else "extend"
+        self._forwarded(role, 1 + len(self.drafts), gate, wall_ms)
+        self._absorb(targets, clean=1)
+
+    def _forwarded(self, role: str, n_clean: int, gate: list[bool], wall_ms: float) -> None:
+        self._event("forward", role=role, n_tokens=n_clean + self.n_mask,
+                    lora_rows=sum(gate) if self.lora else 0, wall_ms=wall_ms)
+
+    def _absorb(self, targets: list[int], clean: int) -> None:
+        """Batch-1 ISD's round on this row's argmaxes (targets[0]: the last clean row's, then the drafts' and
+        the MASK rows'): verify the drafts, commit the `clean` rows and the accepted drafts, take the MASK rows'
+        proposals when every draft was accepted, emit the accepted drafts + the bonus or the correction."""
+        k, n = len(self.drafts), len(self.out.token_ids)    # n: the output position of the first draft
         a = 0
         while a < k and self.drafts[a] == targets[a]:
             a += 1
-        for slot in range(min(a + 1, k)):           # the accepted drafts and the rejected one
-            self.out.verified[slot] += 1
-            self.out.accepted[slot] += slot < a
-        self._emit(self.drafts[:a] + [targets[a]])  # + the bonus (all accepted) or the correction
-        self.pending = targets[a]
-        self.drafts = targets[k + 1:k + 1 + self.n_mask] if a == k else []
-        return 1 + a
+        if a:
+            self._event("accept", pos=list(range(n, n + a)), tok=self.drafts[:a], p=[1.0] * a, q=[1.0] * a)
+        if a < k:
+            self._event("reject", pos=n + a, tok=self.drafts[a], p=0.0, q=1.0)
+            self._event("resample", pos=n + a, tok=targets[a])
+        kv_len = self.length - self.pad
+        self._event("kv", op="commit", from_len=kv_len, to_len=kv_len + clean + a)
+        emitted = self.drafts[:a] + [targets[a]]
+        self.pending, self.drafts = targets[a], []
+        if a == k:
+            if k:
+                self._event("bonus", pos=n + k, tok=targets[k])
+            if self.n_mask:
+                self.drafts = targets[k + 1:k + 1 + self.n_mask]
+                self._event("propose", pos=list(range(n + k + 1, n + k + 1 + self.n_mask)), tok=self.drafts,
+                            q=[1.0] * self.n_mask, src="mask")
+        self._emit(emitted)
+        if self.live:    # a finished row runs on until compaction: its frozen length keeps its writes in the cache
+            self.length += clean + a
 
     def _emit(self, tokens: list[int]) -> None:
-        """The stop rules of batch-1 `Output`: up to and including an EOS, at most max_new_tokens."""
-        for tok in tokens:
-            self.out.tokens.append(tok)
-            if tok in self.eos:
-                self.out.stop_reason = "eos"
-            elif len(self.out.tokens) >= self.max_new_tokens:
-                self.out.stop_reason = "max_new_tokens"
-            if not self.live:
-                return
+        """What batch-1's `DecodeContext.emit` records: the tokens the stop rules take, and their text."""
+        start = len(self.out.token_ids)
+        taken, text = self.out.append(tokens)
+        self._event("emit", pos=list(range(start, start + len(taken))), tok=taken, text=text,
+                    pieces=[self.tokenizer.token_text(t) for t in taken])
+
+    def _event(self, kind: str, **fields) -> None:
+        self.events.append(ev.make(kind, self.step, self.clock(), **fields))
+
+    def result(self) -> SequenceResult:
+        """The events, and the footer batch 1 would write (timings from the events' batch clock)."""
+        tally = ev.Tally().feed_all(self.events)
+        prefill_ms = max(e["ms"] for e in self.events if e["step"] == 0)
+        footer = dict(tally.footer(), stop_reason=self.out.stop_reason, prefill_s=prefill_ms / 1000,
+                      wall_s=self.events[-1]["ms"] / 1000, tok_s=tally.decode_rate() or 0.0)
+        return SequenceResult(self.events, footer, list(self.out.token_ids))
 
 
 class _BatchForward:
@@ -124,44 +189,51 @@ class _BatchForward:
         self.kv.select_batch(keep)
         self.pad = self.pad[keep]
 
-    def __call__(self, tokens: list[list[int]], starts: list[int], gate: list[list[bool]],
-                 rows: torch.Tensor | None = None) -> list[list[int]]:
-        """The argmax of every row in `rows` (all if None) of one forward: batch row b's `tokens[b]` written at
-        slots starts[b].., under causal attention over its own real slots."""
+    def __call__(self, batch: list[Row], starts: list[int],
+                 rows: torch.Tensor | None = None) -> tuple[list[list[int]], float]:
+        """The argmax of every row in `rows` (all if None) of one forward, and its wall time in ms: batch row b's
+        tokens written at slots starts[b].., under causal attention over its own real slots."""
+        t = time.perf_counter()
         dev = self.device
-        tokens = torch.tensor(tokens, device=dev)
+        tokens = torch.tensor([tokens for tokens, _ in batch], device=dev)
         slots = torch.tensor(starts, device=dev)[:, None] + torch.arange(tokens.shape[1], device=dev)   # [B, T]
         n_visible = max(starts) + tokens.shape[1]
         cols, own = torch.arange(n_visible, device=dev), slots[..., None]
         mask = (cols <= own) & ((cols >= self.pad[:, None, None]) | (cols == own))                     # [B, T, S]
         positions = (slots - self.pad[:, None]).clamp(min=0)
-        g = torch.tensor(gate, device=dev)
+        g = torch.tensor([gate for _, gate in batch], device=dev)
         logits = self.model.run(tokens, positions, SlotView(self.kv, slots, n_visible), mask[:, None],
                                 RowGate(g) if bool(g.any()) else None, rows)
-        return logits.argmax(-1).tolist()
+        targets = logits.argmax(-1).tolist()      # waits for the device: the wall time is the forward's
+        return targets, (time.perf_counter() - t) * 1000.0
 
 
 @torch.inference_mode()
 def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids, stride: int = 1,
-                 mask_id: int | None = None, gate_clean_rows: bool = False) -> list[SequenceResult]:
+                 mask_id: int | None = None, gate_clean_rows: bool = False, tokenizer=None) -> list[SequenceResult]:
     """Greedy ISD with stride `stride` (1: AR) on every prompt at once; one result per prompt, in order.
-    `gate_clean_rows`: the LoRA gate of clean rows (isd: on, r-isd: off; MASK rows are always gated)."""
+    `gate_clean_rows`: the LoRA gate of clean rows (`Strategy.clean_gate`; MASK rows are always gated).
+    `tokenizer`: what the emit events' texts are decoded with (None: token ids only, empty texts)."""
     if not prompts or any(not p for p in prompts):
         raise ValueError("decode_batch needs non-empty prompts")
     if stride > 1 and mask_id is None:
         raise ValueError("ISD rounds (stride > 1) need a MASK token id")
     n_mask, width = stride - 1, 2 * stride - 1
     P = max(len(p) for p in prompts)
-    seqs = [_Sequence(n_mask, max_new_tokens, frozenset(eos_ids)) for _ in prompts]
     forward = _BatchForward(model, model.new_cache(P + max_new_tokens + width, batch=len(prompts)),
                             [P - len(p) for p in prompts])
-    # the prefill is the first cold round: [prompt, M x (N-1)]; the last prompt row and the MASK rows give logits
-    targets = forward([[0] * (P - len(p)) + p + [mask_id] * n_mask for p in prompts], [0] * len(prompts),
-                      [[False] * (P - len(p)) + [gate_clean_rows] * len(p) + [True] * n_mask for p in prompts],
-                      rows=torch.arange(P - 1, P + n_mask, device=forward.device))
-    for s, t in zip(seqs, targets):
-        s.absorb(t)
-        s.length = P
+    text, lora, eos = tokenizer or _IdsOnly(), _has_adapter(model), frozenset(eos_ids)
+    start = time.perf_counter()
+
+    def clock() -> float:
+        return (time.perf_counter() - start) * 1000.0
+    seqs = [_Sequence(p, Output(text, max_new_tokens, eos), text, n_mask, gate_clean_rows, P - len(p), lora, clock)
+            for p in prompts]
+    # the last prompt row and the MASK rows give logits
+    batch = [s.prefill_row(mask_id) for s in seqs]
+    targets, wall_ms = forward(batch, [0] * len(seqs), rows=torch.arange(P - 1, P + n_mask, device=forward.device))
+    for s, t, (_, gate) in zip(seqs, targets, batch):
+        s.take_prefill(t, gate, wall_ms)
     rows = list(range(len(prompts)))       # the sequence in each batch row
     while True:
         live = [seqs[i].live for i in rows]
@@ -171,39 +243,36 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids, 
             keep = [j for j, alive in enumerate(live) if alive]
             forward.select(keep)
             rows = [rows[j] for j in keep]
-        batch = [seqs[i] for i in rows]
-        targets = forward([s.round_tokens(mask_id, width) for s in batch], [s.length for s in batch],
-                          [s.round_gate(gate_clean_rows, width) for s in batch])
-        for s, t in zip(batch, targets):
+        running = [seqs[i] for i in rows]
+        batch = [s.round_row(mask_id, width) for s in running]
+        targets, wall_ms = forward(batch, [s.length for s in running])
+        for s, t, (_, gate) in zip(running, targets, batch):
             if s.live:
-                s.out.forwards += 1
-                kept = s.absorb(t)
-                if s.live:    # a finished row runs on until compaction: its frozen length keeps its writes in the cache
-                    s.length += kept
-    return [s.out for s in seqs]
+                s.take_round(t, gate, wall_ms)
+    return [s.result() for s in seqs]
 
 
 def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids) -> list[list[int]]:
     """Greedy AR continuations of `prompts` (each up to and including its first EOS, or max_new_tokens)."""
-    return [r.tokens for r in decode_batch(model, prompts, max_new_tokens, eos_ids)]
+    return [r.token_ids for r in decode_batch(model, prompts, max_new_tokens, eos_ids)]
 
 
-def round_shape(strategy, sampling) -> tuple[int, bool]:
-    """(stride, gate_clean_rows) of `strategy`'s batched rounds. BadInput unless it is ar, isd or r-isd at
+def round_shape(strategy, sampling) -> int:
+    """The stride of `strategy`'s batched rounds (ar: 1). BadInput unless it is ar, isd or r-isd at
     temperature 0 (the equality with batch 1 is a greedy guarantee; sampled batches are not offered)."""
     if strategy.name not in BATCHED:
         raise BadInput(f"batched decoding supports {', '.join(BATCHED)}, not {strategy.name!r}")
     if not sampling.greedy:
         raise BadInput(f"batched decoding is greedy only: temperature must be 0, got {sampling.temperature:g}")
-    return (strategy.params.stride, strategy.gate_clean_rows) if isinstance(strategy, ISD) else (1, False)
+    return strategy.params.stride if isinstance(strategy, ISD) else 1
 
 
 def decode_strategy_batch(engine, strategy, sampling, prompts: list[list[int]],
                           max_new_tokens: int) -> list[SequenceResult]:
     """`strategy` (ar, isd, r-isd; greedy) on `prompts` in one stationary batch, with the adapter that strategy
-    runs with (`Engine.for_strategy`)."""
-    stride, gate_clean_rows = round_shape(strategy, sampling)
+    runs with (`Engine.for_strategy`); the events' texts are decoded with the engine's tokenizer, as batch 1's."""
+    stride = round_shape(strategy, sampling)
     engine = engine.for_strategy(strategy.name)
     engine.activate()
     return decode_batch(engine.model, prompts, max_new_tokens, engine.eos_ids(), stride,
-                        engine.config.mask_token_id, gate_clean_rows)
+                        engine.config.mask_token_id, strategy.clean_gate(engine.lora), engine.tokenizer)

@@ -70,6 +70,14 @@ class Samples:
     accept: list[float | None] = field(default_factory=list)   # None: the run verified no drafts
     same_as_ar: list[bool] = field(default_factory=list)
 
+    def add(self, result, ar_ids: list[int]) -> None:
+        """TPF, acceptance and agreement of one repeat, from a run's footer and events (a `RunResult`, or a
+        batched sequence's `SequenceResult`: the same events and footer) and ar's tokens on the same prompt."""
+        self.tpf.append(result.footer["tpf"])
+        verified = any(e["t"] in ("accept", "reject") for e in result.events)
+        self.accept.append(result.footer["accept_rate"] if verified else None)
+        self.same_as_ar.append(first_difference(ar_ids, result.token_ids) is None)
+
 
 def spread(xs: list[float]) -> dict | None:
     """median, min, max and the number of samples; None when there are none."""
@@ -194,14 +202,10 @@ def run_bench(engine, prompts: list[str], specs: list[RunSpec], make_run, repeat
             ar_ids = None
             for label, (strategy, settings) in runs.items():
                 r = Session(engine, strategy, settings).run(prompt, ids[i])
-                s = samples[label][i]
-                s.tok_s.append(r.footer["tok_s"])
-                s.tpf.append(r.footer["tpf"])
-                verified = any(e["t"] in ("accept", "reject") for e in r.events)
-                s.accept.append(r.footer["accept_rate"] if verified else None)
                 if label == "ar":
                     ar_ids = r.token_ids
-                s.same_as_ar.append(first_difference(ar_ids, r.token_ids) is None)
+                samples[label][i].tok_s.append(r.footer["tok_s"])
+                samples[label][i].add(r, ar_ids)
                 if progress:
                     progress(f"repeat {rep + 1}/{repeats}", label)
             if with_transformers:
@@ -233,25 +237,23 @@ def _bench_batched(engine, ids: list[list[int]], runs: dict, repeats: int, warmu
         for b, batch in enumerate(batches):
             for label, (strategy, settings) in runs.items():
                 results, wall_s = _timed_batch(engine, strategy, settings, [ids[i] for i in batch])
-                tok_s[label][b].append(sum(len(r.tokens) for r in results) / wall_s)
+                tok_s[label][b].append(sum(r.footer["n_tokens"] for r in results) / wall_s)
                 if label == "ar":
-                    ar_tokens = [r.tokens for r in results]
-                for i, r, ar in zip(batch, results, ar_tokens):
-                    s = samples[label][i]
-                    s.tpf.append(r.tpf)
-                    s.accept.append(r.accept_rate)
-                    s.same_as_ar.append(r.tokens == ar)
+                    ar_ids = [r.token_ids for r in results]
+                for i, r, ar in zip(batch, results, ar_ids):
+                    samples[label][i].add(r, ar)
                 if progress:
                     progress(f"repeat {rep + 1}/{repeats}", label)
             alone = [_timed_batch(engine, *runs["ar"], [ids[i]]) for i in batch]
-            solo[b].append(sum(len(r[0].tokens) for r, _ in alone) / sum(wall_s for _, wall_s in alone))
+            solo[b].append(sum(r[0].footer["n_tokens"] for r, _ in alone) / sum(wall_s for _, wall_s in alone))
             if progress:
                 progress(f"repeat {rep + 1}/{repeats}", "ar at batch 1")
     return samples, batches, tok_s, solo
 
 
 def _timed_batch(engine, strategy, settings, prompt_ids: list[list[int]]):
-    """One stationary batch: its per-sequence results and its wall time, prefill included (device synchronised)."""
+    """One stationary batch: its per-sequence results (events and footers, as batch-1 runs') and its wall time,
+    prefill included (device synchronised)."""
     engine.for_strategy(strategy.name).activate()      # an adapter switch is not decoding time
     device = engine.model.lm_head.weight.device
     synchronize(device)

@@ -1,6 +1,7 @@
 """Batched decoding (a stationary batch, studio.engine.batch): every sequence of a greedy batch of ar, isd or r-isd
-decodes exactly as its batch-1 run -- the same tokens, forwards and acceptance -- while sequences advance at their
-own rates and stop on their own; `bench --concurrency C` reports batch throughput against ar."""
+decodes exactly as its batch-1 run -- the same tokens, forwards and acceptance, counted from the same events -- while
+sequences advance at their own rates and stop on their own; `bench --concurrency C` reports batch throughput against
+ar."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from studio.run.bench import spread
+from studio import events as ev
 from studio.cli import app
 from studio.engine.batch import decode_strategy_batch, round_shape
 from studio.engine.engine import Engine
@@ -19,7 +20,8 @@ from studio.engine.lora import attach_adapter
 from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import make_strategy
 from studio.errors import BadInput
-from studio.run.session import Session, Settings, encode_prompt
+from studio.run.bench import spread
+from studio.run.session import RunResult, Session, Settings, encode_prompt
 from tests.support.lora import random_adapter
 from tests.support.tiny import FAMILIES, tiny_engine
 
@@ -56,28 +58,63 @@ def eos_some_reach(outputs: list[list[int]]) -> int:
     return max(candidates, key=lambda t: (len(reached(t)), -t))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("name, params", CASES)
-def test_every_sequence_decodes_as_it_would_alone(tmp_path, family, name, params):
+def batch_and_alone(tmp_path, family, name, params):
+    """A batch of PROMPTS on an adapted tiny engine whose EOS stops some sequences early, and each prompt's batch-1
+    run: (engine, batched results, batch-1 RunResults)."""
     engine = adapted(tmp_path, family)
     with_eos(engine, eos_some_reach([alone(engine, name, params, p).token_ids for p in PROMPTS]))
     batched = decode_strategy_batch(engine, make_strategy(name, params), GREEDY, PROMPTS, N_NEW)
-    for prompt, got in zip(PROMPTS, batched):
-        want = alone(engine, name, params, prompt)
-        f = want.footer
-        assert got.tokens == want.token_ids
-        assert (got.forwards, got.accept_by_pos, got.stop_reason) == \
-            (f["forwards"], f["accept_by_pos"], f["stop_reason"])
-        assert got.tpf == pytest.approx(f["tpf"])
-        assert got.accept_rate == (pytest.approx(f["accept_rate"]) if f["accept_by_pos"] else None)
+    return engine, batched, [alone(engine, name, params, p) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name, params", CASES)
+def test_every_sequence_decodes_as_it_would_alone(tmp_path, family, name, params):
+    engine, batched, alone_runs = batch_and_alone(tmp_path, family, name, params)
+    for got, want in zip(batched, alone_runs):
+        assert got.token_ids == want.token_ids
+        assert got.footer["stop_reason"] == want.footer["stop_reason"]
     # an EOS stopped some sequences early while the others went on
-    assert {r.stop_reason for r in batched} == {"eos", "max_new_tokens"}
+    assert {r.footer["stop_reason"] for r in batched} == {"eos", "max_new_tokens"}
     if name != "ar":
         # per-sequence rates: some round accepted every draft, and the sequences took different numbers of forwards
-        assert any(r.accepted[-1] for r in batched) and len({r.forwards for r in batched}) > 2
+        assert any(e["t"] == "bonus" for r in batched for e in r.events)
+        assert len({r.footer["forwards"] for r in batched}) > 2
     if name == "r-isd":   # lossless: the base model's greedy answers
         base = with_eos(tiny_engine(family, vocab=V, seed=5), engine.config.eos_ids[0])
-        assert [r.tokens for r in batched] == [alone(base, "ar", None, p).token_ids for p in PROMPTS]
+        assert [r.token_ids for r in batched] == [alone(base, "ar", None, p).token_ids for p in PROMPTS]
+
+
+def without_clock(events: list[dict]) -> list[dict]:
+    """Events less the fields a batch stamps with its own clock."""
+    return [{k: v for k, v in e.items() if k not in ("ms", "wall_ms")} for e in events]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name, params", CASES)
+def test_every_sequence_records_the_events_and_footer_of_its_batch_1_run(tmp_path, family, name, params):
+    _, batched, alone_runs = batch_and_alone(tmp_path, family, name, params)
+    for got, want in zip(batched, alone_runs):
+        # every field but the clock's: kinds, order, step, pos, tok, role, n_tokens, lora_rows, p, q, kv lengths, texts
+        assert without_clock(got.events) == without_clock(want.events)
+        # n_tokens, forwards, tpf, accept_rate, accept_by_pos and text, counted from the events as batch 1 counts
+        summary = ev.summarize(got.events)
+        assert {k: got.footer[k] for k in summary} == summary == {k: want.footer[k] for k in summary}
+        assert got.footer["stop_reason"] == want.footer["stop_reason"]
+    forwards = [e for r in batched for e in r.events if e["t"] == "forward"]
+    assert {e["role"] for e in forwards} == ({"prefill", "extend"} if name == "ar" else {"prefill", "cold", "verify"})
+    if name != "ar":
+        assert any(e["lora_rows"] for e in forwards)     # the MASK rows' LoRA is counted, as batch 1 counts it
+
+
+def test_a_batched_sequence_is_a_trace(tmp_path):
+    """Its events and footer are valid trace material: saved under its batch-1 run's header, it reads back whole."""
+    _, batched, alone_runs = batch_and_alone(tmp_path, "llama", "isd", {"stride": 3})
+    got, want = batched[1], alone_runs[1]
+    RunResult(want.header, got.events, got.footer, got.token_ids).save(tmp_path / "seq.jsonl")
+    trace = ev.read_trace(tmp_path / "seq.jsonl")
+    assert trace.events == got.events and {k: trace.footer[k] for k in got.footer} == got.footer
+    assert got.footer["prefill_s"] <= got.footer["wall_s"] and got.footer["tok_s"] > 0   # it decoded after its prefill
 
 
 @pytest.mark.parametrize("name", ["isd", "r-isd"])
