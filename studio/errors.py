@@ -1,4 +1,4 @@
-"""Errors the CLI turns into a one-line message and an exit code (DESIGN §2.1)."""
+"""Errors the CLI turns into a one-line message and an exit code (docs/cli.md#exit-codes-and-errors)."""
 
 
 class BadInput(Exception):

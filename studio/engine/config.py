@@ -1,4 +1,8 @@
-"""ModelConfig: the shape of a causal transformer, read from a HF config.json or GGUF metadata."""
+"""ModelConfig: the shape of a causal transformer, read from a HF config.json or GGUF metadata, and the capability
+flags the strategies read (logit shift, MASK token, block size).
+
+Design: docs/architecture.md#modelconfig-and-capability-flags
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, asdict
@@ -12,8 +16,8 @@ _HF_FAMILY = {
     "Qwen2ForCausalLM": "qwen2", "qwen2": "qwen2",
     "Qwen3ForCausalLM": "qwen3", "qwen3": "qwen3",
 }
-# Block-diffusion checkpoints read natively (their remote code is never run; references/s2d2_simsd.md
-# A.7/B.3, references/idlm.md §5): HF name -> (family, logit_shift, default MASK id, block-size keys, default block).
+# Block-diffusion checkpoints read natively; their remote code is never run (docs/architecture.md, capability flags).
+# HF name -> (family, logit_shift, default MASK id, block-size keys, default block).
 _DLM = {
     # SDAR (JetLM/SDAR-*-Chat): Qwen3 geometry, position-aligned (a MASK at i predicts token i);
     # config.json carries block_size 4 and mask_token_id 151669 (<|MASK|>).
@@ -47,7 +51,8 @@ class ModelConfig:
     max_seq_len: int = 4096
     bos_id: int | None = None
     eos_ids: list[int] = field(default_factory=list)
-    # Capabilities (DESIGN §3). logit_shift: hidden i predicts token i+1 (AR, I-DLM).
+    # Capabilities (docs/architecture.md#modelconfig-and-capability-flags).
+    # logit_shift: hidden i predicts token i+1 (AR, I-DLM).
     logit_shift: bool = True
     mask_token_id: int | None = None
     block_size: int | None = None

@@ -21,7 +21,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto` = bf16 on CUDA, fp32 on the CPU (DESIGN §3)."""
+    """`auto` = bf16 on CUDA, fp32 on the CPU (docs/architecture.md#devices-graphs-kernels)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name not in DTYPES:

@@ -118,7 +118,10 @@ class Engine:
 
     def with_adapter(self, path: str | None) -> "Engine":
         """This model with the adapter at `path` (None: no adapter), sharing the weights; made once per path."""
-        base = self._views.setdefault(None, self)
+        base = self._views.get(None)
+        if base is None or base.lora is not None:   # none yet, or `attach_adapter` has changed it since
+            base = self._views[None] = self if self.lora is None else \
+                dataclasses.replace(self, adapter=None, lora=None, adapter_choice="none")
         if path not in self._views:
             from studio.engine.lora import load_adapter
             loaded = load_adapter(self.model, path)
@@ -136,9 +139,10 @@ class Engine:
         return self.with_adapter(shipped_for(self.name, strategy))
 
     def model_meta(self) -> dict:
+        from studio.presets.shipped import shipped_name
         p = self.model.lm_head.weight
         return {"name": self.name, "arch": self.config.arch, "dtype": str(p.dtype).removeprefix("torch."),
-                "device": str(p.device), "adapter": self.adapter}
+                "device": str(p.device), "adapter": self.adapter, "adapter_name": shipped_name(self.adapter)}
 
     def tokenizer_meta(self) -> dict:
         tok = self.tokenizer

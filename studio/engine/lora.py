@@ -15,7 +15,14 @@ An adapter directory is what `peft`'s `save_pretrained` writes:
 Attaching sets `lora_A`, `lora_B`, `lora_scale` on the matching `model.Linear` modules; the forward's per-row
 gate decides where they apply (R-ISD: MASK rows only, so clean rows and their KV stay base-only).
 
-The MASK token (our convention on top of PEFT; a base AR model has none, DESIGN §3):
+Which rows an adapter adapts (our convention on top of PEFT, written by `dlm-studio train`):
+
+  adapter_config.json  "adapted_rows": "mask" (trained with the LoRA on MASK rows only: on clean tokens the model
+                       is the base model) or "all" (the LoRA on every row: a different model; the default, as for
+                       any PEFT LoRA). The model an adapter makes is the LoRA on the rows it adapts, and that is
+                       the model a run decodes on its clean rows (`Strategy.clean_gate`).
+
+The MASK token (our convention on top of PEFT; a base AR model has none):
 
   adapter_config.json  "mask_token_id": the id the adapter was trained with.
   a tensor, either     "mask_embedding" [1, dim]: the new embedding row; mask_token_id must be the base vocab size V;
@@ -49,6 +56,7 @@ from studio.errors import BadInput
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTED_ROWS = ("mask", "all")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -72,6 +80,7 @@ class Adapter:
     mask_embedding: torch.Tensor | None = None           # [1, dim], appended at id V
     embed_table: torch.Tensor | None = None              # [V + k, dim], rows >= V appended
     block_size: int | None = None                        # a block adapter's training block size
+    adapted_rows: str = "all"                            # "mask" | "all": the rows it was trained on
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,6 +110,10 @@ def read_adapter(path: str | Path) -> Adapter:
     block = cfg.get("block_size")
     if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
         raise BadInput(f"{CONFIG_FILE}: block_size must be a positive integer, got {block!r}")
+    adapted = cfg.get("adapted_rows", "all")
+    if adapted not in ADAPTED_ROWS:
+        raise BadInput(f"{root / CONFIG_FILE}: adapted_rows must be one of {', '.join(map(repr, ADAPTED_ROWS))}, "
+                       f"got {_short(adapted)}")
     mask_emb, table = extra.get(_MASK_KEY), extra.get(_EMBED_KEY)
     if mask_emb is not None and (mask_emb.dim() != 2 or mask_emb.shape[0] != 1):
         raise BadInput(f"adapter tensor {_MASK_KEY} must have shape [1, dim], got {tuple(mask_emb.shape)}")
@@ -112,7 +125,7 @@ def read_adapter(path: str | Path) -> Adapter:
         raise BadInput(f"{weights} holds no LoRA weights")
     scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     return Adapter(path=root, r=r, alpha=alpha, scale=scale, lora=lora, mask_token_id=mask_id,
-                   mask_embedding=mask_emb, embed_table=table, block_size=block)
+                   mask_embedding=mask_emb, embed_table=table, block_size=block, adapted_rows=adapted)
 
 
 def _read_config(root: Path) -> dict:
@@ -222,6 +235,7 @@ class LoadedAdapter:
     rows: torch.Tensor | None       # embedding rows appended after the base vocabulary
     mask_token_id: int | None
     block_size: int | None = None   # a block adapter's training block size (blockdiff, s2d2, simsd default to it)
+    adapted_rows: str = "all"       # "mask" | "all": with "all" the LoRA applies on clean rows too
 
     def configure(self, config):
         """`config` (a ModelConfig) as this adapter reads it: its MASK id and its training block size."""
@@ -243,7 +257,7 @@ def load_adapter(model: nn.Module, path: str | Path) -> LoadedAdapter:
     if rows is not None:
         rows = rows.to(device=w.device, dtype=model.model.embed_tokens.weight.dtype)
     return LoadedAdapter(str(adapter.path), pairs, float(adapter.scale), rows, adapter.mask_token_id,
-                         adapter.block_size)
+                         adapter.block_size, adapter.adapted_rows)
 
 
 def install(model: nn.Module, loaded: LoadedAdapter | None) -> None:
@@ -354,7 +368,7 @@ def merge_adapter_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 def save_adapter(model_or_tensors: nn.Module | Mapping[str, tuple[torch.Tensor, torch.Tensor]], path: str | Path,
                  r: int, alpha: float, targets: list[str] | str, mask_token_id: int | None = None,
                  mask_embedding: torch.Tensor | None = None, use_rslora: bool = False,
-                 block_size: int | None = None) -> Path:
+                 block_size: int | None = None, adapted_rows: str | None = None) -> Path:
     """Write a PEFT-format adapter directory. `model_or_tensors`: a model with LoRA attached, or
     {"model.layers.0.self_attn.q_proj": (A [r,in], B [out,r]), ...}. Nothing is checked here (tests write
     deliberately broken adapters); `attach_adapter` checks on the way in."""
@@ -378,6 +392,8 @@ def save_adapter(model_or_tensors: nn.Module | Mapping[str, tuple[torch.Tensor, 
         cfg["mask_token_id"] = mask_token_id
     if block_size is not None:
         cfg["block_size"] = block_size
+    if adapted_rows is not None:
+        cfg["adapted_rows"] = adapted_rows
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     (root / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")

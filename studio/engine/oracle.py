@@ -1,5 +1,5 @@
 """The bench's acceptance oracle (`bench --oracle-accept P`): every verified draft is accepted by an
-independent Bernoulli(P) draw instead of the rule of DESIGN §4, so the engine's efficiency can be measured
+independent Bernoulli(P) draw instead of the exact rule (docs/verification.md), so the engine's efficiency can be measured
 at a controlled acceptance. The output is then not the model's and means nothing; the forwards, KV moves
 and events are exactly those a real verdict with the same accepted length would cause."""
 from __future__ import annotations

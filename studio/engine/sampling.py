@@ -1,4 +1,4 @@
-"""Logits processing, sampling and lossless draft verification (DESIGN: sampling and verification rules).
+"""Logits processing, sampling and lossless draft verification (docs/verification.md).
 
 Everything here is CPU, float32, batch 1, written for clarity. The same `process_logits` produces both the
 target distribution p and the draft distribution q, so verification compares like with like.

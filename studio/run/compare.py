@@ -1,9 +1,13 @@
 """Side-by-side comparison: several strategies on one prompt, seed and sampling setting, in one process.
 
-`ar` always runs (first) as the baseline that speed and agreement are measured against.
+`ar` always runs (first) as the baseline that speed is measured against. Each run's output is compared with
+its reference: the `ar` run of the model it decodes (`Run.model_adapter`). That is the `ar` row for runs on the
+base model (no adapter, a MASK-row adapter, r-isd), and an extra `ar` run on the adapter for a run that decodes
+an adapter of every row (isd on smollm2-isd: `ar · smollm2-isd`), which `run_compare` adds.
 """
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +22,7 @@ class RunSpec:
     label: str          # what the user asked for (a strategy or preset name)
     strategy: str | None
     preset: str | None
+    adapter: str | None = None   # this run's adapter directory ("none": the base model); None: the engine's choice
 
 
 def parse_specs(items: str, preset: str | None = None) -> list[RunSpec]:
@@ -51,18 +56,33 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def agreement(result: RunResult, baseline: RunResult) -> str:
-    k = first_difference(baseline.token_ids, result.token_ids)
-    return "yes" if k is None else f"no (token {k})"
+def reference_label(model_adapter: str | None) -> str:
+    """The label of the `ar` run on `model_adapter`'s model (None: the base model), when it is not the `ar` row."""
+    return f"ar · {Path(model_adapter).name}" if model_adapter else "ar · base"
+
+
+def references(results: dict[str, RunResult]) -> dict[str, str]:
+    """label -> the label of its reference: the first `ar` run that decodes the same model. A reference that did
+    not run (a front end that runs only the specs) is named all the same."""
+    ar_on: dict[str | None, str] = {}
+    for label, r in results.items():
+        if r.header["strategy"] == "ar":
+            ar_on.setdefault(r.model_adapter, label)
+    return {label: ar_on.get(r.model_adapter) or reference_label(r.model_adapter) for label, r in results.items()}
 
 
 def rows(results: dict[str, RunResult]) -> list[dict]:
-    """One row per run: the numbers the table, --json and reports show (all from footers/events)."""
+    """One row per run: the numbers the table, --json and reports show (all from footers/events). Speed and
+    `identical_to_ar` are against the `ar` row; `identical_to_reference` against the row's reference (None
+    when it did not run)."""
     base = results["ar"]
+    refs = references(results)
     out = []
     for label, r in results.items():
         f = r.footer
         verified = any(e["t"] in ("accept", "reject") for e in r.events)
+        ref = results.get(refs[label])
+        k = None if ref is None else first_difference(ref.token_ids, r.token_ids)
         out.append({"label": label, "strategy": r.header["strategy"], "params": r.header["params"],
                     "n_tokens": f["n_tokens"], "token_ids": list(r.token_ids), "forwards": f["forwards"],
                     "tpf": f["tpf"],
@@ -70,49 +90,73 @@ def rows(results: dict[str, RunResult]) -> list[dict]:
                     "speed_vs_ar": f["tok_s"] / base.footer["tok_s"] if base.footer["tok_s"] else None,
                     "identical_to_ar": first_difference(base.token_ids, r.token_ids) is None,
                     "first_difference": first_difference(base.token_ids, r.token_ids),
+                    "reference": refs[label], "identical_to_reference": None if ref is None else k is None,
+                    "reference_first_difference": k,
                     "stop_reason": f["stop_reason"], "text": f["text"]})
     return out
+
+
+def same_as(row: dict) -> str:
+    """The table's last column: whether the output is identical to the row's reference, which it names."""
+    ref, same = row["reference"], row["identical_to_reference"]
+    if same is None:
+        return f"— ({ref} did not run)"
+    return f"yes ({ref})" if same else f"no at token {row['reference_first_difference']} ({ref})"
 
 
 def render_table(table_rows: list[dict], sampled: bool):
     from rich.table import Table
     t = Table(title="compare", title_justify="left")
     label_width = max([len(r["label"]) for r in table_rows] + [8])
-    for col in ("strategy", "tokens", "forwards", "TPF", "accept", "tok/s", "× ar", "same as ar"):
-        # labels are never cut (a narrow terminal wraps "same as ar" instead)
+    for col in ("strategy", "tokens", "forwards", "TPF", "accept", "tok/s", "× ar", "same as"):
+        # labels are never cut (a narrow terminal wraps "same as" instead)
         extra = {"no_wrap": True, "min_width": label_width} if col == "strategy" else {}
-        t.add_column(col, justify="left" if col in ("strategy", "same as ar") else "right", **extra)
+        t.add_column(col, justify="left" if col in ("strategy", "same as") else "right", **extra)
     for r in table_rows:
-        same = "yes" if r["identical_to_ar"] else f"no (token {r['first_difference']})"
         acc = "—" if r["accept_rate"] is None else f"{r['accept_rate']:.2f}"
         speed = "—" if r["speed_vs_ar"] is None else f"{r['speed_vs_ar']:.2f}×"
         t.add_row(r["label"], str(r["n_tokens"]), str(r["forwards"]), f"{r['tpf']:.2f}", acc,
-                  f"{r['tok_s']:.1f}", speed, same)
+                  f"{r['tok_s']:.1f}", speed, same_as(r))
     if sampled:
-        t.caption = "sampled runs: lossless strategies match ar in distribution, not token for token"
+        t.caption = "sampled runs: lossless strategies match their reference in distribution, not token for token"
     return t
 
 
 def run_compare(engine, prompt: str, prompt_ids: list[int], specs: list[RunSpec], make_run, trace_dir=None,
                 progress=None, *, trace_prefix: str = "", on_done=None) -> dict[str, RunResult]:
-    """Run every spec on the prompt in lock-step by forward count (`session.drive`). `make_run(spec) ->
-    (Strategy, Settings)`; `progress(label, event)` for every event; `on_done(label, result)` as each run
-    ends. Traces go to `trace_dir/{trace_prefix}{label}.jsonl`."""
+    """Run every spec on the prompt in lock-step by forward count (`session.drive`), each reference run that
+    the specs' runs need (see the module doc) placed before the first run that needs it. The first spec is
+    `ar` (`parse_specs`); a reference run has its strategy and settings. `make_run(spec) -> (Strategy,
+    Settings)`; `progress(label, event)` for every event; `on_done(label, result)` as each run ends. Traces go
+    to `trace_dir/{trace_prefix}{label}.jsonl`."""
     made = [make_run(spec) for spec in specs]
     for strategy, settings in made:   # every run fits before any trace file is opened
         kv_length_needed(engine, strategy, settings, prompt_ids)
-    runs = [Run(engine, strategy, settings, prompt, prompt_ids,
-                trace_path=str(trace_path(trace_dir, spec.label, trace_prefix)) if trace_dir else None)
-            for spec, (strategy, settings) in zip(specs, made)]
+
+    def start(spec: RunSpec, strategy, settings) -> Run:
+        view = engine if spec.adapter is None else engine.with_adapter(None if spec.adapter == "none" else spec.adapter)
+        return Run(view, strategy, settings, prompt, prompt_ids,
+                   trace_path=str(trace_path(trace_dir, spec.label, trace_prefix)) if trace_dir else None)
+    labels, runs = [], []
+    with_ar = set()   # the models an ar run decodes so far
+    for spec, (strategy, settings) in zip(specs, made):
+        run = start(spec, strategy, settings)
+        model = run.model_adapter
+        if strategy.name != "ar" and model not in with_ar:
+            ref = RunSpec(reference_label(model), "ar", None, adapter=model or "none")
+            labels.append(ref.label)
+            runs.append(start(ref, copy.deepcopy(made[0][0]), made[0][1]))   # nothing has run yet: a fresh ar
+        with_ar.add(model)
+        labels.append(spec.label)
+        runs.append(run)
 
     def publish(i: int, events: list[dict]) -> None:
-        label = specs[i].label
         for e in events if progress else ():
-            progress(label, e)
+            progress(labels[i], e)
         if on_done and runs[i].done:
-            on_done(label, runs[i].result)
+            on_done(labels[i], runs[i].result)
     drive(runs, publish)
-    return {spec.label: run.result for spec, run in zip(specs, runs)}
+    return {label: run.result for label, run in zip(labels, runs)}
 
 
 def trace_path(trace_dir, label: str, prefix: str = "") -> Path:
@@ -152,7 +196,8 @@ def write_html(results: dict[str, RunResult], path, title: str, trace_dir=None, 
 @contextmanager
 def progress_display(totals: dict[str, int], console=None, enabled: bool = True):
     """One Rich progress bar per run on stderr (advanced by emit events); yields `progress(label, event)`
-    for `run_compare`. When stderr is not a terminal the bars are off and nothing is drawn."""
+    for `run_compare`. When stderr is not a terminal the bars are off and nothing is drawn. A reference run
+    that `run_compare` adds gets its bar at its first event, with the `ar` run's total (its settings)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     console = console or Console(stderr=True)
@@ -162,6 +207,8 @@ def progress_display(totals: dict[str, int], console=None, enabled: bool = True)
         tasks = {label: bar.add_task(label, total=total, info="") for label, total in totals.items()}
 
         def progress(label: str, e: dict) -> None:
+            if label not in tasks:
+                tasks[label] = bar.add_task(label, total=totals.get("ar"), info="")
             if e["t"] == "emit":
                 bar.advance(tasks[label], len(e["tok"]))
             elif e["t"] == "forward" and e["role"] != "prefill":

@@ -1,8 +1,9 @@
 """`make run` / `dlm-studio demo`: the compare demo on the embedded default model.
 
 One prompt through every strategy in the registry (a strategy's CPU-sized preset `NAME-cpu` when one
-exists, e.g. `jacobi-mr-cpu`), greedy, one process, `ar` first as the baseline: the compare table, one
-trace per run and the HTML report, with every path printed at the end. It is `dlm-studio compare`
+exists, e.g. `jacobi-mr-cpu`), greedy, one process, `ar` first as the baseline (and `ar` on the adapter of a
+run that decodes an adapter of every row, its reference): the compare table, one trace per run and the HTML
+report, with every path printed at the end. It is `dlm-studio compare`
 with demo defaults, built from the same pieces (`studio.run.compare`).
 """
 from __future__ import annotations
@@ -42,7 +43,7 @@ def run_demo(engine, prompt: str = DEMO_PROMPT, strategies: str | None = None, m
     """Runs the demo on `engine` (greedy, seed 0) and prints it; returns {results, rows, traces, report}."""
     from rich.console import Console
 
-    from studio.run.config import build_run
+    from studio.run.config import RunConfig
     from studio.run.session import encode_prompt
 
     if console is None:  # piped: 80 columns would cut the table's labels; a terminal keeps its own width
@@ -50,7 +51,7 @@ def run_demo(engine, prompt: str = DEMO_PROMPT, strategies: str | None = None, m
         console = console if console.is_terminal else Console(width=120)
     err = err_console or Console(stderr=True)
     specs = demo_specs(strategies)
-    runs = {s.label: build_run(s.strategy, s.preset, [], max_new_tokens, 0.0, None, None, 0, []) for s in specs}
+    runs = {s.label: RunConfig(s.strategy, preset=s.preset, max_new_tokens=max_new_tokens, temperature=0.0).build() for s in specs}
     ids = encode_prompt(engine, prompt)
     trace_dir = Path(trace_dir)
     trace_dir.mkdir(parents=True, exist_ok=True)
@@ -70,13 +71,14 @@ def run_demo(engine, prompt: str = DEMO_PROMPT, strategies: str | None = None, m
                               trace_prefix=TRACE_PREFIX, on_done=done)
     table = rows(results)
     console.print(render_table(table, sampled=False))
-    same = [r["label"] for r in table if r["identical_to_ar"]]
-    console.print(f"── {', '.join(same)} (identical output):\n{table[0]['text'].strip()}", highlight=False,
-                  markup=False)
+    text = {r["label"]: r["text"].strip() for r in table}
+    for ref in dict.fromkeys(r["reference"] for r in table):   # each reference's text once, with its equals
+        same = [r["label"] for r in table if r["reference"] == ref and r["identical_to_reference"]]
+        console.print(f"── {', '.join(same)} (identical output):\n{text[ref]}", highlight=False, markup=False)
     for r in table:
-        if not r["identical_to_ar"]:
-            console.print(f"── {r['label']} (differs from ar at token {r['first_difference']}):\n"
-                          f"{r['text'].strip()}", highlight=False, markup=False)
+        if not r["identical_to_reference"]:
+            console.print(f"── {r['label']} (differs from {r['reference']} at token "
+                          f"{r['reference_first_difference']}):\n{text[r['label']]}", highlight=False, markup=False)
     traces = [trace_path(trace_dir, label, TRACE_PREFIX) for label in results]
     report = None
     if html:
@@ -93,11 +95,11 @@ def run_demo(engine, prompt: str = DEMO_PROMPT, strategies: str | None = None, m
 def demo_command(prompt: str, strategies: str | None, max_new_tokens: int, trace_dir: Path, html: bool = True,
                  device: str = "auto", dtype: str = "auto", graphs: bool = True) -> None:
     """The body of `dlm-studio demo`: validate every run before loading the embedded model, then run."""
-    from studio.run.config import build_run
+    from studio.run.config import RunConfig
     from studio.engine.engine import Engine
 
     for s in demo_specs(strategies):
-        build_run(s.strategy, s.preset, [], max_new_tokens, 0.0, None, None, 0, [])
+        RunConfig(s.strategy, preset=s.preset, max_new_tokens=max_new_tokens, temperature=0.0).build()
     engine = Engine.load("default", device=device, dtype=dtype, graphs=graphs)
     out = run_demo(engine, prompt, strategies, max_new_tokens, trace_dir, html)
     typer.echo(f"replay a run in the terminal: dlm-studio trace replay {out['traces'][-1]} --speed 2", err=True)

@@ -1,4 +1,4 @@
-"""Decoding in a background thread, so it never waits for drawing (DESIGN §7).
+"""Decoding in a background thread, so it never waits for drawing (docs/ui.md#threading-model).
 
 A `Worker` drives one run, or several in lock-step, with `session.drive` on its own thread and queues
 each step's events; a UI takes them with `drain()` at its own frame rate. In step mode the worker

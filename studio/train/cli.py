@@ -1,4 +1,4 @@
-"""`dlm-studio train …`: make self-distilled data, train adapters, evaluate them (DESIGN §8)."""
+"""`dlm-studio train …`: make self-distilled data, train adapters, evaluate them (docs/training.md)."""
 from __future__ import annotations
 
 from pathlib import Path

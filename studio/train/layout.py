@@ -1,4 +1,4 @@
-"""Training layouts: which noisy rows see what (papers/000 App. E; block diffusion, SDAR-style).
+"""Training layouts: which noisy rows see what (the I-DLM paper's appendix E; block diffusion, SDAR-style).
 
 The reference I-DLM layout is one sequence `[x_t | x_0]` of 2L rows (`app_e_mask`): noisy blocks of b
 MASKs, causal inside a block, each seeing the clean tokens of strictly earlier blocks; the clean copy is

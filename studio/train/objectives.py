@@ -1,6 +1,6 @@
 """The two training objectives, as batches of noisy rows over a clean pass (see layout.py).
 
-`IDLM` (papers/000 §3.1, App. E): noisy blocks of b MASKs, causal, logit shift: the MASK at position
+`IDLM` (the I-DLM paper, §3.1 and appendix E): noisy blocks of b MASKs, causal, logit shift: the MASK at position
 s+j (j < b) sees x_0[:s] and the block's earlier MASKs and predicts x_0[s+j+1] -- exactly what ISD's
 MASK rows read at inference (the first MASK sits right after the last clean token). b follows the
 stride curriculum N = 2 -> 3 -> 4 (b = N - 1).
@@ -76,7 +76,7 @@ CLEAN_LOSSES = ("ce", "kl")
 
 class Objective:
     gate_all: bool
-    clean_loss = "ce"            # gate all: ce (papers/000 Eq. 2, the clean tokens) | kl (the base model's law)
+    clean_loss = "ce"            # gate all: ce (I-DLM Eq. 2, the clean tokens) | kl (the base model's law)
     mask_id: int
     bidirectional = False        # noisy rows see their whole block (block diffusion) or a causal prefix (I-DLM)
 

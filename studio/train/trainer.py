@@ -177,7 +177,8 @@ def _save(root: Path, trainable: Trainable, opt, tensors, state: dict) -> None:
 
     tmp = root / ".checkpoint"
     tmp.mkdir(exist_ok=True)
-    trainable.save(tmp, block_size=state["config"]["block_size"] if state["config"]["kind"] == "block" else None)
+    cfg = state["config"]
+    trainable.save(tmp, block_size=cfg["block_size"] if cfg["kind"] == "block" else None, adapted_rows=cfg["gate"])
     moments = {}
     for i, (name, _) in enumerate(tensors):
         st = opt.state.get(opt.param_groups[0]["params"][i], {})

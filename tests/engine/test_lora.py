@@ -128,6 +128,17 @@ def test_save_from_a_model_round_trips(pair, tmp_path):
     assert len(ad.lora) == 7 * engine.config.n_layers
 
 
+@pytest.mark.parametrize("rows", ["mask", "all", None])
+def test_the_adapted_rows_round_trip_and_default_to_all(tmp_path, rows):
+    """A PEFT adapter from elsewhere records no rows: LoRA on every row, the PEFT meaning."""
+    engine = tiny_engine("llama", vocab=24, seed=3)
+    path = random_adapter(tmp_path / "ad", engine.model, adapted_rows=rows)
+    assert ("adapted_rows" in json.loads((path / "adapter_config.json").read_text())) == (rows is not None)
+    assert read_adapter(path).adapted_rows == (rows or "all")
+    assert attach_adapter(engine, path).adapted_rows == (rows or "all")
+    assert engine.with_adapter(str(path)).lora.adapted_rows == (rows or "all")
+
+
 def test_scale_alpha_over_r_and_rslora(tmp_path):
     model = tiny_model("llama")
     assert read_adapter(random_adapter(tmp_path / "a", model, r=4, alpha=16)).scale == 4.0
@@ -249,6 +260,11 @@ def _missing_dir(path, model):
     pass
 
 
+def _bad_adapted_rows(path, model):
+    random_adapter(path, model)
+    _edit_config(path, adapted_rows="clean")
+
+
 @pytest.mark.parametrize("make, message", [
     (_other_dim, r"q_proj\.lora_A has shape \(4, 48\), the model needs \(4, 32\)"),
     (_rank, "rank mismatch"),
@@ -269,6 +285,7 @@ def _missing_dir(path, model):
     (_mask_row_wrong_id, "base vocab size 24"),
     (_mask_row_wrong_dim, "dim 7"),
     (_missing_dir, "adapter not found"),
+    (_bad_adapted_rows, r"ad/adapter_config\.json: adapted_rows must be one of 'mask', 'all', got 'clean'"),
 ])
 def test_bad_adapters_are_one_line_errors(tmp_path, make, message):
     engine = tiny_engine("llama", vocab=24, seed=3)

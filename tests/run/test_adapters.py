@@ -81,13 +81,33 @@ def test_a_shipped_adapter_is_used_for_its_strategies_only(shipped_dir):
 def test_conversation_does_not_reuse_kv_across_adapters(shipped_dir):
     """isd's committed KV depends on its adapter (LoRA on every row): switching from ar to isd in a chat
     prefills from scratch."""
-    from studio.run.session import Conversation
+    from studio.run.conversation import Conversation
     conv = Conversation(_engine(), chat=False)
     drive([conv.start_turn("abc", make_strategy("ar"), Settings(max_new_tokens=6))])
     run = conv.start_turn("de", make_strategy("isd", {"stride": 3}), Settings(max_new_tokens=6))
     drive([run])
     prefill = next(e for e in run.result.events if e["t"] == "forward")
     assert prefill["n_tokens"] == len(run.prompt_ids) + 2     # everything recomputed (+ the 2 MASK rows)
+
+
+@pytest.mark.parametrize("rows", ["all", "mask"])
+def test_a_chat_turn_on_an_adapter_reuses_the_kv_of_the_model_it_makes(tmp_path, rows):
+    """ar on an adapter of every row reads the LoRA on its clean rows (on a MASK-row adapter it does not): a turn
+    that reuses the cached history answers exactly as a fresh run over the whole history."""
+    from studio.engine.lora import attach_adapter
+    from studio.run.conversation import Conversation
+    from tests.support.lora import random_adapter
+    engine = _engine()
+    attach_adapter(engine, random_adapter(tmp_path / rows, engine.model, seed=1, adapted_rows=rows))
+    conv = Conversation(engine, chat=False)
+    drive([conv.start_turn("abc", make_strategy("ar"), Settings(max_new_tokens=6))])
+    run = conv.start_turn("de", make_strategy("ar"), Settings(max_new_tokens=6))
+    drive([run])
+    prefill = next(e for e in run.result.events if e["t"] == "forward")
+    assert prefill["n_tokens"] < len(run.prompt_ids)                      # the history's KV was reused
+    assert prefill["lora_rows"] == (prefill["n_tokens"] if rows == "all" else 0)
+    fresh = Session(engine, make_strategy("ar"), Settings(max_new_tokens=6)).run("", run.prompt_ids)
+    assert run.result.token_ids == fresh.token_ids
 
 
 def test_adapter_rows_of_two_adapters_are_swapped_in_place(two_adapters):

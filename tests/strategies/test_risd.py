@@ -1,6 +1,7 @@
 """R-ISD: ISD with the adapter gated on at MASK rows only, so the output follows the BASE model exactly
 (greedy token for token, sampled in law) and the committed KV is base-only. ISD with the same adapter
-applies it on clean rows too, i.e. decodes a different model."""
+applies it on clean rows too, i.e. decodes a different model. Every other strategy decodes the model an
+adapter makes (the LoRA on the rows it records: `adapted_rows`), so greedy isd equals greedy ar on it."""
 import dataclasses
 
 import pytest
@@ -72,6 +73,66 @@ def test_risd_with_an_adapter_that_adds_the_mask_token(tmp_path):
     assert engine.config.mask_token_id == 24
     for stride in (2, 4):
         assert generate(engine, "r-isd", {"stride": stride}, n=60).token_ids == generate(base, "ar", n=60).token_ids
+
+
+# -------------------------------------------------------------------------------------------------
+# the model an adapter makes: the LoRA on the rows it adapts (adapter_config.json's adapted_rows)
+# -------------------------------------------------------------------------------------------------
+DECODERS = [("ar", None), ("jacobi", {"block_size": 4}), ("jacobi-mr", {"block_size": 4}), ("isd", {"stride": 3})]
+
+
+def with_rows(tmp_path, rows, family="llama", seed=5):
+    """A tiny engine with a random adapter that records `rows` as its adapted rows."""
+    engine = tiny_engine(family, seed=seed, vocab=24)
+    attach_adapter(engine, random_adapter(tmp_path / rows, engine.model, seed=seed, adapted_rows=rows))
+    return engine
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_strategy_decodes_the_model_an_adapter_of_every_row_makes(tmp_path, family):
+    """adapted_rows = "all": greedy ar is the merged model's, and jacobi, jacobi-mr and isd equal it token for
+    token (the LoRA on every clean row); the base model writes something else, which r-isd follows."""
+    engine = with_rows(tmp_path, "all", family)
+    base = tiny_engine(family, seed=5, vocab=24)
+    ar = generate(engine, "ar", n=40)
+    assert all(e["lora_rows"] == e["n_tokens"] for e in ar.events if e["t"] == "forward")
+    base_ar = generate(base, "ar", n=40).token_ids
+    assert ar.token_ids != base_ar
+    for name, params in DECODERS[1:]:
+        assert generate(engine, name, params, n=40).token_ids == ar.token_ids, name
+    assert generate(engine, "r-isd", {"stride": 3}, n=40).token_ids == base_ar
+    base.model = merged_model(engine.model)
+    assert generate(base, "ar", n=40).token_ids == ar.token_ids
+
+
+def test_a_mask_row_adapter_leaves_the_clean_rows_to_the_base_model(tmp_path):
+    """adapted_rows = "mask": on clean tokens the model is the base model, so greedy ar, jacobi, jacobi-mr and isd
+    equal the base model's greedy ar, isd reading the LoRA on its MASK rows only (as r-isd does)."""
+    engine = with_rows(tmp_path, "mask")
+    want = generate(tiny_engine("llama", seed=5, vocab=24), "ar", n=40).token_ids
+    assert generate(with_rows(tmp_path, "all"), "ar", n=40).token_ids != want   # the same LoRA on every row differs
+    for name, params in DECODERS:
+        got = generate(engine, name, params, n=40)
+        assert got.token_ids == want, name
+        lora_rows = {e["lora_rows"] for e in got.events if e["t"] == "forward"}
+        assert lora_rows == ({2} if name == "isd" else {0}), name
+
+
+@pytest.mark.slow
+def test_embedded_isd_equals_greedy_ar_on_its_shipped_adapter(default_engine):
+    """On the embedded model isd reads smollm2-isd, an adapter of every row: greedy isd equals greedy ar on that
+    adapter (`run -s ar --adapter smollm2-isd`) token for token on the demo prompt, while the base model writes
+    other tokens (so the demo names `ar · smollm2-isd` as isd's reference)."""
+    from studio.engine.engine import Engine
+    from studio.run.demo import DEMO_PROMPT
+    from studio.run.session import encode_prompt
+    engine = Engine.load("default").for_strategy("isd")
+    assert engine.adapter.endswith("smollm2-isd") and engine.lora.adapted_rows == "all"
+    ids = encode_prompt(engine, DEMO_PROMPT)
+    settings = Settings(max_new_tokens=64, sampling=SamplingParams(0.0))
+    isd = Session(engine, make_strategy("isd"), settings).run("", ids).token_ids
+    assert isd == Session(engine, make_strategy("ar"), settings).run("", ids).token_ids
+    assert isd != Session(default_engine, make_strategy("ar"), settings).run("", ids).token_ids
 
 
 # -------------------------------------------------------------------------------------------------

@@ -167,7 +167,7 @@ def test_block_training_lowers_the_loss_and_trains_masked_slots_only(tmp_path):
 
 def test_a_block_adapter_brings_its_block_size_to_the_block_strategies(tmp_path):
     """A block adapter trained at B = 6 makes 6 the default block of blockdiff/s2d2/simsd on it (an explicit
-    block_size still wins); an I-DLM adapter records none."""
+    block_size still wins); an I-DLM adapter records none. Both record the rows they were trained on (--gate)."""
     engine = _ar_engine(seed=4)
     seqs = _seqs(engine, seed=1)
     cfg = TrainConfig(kind="block", gate="mask", steps=1, batch_size=2, rows_per_seq=12, r=2, alpha=4, block_size=6)
@@ -175,6 +175,7 @@ def test_a_block_adapter_brings_its_block_size_to_the_block_strategies(tmp_path)
     idlm = TrainConfig(kind="idlm", gate="mask", steps=1, batch_size=2, rows_per_seq=6, r=2, alpha=4)
     train(tiny_model("llama", vocab=V, seed=4), seqs, IDLM(V, False), idlm, tmp_path / "isd")
     assert read_adapter(tmp_path / "b6").block_size == 6 and read_adapter(tmp_path / "isd").block_size is None
+    assert read_adapter(tmp_path / "b6").adapted_rows == read_adapter(tmp_path / "isd").adapted_rows == "mask"
     e = engine.with_adapter(str(tmp_path / "b6"))
     assert e.config.adapter_block_size == 6 and engine.config.adapter_block_size is None
     for name, params, block in [("blockdiff", {}, 6), ("s2d2", {}, 6), ("simsd", {}, 6), ("blockdiff", {"block_size": 3}, 3)]:
@@ -240,7 +241,7 @@ def test_init_starts_from_a_trained_adapter_with_a_new_schedule(tmp_path):
               tmp_path / "d")
 
 
-@pytest.mark.filterwarnings("ignore:Unexpected keyword arguments")   # peft ignores our mask_token_id
+@pytest.mark.filterwarnings("ignore:Unexpected keyword arguments")   # peft ignores mask_token_id, adapted_rows
 def test_the_saved_adapter_loads_in_peft_on_the_transformers_model_of_the_same_weights(tmp_path):
     pytest.importorskip("peft")
     from peft import PeftModel
@@ -251,6 +252,7 @@ def test_the_saved_adapter_loads_in_peft_on_the_transformers_model_of_the_same_w
     seqs = [train_data.Sequence(torch.randint(0, 96, (20,), generator=g).tolist(), 4) for _ in range(8)]
     cfg = TrainConfig(kind="idlm", gate="all", steps=3, batch_size=4, rows_per_seq=6, r=4, alpha=8, lr=1e-2)
     train(ours, seqs, IDLM(96, True), cfg, tmp_path / "ad")
+    assert read_adapter(tmp_path / "ad").adapted_rows == "all"     # recorded: the LoRA of every row (--gate all)
     peft_model = PeftModel.from_pretrained(hf, str(tmp_path / "ad")).eval()
     # the studio applying the adapter on every row == peft's LoRA model
     fresh = hf_pair("llama", seed=0)[1]

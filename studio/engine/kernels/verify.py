@@ -1,4 +1,4 @@
-"""The fused verify kernel: DESIGN §4's verification of one draft chain, one Triton program per draft row.
+"""The fused verify kernel: the exact verification of one draft chain (docs/verification.md), one Triton program per draft row.
 
 Program i reads row i of the target logits (and, when the rule needs q, of the draft logits) in blocks of the
 vocabulary and, without sorting or materialising a distribution:

@@ -69,11 +69,14 @@ class DecodeContext:
     Events are buffered and handed out between steps (`drain`), so rendering never runs inside the
     timed decode loop. Every tensor of the run (KV, masks, gates, the sampler's generator) lives on the
     model's device. `oracle_accept` = P replaces every accept decision by a Bernoulli(P) draw (bench).
+    `clean_gate`: the LoRA gate of the run's clean (non-MASK) rows, `Strategy.clean_gate` of its adapter.
     """
 
     def __init__(self, model, tokenizer, sampling: SamplingParams, seed: int, output: Output,
-                 mask_id: int | None, kv_len: int, kv=None, oracle_accept: float | None = None, graphs: bool = False):
+                 mask_id: int | None, kv_len: int, kv=None, oracle_accept: float | None = None, graphs: bool = False,
+                 clean_gate: bool = False):
         self.model = model
+        self.clean_gate = clean_gate
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.device = model.lm_head.weight.device
@@ -126,6 +129,7 @@ class DecodeContext:
                 mask=None, lora_gate: list[bool] | None = None, logits_rows=None, model=None, kv=None) -> torch.Tensor:
         """One model forward over new tokens written after the committed KV. Returns logits [R, V].
         `positions` (default: the slots) may be a tensor already on the device (a mask builder's).
+        `lora_gate`: per row, whether the adapter applies; None = every row is a clean row (`clean_gate`).
         `model`/`kv` default to the run's own; a second model (SimSD's drafter) passes its own pair."""
         model, kv = model or self.model, kv or self.kv
         if role != "prefill":
@@ -136,6 +140,8 @@ class DecodeContext:
         L = kv.length
         pos = torch.arange(L, L + len(tokens), device=self.device) if positions is None else \
             torch.as_tensor(positions, device=self.device)
+        if lora_gate is None and self.clean_gate and model is self.model:
+            lora_gate = [True] * len(tokens)
         gate = None
         if lora_gate is not None and self._has_adapter(model):
             gate = torch.tensor(lora_gate, dtype=torch.bool, device=self.device)
@@ -192,7 +198,7 @@ class DecodeContext:
                proposal: Proposal, sampling: SamplingParams | None = None,
                logits: tuple[torch.Tensor, torch.Tensor | None] | None = None, **rule) -> ChainResult:
         """Verify `drafts` left to right against the target distributions `p` (one row per draft; `q` the
-        distributions they were drawn from) by the exact rule of DESIGN §4 (`sampling.verify_chain`; `rule`:
+        distributions they were drawn from) by the exact rule (docs/verification.md; `sampling.verify_chain`; `rule`:
         its tau, reference, gamma; `sampling` defaults to the run's), or under the oracle by Bernoulli draws;
         the verdict becomes events. `pos[i]` is draft i's output position. Every strategy verifies here.
 
@@ -276,6 +282,13 @@ class Strategy:
     def kv_headroom(self, config=None) -> int:
         """Slots a single forward may need beyond the committed length (`config`: the model's ModelConfig)."""
         return 1
+
+    def clean_gate(self, adapter) -> bool:
+        """Whether the LoRA of `adapter` (a LoadedAdapter, or None) applies at this strategy's clean (non-MASK)
+        rows. A run decodes the model the adapter makes, the LoRA on the rows it adapts: on for an adapter of
+        every row ("all"), off for a MASK-row one ("mask": the base model on clean tokens). So greedy output
+        of a lossless strategy equals greedy `ar` on the same adapter. MASK rows are gated by the strategy."""
+        return adapter is not None and adapter.adapted_rows == "all"
 
     def causal_kv(self, config) -> bool:
         """Whether every KV row this strategy commits is the token-causal K/V of the token in that slot, so a

@@ -1,12 +1,8 @@
-"""Introspective Strided Decoding (I-DLM, papers/000 Alg. 1) and its lossless gated-LoRA variant R-ISD.
+"""Introspective Strided Decoding (the I-DLM paper's Algorithm 1) and its lossless gated-LoRA variant R-ISD: each
+round is one causal forward that verifies the previous round's MASK-row proposals and proposes the next N-1;
+MASK-row KV is never committed.
 
-Each round is one strictly causal forward of at most 2N-1 tokens (logit shift: row i predicts i+1):
-  verify  [pending, d1..d(N-1), M x (N-1)]  rows 0..N-2 score the drafts, row N-1 gives the bonus,
-                                            the MASK rows propose the next N-1 drafts;
-  cold    [t0, M x (N-1)]                   row 0 gives the next clean token, MASK rows propose.
-All accepted: emit the drafts + bonus (N tokens) and keep the KV of pending + drafts.
-Rejected at k: emit the accepted drafts + the correction, drop the proposals; next round is cold.
-MASK-row KV is never committed. The prefill folds in the first cold round: [prompt, M x (N-1)].
+Design: docs/strategies.md#isd
 """
 from __future__ import annotations
 
@@ -16,30 +12,35 @@ import torch
 
 from studio.engine.sampling import Proposal, process_logits, sample, sample_token
 from studio.engine.strategies.base import DecodeContext, Strategy
+from studio.engine.strategies.params import N, TAU, param
 from studio.errors import BadInput
+
+PROPOSALS = ("sample", "argmax")
+MODES = ("exact", "reference")
 
 
 class ISD(Strategy):
     name = "isd"
     needs_mask = True
-    gate_clean_rows = True   # isd applies an adapter on every row (the I-DLM behaviour); r-isd does not
 
     @dataclass
     class Params:
-        stride: int = 4               # N: tokens committed per forward when every draft is accepted
-        proposal: str = "sample"      # sample (d ~ q) | argmax (deterministic draft, exact rule p(d))
-        tau: float = 0.0              # relaxed acceptance (lossy; 0 = exact)
-        mode: str = "exact"           # exact | reference (the I-DLM code's biased argmax + softmax-q scoring)
+        stride: int = param(4, "N: tokens committed per forward when every draft is accepted", role=N)
+        proposal: str = param("sample", "sample (d ~ q) | argmax (deterministic draft, exact rule p(d))",
+                              choices=PROPOSALS)
+        tau: float = param(0.0, "relaxed acceptance (lossy; 0 = exact)", role=TAU)
+        mode: str = param("exact", "exact | reference (the I-DLM code's biased argmax + softmax-q scoring)",
+                          choices=MODES)
 
     @staticmethod
     def validate(p) -> None:
         if p.stride < 2:
             raise BadInput(f"isd stride must be >= 2, got {p.stride}")
-        if p.proposal not in ("sample", "argmax"):
+        if p.proposal not in PROPOSALS:
             raise BadInput(f"isd proposal must be 'sample' or 'argmax', got {p.proposal!r}")
         if p.tau < 0:
             raise BadInput(f"isd tau must be >= 0, got {p.tau}")
-        if p.mode not in ("exact", "reference"):
+        if p.mode not in MODES:
             raise BadInput(f"isd mode must be 'exact' or 'reference', got {p.mode!r}")
 
     def kv_headroom(self, config=None) -> int:
@@ -53,7 +54,7 @@ class ISD(Strategy):
         n_mask = self.params.stride - 1
         P = len(prompt)
         logits = ctx.forward("prefill", prompt + [ctx.mask_id] * n_mask,
-                             lora_gate=self._gate(P, n_mask), logits_rows=list(range(P - 1, P + n_mask)))
+                             lora_gate=self._gate(ctx, P, n_mask), logits_rows=list(range(P - 1, P + n_mask)))
         ctx.commit(P)
         self._clean_and_propose(ctx, logits, already_emitted=0)
 
@@ -65,14 +66,14 @@ class ISD(Strategy):
 
     def _cold_round(self, ctx: DecodeContext) -> None:
         n_mask = self.params.stride - 1
-        logits = ctx.forward("cold", [self.pending] + [ctx.mask_id] * n_mask, lora_gate=self._gate(1, n_mask))
+        logits = ctx.forward("cold", [self.pending] + [ctx.mask_id] * n_mask, lora_gate=self._gate(ctx, 1, n_mask))
         ctx.commit(1)
         self._clean_and_propose(ctx, logits, already_emitted=0)
 
     def _verify_round(self, ctx: DecodeContext) -> None:
         k, n_mask = len(self.drafts), self.params.stride - 1
         logits = ctx.forward("verify", [self.pending] + self.drafts + [ctx.mask_id] * n_mask,
-                             lora_gate=self._gate(1 + k, n_mask))
+                             lora_gate=self._gate(ctx, 1 + k, n_mask))
         base = self.pending_pos + 1
         reference = self.params.mode == "reference"
         # p and q are process_logits of these rows, except in reference mode (the untruncated softmax)
@@ -135,8 +136,10 @@ class ISD(Strategy):
             return None
         return torch.softmax(mask_logits / ctx.sampling.temperature, dim=-1)
 
-    def _gate(self, n_clean: int, n_mask: int) -> list[bool]:
-        return [self.gate_clean_rows] * n_clean + [True] * n_mask
+    @staticmethod
+    def _gate(ctx: DecodeContext, n_clean: int, n_mask: int) -> list[bool]:
+        """The clean rows decode the adapter's model (`Strategy.clean_gate`); the MASK rows always read the LoRA."""
+        return [ctx.clean_gate] * n_clean + [True] * n_mask
 
     def expected_tpf(self, accept: float) -> float:
         return expected_tpf(accept, self.params.stride)
@@ -146,9 +149,11 @@ class RISD(ISD):
     """R-ISD: the adapter is gated on at MASK rows only, so clean rows and their KV are base-only and
     the output follows the base model exactly."""
     name = "r-isd"
-    gate_clean_rows = False
+
+    def clean_gate(self, adapter) -> bool:
+        return False   # by design, whatever rows the adapter adapts: lossless with respect to the base model
 
 
 def expected_tpf(p: float, n: int) -> float:
-    """ISD tokens per forward at per-token acceptance p (papers/000 App. B)."""
+    """ISD tokens per forward at per-token acceptance p (the I-DLM paper, appendix B)."""
     return (2 + sum(p ** i for i in range(1, n - 1))) / (2 - p ** (n - 1))

@@ -1,84 +1,11 @@
 """Jacobi decoding and Jacobi MR (multi-block decoding + rejection recycling) on a causal AR model.
 
-Both are exact: every committed token is checked against the model's own distribution at that position
-with the deterministic-draft rule (DESIGN §4): temperature 0 accepts a draft iff it is the argmax (so the
-output equals greedy AR token for token); temperature > 0 accepts draft d with probability p(d), else draws
-the correction from p with d removed, and after a fully accepted chain draws a bonus token from p. The
-output is then distributed exactly as plain AR sampling with the same temperature/top-k/top-p.
+Both are exact: the drafts are deterministic (argmax) proposals checked with the deterministic-draft rule, so
+greedy output equals greedy AR token for token and sampled output has the AR law. The last committed token
+(`pending`) is not in the KV cache yet: every forward starts with it and extends the committed KV.
 
-Layout (logit shift: the row of the token at output position j predicts position j + 1). The token
-committed last (`pending`, at output position n_out - 1) is not in the KV cache yet; every forward starts
-with it, so all forwards are "extend" shapes over the committed KV.
-
-Jacobi (`jacobi`), papers/004 §2.1 / references/jacobi_dinfer.md A.1, a running window of n drafts:
-    forward  [pending, d_1 .. d_n]          strictly causal, one forward per iteration
-    row i    verifies d_{i+1}; row n gives the bonus token
-    accept   the longest verified prefix d_1..d_a, plus the correction (a < n) or the bonus (a = n):
-             at least one new token per forward. The KV of pending + d_1..d_a was computed from exactly
-             the tokens now committed, so it is kept (`commit(1 + a)`); the rows after the first
-             mismatch are dropped.
-    update   the standard Jacobi step: the new guess for every still-open position is this forward's
-             prediction for it (rows a+1..n, argmax of the raw logits, also when sampling); the a
-             positions that open at the end of the window get fresh init tokens.
-
-Draft initialisation (`init`). The reference (JacobiForcing) fills a new block with tokens drawn uniformly,
-with replacement, from the context ids (prompt + generated so far) and folds a first Jacobi iteration into
-the prefill: `prompt + n context tokens` in one causal forward, whose argmax rows become the first drafts.
-We do the same (`init = "context"`, default; the prefill is not counted as a forward, like the
-reference's). `init = "repeat-last"` fills with the last known token instead. The init randomness has its
-own generator (seeded from the session seed), so it never shifts the sampler's random stream.
-
-Jacobi MR (`jacobi-mr`), papers/004 §3.2 and App. A Algorithm 1, with the defaults of the paper's grid
-search (n = 64, K = 2, r = 0.85, pool 4):
-  * Blocks of n output positions. The real-active block (RA) is the one whose accepted tokens are the
-    committed output; its open positions are verified every forward as above. When the newest block has
-    >= ceil(r n) accepted tokens and fewer than K blocks are open, a pseudo-active block is spawned over
-    the next n positions (first guess: the model's prediction for that position; the rest: init tokens;
-    the reference clones the RA's draft tail and pads with PAD, which is misaligned by construction).
-    Pseudo blocks ride in the same causal forward behind the RA's drafts, so their predictions are
-    conditioned on the RA's current guesses. They follow Algorithm 1: a pseudo block's "pseudo-accepted"
-    prefix (the leading tokens that match this forward's prediction, plus the prediction right after
-    them) is frozen and fed without logits; its tail gets the Jacobi update. Nothing of a pseudo block is
-    ever committed: its KV is dropped every forward.
-  * When the RA is complete, the first pseudo block is promoted: its tokens (pseudo-accepted prefix and
-    tail) become the new RA's drafts and are verified again, now against the true prefix, in the same
-    decoding loop (`mode = "intended"`). `mode = "reference"` reproduces the reference code
-    (references/jacobi_dinfer.md A.2, "bookkeeping issue"): with K = 2 its generation call ends when the
-    RA completes, so the promoted block's progress is thrown away and the next block restarts from
-    `next_token + random context tokens`; its n-gram pool, created per call, is dropped too.
-  * Rejection recycling: when the RA's drafts are rejected at some position, the rejected noisy tail
-    (the RA's remaining drafts followed by the pseudo blocks' guesses, up to n tokens) goes into an n-gram
-    pool (a deque of `pool_size` entries), keyed by the token preceding it, i.e. the entry is
-    `[up to n known tokens ending with the key] + tail`. Like the reference, which pools each block's
-    `accepted + draft`, the known tokens ride along: they let a repeated phrase of the recent text be
-    recycled too. At every iteration each pool entry (newest first) that contains the last accepted token
-    (`pending`) gives one candidate: the tokens after its first occurrence, cut to the RA's open length;
-    duplicates and prefixes of the RA's own drafts are skipped. (The paper matches an n-gram's first
-    token; the reference's `build_candidates` searches the whole entry, which covers the paper's rule.)
-  * Candidates are verified IN THE SAME FORWARD as extra rows over the shared prefix: each candidate's
-    tokens attend to the committed KV, the pending row and their own earlier rows (custom mask), at the
-    RoPE positions they would have as the continuation of `pending` (explicit `positions`). We chose this
-    over the reference's batch dimension because the reference tiles the whole KV cache once per
-    candidate (a real copy, and B times the attention over the prefix), while our static cache is one
-    batch row with explicit slots: extra rows read the prefix KV once, cost what extra draft tokens cost,
-    keep the forward count at one per iteration (DESIGN §2.3), and the winner's KV (which was computed
-    from exactly the committed tokens) is kept with `ctx.keep(rows)` instead of being recomputed.
-  * Choosing the chain. One chain decides the committed tokens of an iteration: the RA's own drafts or
-    one candidate. The choice is made BEFORE any verification randomness is drawn, from the model's
-    (processed) distributions alone: the chain with the largest expected accepted length
-    sum_k prod_{i<=k} p_i(d_i) (ties: the RA's drafts first, then the newest candidate). Greedy, p is
-    one-hot and this is exactly "the chain with the longest accepted prefix" of the paper. Sampling, the
-    choice is a deterministic function of the prefix, so verifying that one chain with the exact rule
-    keeps the output distribution exact; picking the best chain *after* seeing which drafts the random
-    test accepted would bias it. The other chains' KV is dropped.
-
-Events (DESIGN §2.2): per iteration `forward{role: jacobi}`; `propose{src: jacobi}` for the RA/window
-drafts verified in that forward and `propose{src: ngram}` per candidate (emitted right after the forward,
-with the same step as the verdict; q = 1.0, deterministic drafts); `accept`/`reject`+`resample`/`bonus`
-only for the chain that decided the step (accept_by_pos stays right); `kv{commit}`; `emit`. Jacobi MR also
-emits `block{open|close, start, end}` (output positions, end exclusive) when a pseudo-active block is
-spawned and when it is promoted (or dropped in reference mode), and `unmask{pos, tok, conf}` for tokens a
-pseudo block newly pseudo-accepts (conf: the model's softmax probability of that token).
+Design: docs/strategies.md#jacobi and docs/strategies.md#jacobi-mr (layouts, draft initialisation, pseudo
+blocks, rejection recycling, why candidates share one forward, how one chain is chosen, events).
 """
 from __future__ import annotations
 
@@ -91,6 +18,7 @@ import torch
 
 from studio.engine.sampling import Proposal, process_logits, sample_token
 from studio.engine.strategies.base import DecodeContext, Strategy
+from studio.engine.strategies.params import N, param
 from studio.errors import BadInput
 
 INITS = ("context", "repeat-last")
@@ -149,15 +77,16 @@ def _check_common(name: str, p) -> None:
 
 
 class Jacobi(_JacobiBase):
-    """Greedy fixed-point (Jacobi) iteration on a running window of n drafts; exact (see module doc)."""
+    """Greedy fixed-point (Jacobi) iteration on a running window of n drafts; exact (docs/strategies.md#jacobi)."""
     name = "jacobi"
 
     @dataclass
     class Params:
-        block_size: int = 16        # n: drafts verified per forward
-        init: str = "context"       # context (reference: tokens drawn from prompt + output) | repeat-last
-        max_iters: int = 128        # safety cap: iterations without a fully accepted window before the
-                                    # drafts are re-initialised (each iteration commits >= 1 token anyway)
+        block_size: int = param(16, "n: drafts verified per forward", role=N)
+        init: str = param("context", "context (reference: tokens drawn from prompt + output) | repeat-last",
+                          choices=INITS)
+        max_iters: int = param(128, "safety cap: iterations without a fully accepted window before the drafts "
+                                    "are re-initialised (each iteration commits >= 1 token anyway)")
 
     @staticmethod
     def validate(p) -> None:
@@ -201,19 +130,20 @@ class _Block:
 
 
 class JacobiMR(_JacobiBase):
-    """Multi-block Jacobi decoding with rejection recycling (papers/004 App. A, Alg. 1); exact."""
+    """Multi-block Jacobi decoding with rejection recycling (Jacobi Forcing, appendix A, Algorithm 1); exact."""
     name = "jacobi-mr"
 
     @dataclass
     class Params:
-        block_size: int = 64        # n
-        blocks: int = 2             # K: real-active + up to K-1 pseudo-active blocks
-        spawn_ratio: float = 0.85   # r: spawn a pseudo block when the newest block has ceil(r n) accepted
-        pool_size: int = 4          # n-gram pool entries kept = most candidates verified per forward (0 = off)
-        init: str = "context"       # context | repeat-last (see module doc)
-        mode: str = "intended"      # intended | reference (drop the promoted block's progress and the pool)
-        max_iters: int = 128        # safety cap: iterations on one real-active block before its open drafts
-                                    # are re-initialised
+        block_size: int = param(64, "n: the size of each block", role=N)
+        blocks: int = param(2, "K: real-active + up to K-1 pseudo-active blocks")
+        spawn_ratio: float = param(0.85, "r: spawn a pseudo block when the newest block has ceil(r n) accepted")
+        pool_size: int = param(4, "n-gram pool entries kept = most candidates verified per forward (0 = off)")
+        init: str = param("context", "context | repeat-last: how a new block's drafts start", choices=INITS)
+        mode: str = param("intended", "intended | reference (drop the promoted block's progress and the pool)",
+                          choices=MODES)
+        max_iters: int = param(128, "safety cap: iterations on one real-active block before its open drafts "
+                                    "are re-initialised")
 
     @staticmethod
     def validate(p) -> None:
