@@ -60,14 +60,6 @@ app.add_typer(models_app, name="models")
 app.add_typer(trace_app, name="trace")
 app.add_typer(train_app, name="train")
 
-def _compare_runs(items: str, config):
-    """{label: (RunConfig, strategy, settings)} for a comma list of strategies or presets (and `--preset`), `ar`
-    first: every run is validated before any model loads."""
-    from studio.run.compare import parse_specs
-    specs = parse_specs(items, config.preset)
-    return {s.label: config.use(s.preset or s.strategy) for s in specs}, specs
-
-
 class LiveMetrics:
     """A live metrics line on stderr (only when stderr is a terminal); counts with `studio.events.Tally`."""
 
@@ -218,15 +210,15 @@ def compare(
     """Run several strategies on the same prompt, seed and sampling settings; compare against ar (--preset adds a
     preset to the runs)."""
     from rich.console import Console
-    from studio.run.compare import progress_display, render_table, rows, run_compare, trace_paths, write_html
+    from studio.run.compare import (compare_configs, progress_display, render_table, rows, run_compare, trace_paths,
+                                    write_html)
     from studio.run.session import encode_prompt
 
-    configs, specs = _compare_runs(strategies, config)
-    runs = {label: c.build() for label, c in configs.items()}
+    configs = compare_configs(strategies + (f",{config.preset}" if config.preset else ""), config)
     if trace_dir:   # file names made safe from the labels; an existing trace is kept unless --force
         if trace_dir.exists() and not trace_dir.is_dir():
             raise BadInput(f"--trace-dir {trace_dir} is not a directory")
-        paths = trace_paths(trace_dir, runs).values()
+        paths = trace_paths(trace_dir, configs).values()
         for path in paths:
             if path.exists():
                 check_writable(path, force)
@@ -235,13 +227,13 @@ def compare(
     if html and not (trace_dir and html.parent == trace_dir and not trace_dir.exists()):   # (made below)
         check_writable(html, force)
     engine = model.load()
-    model.attach_draft([strat for strat, _ in runs.values()], engine)
     ids = encode_prompt(engine, prompt, chat=model.chat_template)
     if trace_dir:
         trace_dir.mkdir(parents=True, exist_ok=True)
-    totals = {label: settings.max_new_tokens for label, (_, settings) in runs.items()}
+    totals = {label: c.build()[1].max_new_tokens for label, c in configs.items()}
     with progress_display(totals, enabled=not as_json) as progress:
-        results = run_compare(engine, prompt, ids, specs, lambda spec: runs[spec.label], trace_dir, progress)
+        results = run_compare(engine, prompt, ids, configs, trace_dir=trace_dir, progress=progress, force=force,
+                              prepare=lambda strategies: model.attach_draft(strategies, engine))
     table = rows(results)
     sampled = any(r.header["params"]["temperature"] > 0 for r in results.values())
     if html:
@@ -286,30 +278,29 @@ def bench(
     from rich.console import Console
     from rich.progress import Progress
     from studio.run.bench import check_concurrency, load_prompts, run_bench
+    from studio.run.compare import compare_configs
 
     if repeats < 1 or warmup < 0:
         raise BadInput("--repeats must be >= 1 and --warmup >= 0")
     if forwards:
         return _bench_forwards(model.load(), repeats, warmup, as_json)
     config = dataclasses.replace(config, max_new_tokens=config.max_new_tokens or 64, oracle_accept=oracle_accept)
-    configs, specs = _compare_runs(strategies, config)
-    runs = {label: c.build() for label, c in configs.items()}
+    configs = compare_configs(strategies + (f",{config.preset}" if config.preset else ""), config)
     texts = load_prompts(prompts)
-    check_concurrency(list(runs.values()), concurrency)   # bad input fails before the model loads
+    check_concurrency([c.build() for c in configs.values()], concurrency)   # bad input fails before the model loads
     if html:
         check_writable(html, force)
     with_transformers = not no_transformers and concurrency == 1
     engine = model.load()
     err = Console(stderr=True)
-    per_round = len(specs) + (with_transformers or concurrency > 1)   # + transformers, or ar at batch 1
+    per_round = len(configs) + (with_transformers or concurrency > 1)   # + transformers, or ar at batch 1
     units = (len(texts) + concurrency - 1) // concurrency    # runs per strategy and repeat: prompts, or batches
-    total = warmup * len(specs) + repeats * units * per_round
+    total = warmup * len(configs) + repeats * units * per_round
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("bench", total=total)
         def progress(phase, label):
             bar.update(task, advance=1, description=f"{phase}: {label}")
-        report = run_bench(engine, texts, specs, lambda spec: configs[spec.label].build(), repeats, warmup,
-                           with_transformers, progress, concurrency)
+        report = run_bench(engine, texts, configs, repeats, warmup, with_transformers, progress, concurrency)
     if html:
         from studio.run.bench import write_bench_html
         typer.echo(f"report: {write_bench_html(report, html)}", err=True)

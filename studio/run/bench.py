@@ -16,11 +16,13 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
-from studio.run.compare import RunSpec, first_difference
 from studio.engine.batch import decode_strategy_batch, round_shape
 from studio.engine.device import synchronize
 from studio.errors import BadInput
+from studio.run.compare import first_difference
+from studio.run.config import RunConfig
 from studio.run.session import Session, encode_prompt, kv_length_needed
 
 BUILTIN_PROMPTS = [
@@ -153,7 +155,7 @@ def check_concurrency(runs, concurrency: int) -> None:
             raise BadInput("--oracle-accept applies to batch-1 runs only (--concurrency 1)")
 
 
-def run_bench(engine, prompts: list[str], specs: list[RunSpec], make_run, repeats: int = 3, warmup: int = 1,
+def run_bench(engine, prompts: list[str], configs: Mapping[str, RunConfig], repeats: int = 3, warmup: int = 1,
               with_transformers: bool = True, progress=None, concurrency: int = 1) -> dict:
     """Returns the --json report:
 
@@ -172,10 +174,9 @@ def run_bench(engine, prompts: list[str], specs: list[RunSpec], make_run, repeat
     and `tpf`, `accept_rate`, `exact_match_vs_ar` are per sequence, as at C = 1; `ar_batch1_tok_s` is ar's
     throughput on the same prompts one at a time (interleaved with the batches) and `ar_speedup_vs_batch1` the
     spread over batches of ar's batch throughput over it. At C = 1 these four fields are None."""
-    specs = sorted(specs, key=lambda s: s.strategy != "ar")  # ar first on every prompt: the others compare to it
-    if not specs or specs[0].label != "ar":
-        raise BadInput("bench needs the ar baseline (parse_specs adds it)")
-    runs = {s.label: make_run(s) for s in specs}
+    if next(iter(configs), None) != "ar":   # ar first on every prompt: the others compare to it
+        raise BadInput("bench needs the ar baseline first (compare_configs puts it there)")
+    runs = {label: config.build() for label, config in configs.items()}
     check_concurrency(runs.values(), concurrency)
     ids = [encode_prompt(engine, p) for p in prompts]
     if concurrency > 1:

@@ -7,45 +7,31 @@ an adapter of every row (isd on smollm2-isd: `ar · smollm2-isd`), which `run_co
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Mapping
 
-from studio.engine.strategies import STRATEGIES
 from studio.errors import BadInput
+from studio.run.config import RunConfig
 from studio.run.session import Run, RunResult, drive, kv_length_needed
 
 
-@dataclass
-class RunSpec:
-    label: str          # what the user asked for (a strategy or preset name)
-    strategy: str | None
-    preset: str | None
-    adapter: str | None = None   # this run's adapter directory ("none": the base model); None: the engine's choice
-
-
-def parse_specs(items: str, preset: str | None = None) -> list[RunSpec]:
-    """`ar,isd,isd-n4` -> specs; an item is a strategy name or a strategy preset name. `ar` is added first."""
-    from studio.presets import list_presets
-    presets = set(list_presets("strategies"))
-    specs = []
-    for item in [s.strip() for s in items.split(",") if s.strip()] + ([preset] if preset else []):
-        if item in STRATEGIES:
-            specs.append(RunSpec(item, item, None))
-        elif item in presets or item.endswith(".toml"):
-            specs.append(RunSpec(Path(item).stem, None, item))
-        else:
-            raise BadInput(f"unknown strategy or preset {item!r} (strategies: {', '.join(STRATEGIES)}; "
-                           f"presets: {', '.join(sorted(presets))})")
-    # ar runs first, always: it is the baseline every later run is measured against
-    if not any(s.strategy == "ar" for s in specs):
-        specs.insert(0, RunSpec("ar", "ar", None))
-    specs.sort(key=lambda s: s.strategy != "ar")  # stable: ar first, the rest in the order given
-    labels = [s.label for s in specs]
-    if len(set(labels)) != len(labels):
-        raise BadInput(f"a strategy is listed twice: {','.join(labels)}")
-    return specs
+def compare_configs(items: str, base: RunConfig | None = None) -> dict[str, RunConfig]:
+    """`ar,isd,isd-n4` -> {label: RunConfig}: each item a strategy or a strategy preset on `base`'s settings
+    (`RunConfig.use`), `ar` first (added when missing: the baseline). BadInput for an unknown or repeated item,
+    or a list with nothing to compare with `ar`."""
+    base = base or RunConfig()
+    configs: dict[str, RunConfig] = {}
+    for item in [s.strip() for s in items.split(",") if s.strip()]:
+        config = base.use(item)
+        if config.label in configs:
+            raise BadInput(f"{config.label} is listed twice: {items}")
+        configs[config.label] = config
+    if set(configs) <= {"ar"}:
+        raise BadInput(f"nothing to compare with ar: name a strategy or preset besides it (got {items!r})")
+    ar = configs.pop("ar", None) or base.use("ar")
+    return {"ar": ar, **configs}
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -122,41 +108,65 @@ def render_table(table_rows: list[dict], sampled: bool):
     return t
 
 
-def run_compare(engine, prompt: str, prompt_ids: list[int], specs: list[RunSpec], make_run, trace_dir=None,
-                progress=None, *, trace_prefix: str = "", on_done=None) -> dict[str, RunResult]:
-    """Run every spec on the prompt in lock-step by forward count (`session.drive`), each reference run that
-    the specs' runs need (see the module doc) placed before the first run that needs it. The first spec is
-    `ar` (`parse_specs`); a reference run has its strategy and settings. `make_run(spec) -> (Strategy,
-    Settings)`; `progress(label, event)` for every event; `on_done(label, result)` as each run ends. Traces go
-    to `trace_dir/{trace_prefix}{label}.jsonl`."""
-    made = [make_run(spec) for spec in specs]
-    for strategy, settings in made:   # every run fits before any trace file is opened
-        kv_length_needed(engine, strategy, settings, prompt_ids)
+def make_runs(engine, prompt: str, prompt_ids: list[int], configs: Mapping[str, RunConfig], *, trace_dir=None,
+              trace_prefix: str = "", prepare: Callable[[list], None] | None = None, most: int | None = None,
+              force: bool = True) -> dict[str, Run]:
+    """The runs of a comparison, in lock-step order: every config (the first is the `ar` baseline) and, before
+    the first run that needs it, each reference run (see the module doc). `prepare(strategies)` sees the built
+    strategies first (SimSD's drafter). BadInput, before any trace file is opened, for more than `most` runs
+    (references included), a run that does not fit the model, or (without `force`) a trace file that exists.
+    Traces go to `trace_dir/{trace_prefix}{label}.jsonl`."""
+    built = {label: config.build() for label, config in configs.items()}
+    if prepare:
+        prepare([strategy for strategy, _ in built.values()])
 
-    def start(spec: RunSpec, strategy, settings) -> Run:
-        view = engine if spec.adapter is None else engine.with_adapter(None if spec.adapter == "none" else spec.adapter)
-        return Run(view, strategy, settings, prompt, prompt_ids,
-                   trace_path=str(trace_path(trace_dir, spec.label, trace_prefix)) if trace_dir else None)
-    labels, runs = [], []
-    with_ar = set()   # the models an ar run decodes so far
-    for spec, (strategy, settings) in zip(specs, made):
-        run = start(spec, strategy, settings)
-        model = run.model_adapter
+    def view(config: RunConfig, strategy):
+        """The engine a run decodes with: the config's own adapter, else the engine's choice for the strategy."""
+        if config.adapter is not None:
+            from studio.presets.shipped import adapter_path
+            return engine.with_adapter(None if config.adapter == "none" else adapter_path(config.adapter))
+        return engine.for_strategy(strategy.name)
+
+    planned: dict[str, tuple[RunConfig, tuple]] = {}
+    with_ar = set()   # the models an ar run decodes so far (None: the base model)
+    for label, config in configs.items():
+        strategy, settings = built[label]
+        adapted = view(config, strategy)
+        model = adapted.adapter if strategy.clean_gate(adapted.lora) else None
         if strategy.name != "ar" and model not in with_ar:
-            ref = RunSpec(reference_label(model), "ar", None, adapter=model or "none")
-            labels.append(ref.label)
-            runs.append(start(ref, copy.deepcopy(made[0][0]), made[0][1]))   # nothing has run yet: a fresh ar
+            reference = dataclasses.replace(configs["ar"], adapter=model or "none")
+            planned[reference_label(model)] = reference, reference.build()
         with_ar.add(model)
-        labels.append(spec.label)
-        runs.append(run)
+        planned[label] = config, (strategy, settings)
+    if most is not None and len(planned) > most:
+        raise BadInput(f"compare shows at most {most} runs (ar and references included): {', '.join(planned)}")
+    for strategy, settings in built.values():
+        kv_length_needed(engine, strategy, settings, prompt_ids)
+    if trace_dir and not force:
+        from studio.files import check_writable
+        for path in trace_paths(trace_dir, planned, trace_prefix).values():
+            check_writable(path, force)
+    return {label: Run(view(config, strategy), strategy, settings, prompt, prompt_ids,
+                       trace_path=str(trace_path(trace_dir, label, trace_prefix)) if trace_dir else None)
+            for label, (config, (strategy, settings)) in planned.items()}
+
+
+def run_compare(engine, prompt: str, prompt_ids: list[int], configs: Mapping[str, RunConfig], *, trace_dir=None,
+                progress=None, trace_prefix: str = "", on_done=None, prepare=None, force: bool = True
+                ) -> dict[str, RunResult]:
+    """`make_runs`, driven to the end in lock-step by forward count (`session.drive`). `progress(label, event)`
+    for every event; `on_done(label, result)` as each run ends."""
+    runs = make_runs(engine, prompt, prompt_ids, configs, trace_dir=trace_dir, trace_prefix=trace_prefix,
+                     prepare=prepare, force=force)
+    labels = list(runs)
 
     def publish(i: int, events: list[dict]) -> None:
         for e in events if progress else ():
             progress(labels[i], e)
-        if on_done and runs[i].done:
-            on_done(labels[i], runs[i].result)
-    drive(runs, publish)
-    return {label: run.result for label, run in zip(labels, runs)}
+        if on_done and runs[labels[i]].done:
+            on_done(labels[i], runs[labels[i]].result)
+    drive(list(runs.values()), publish)
+    return {label: run.result for label, run in runs.items()}
 
 
 def trace_path(trace_dir, label: str, prefix: str = "") -> Path:

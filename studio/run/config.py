@@ -60,7 +60,8 @@ def strategy_or_preset(name: str) -> tuple[str | None, str | None]:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One run: a strategy or a strategy preset, parameter overrides and generation settings. `None` settings
+    """One run: a strategy or a strategy preset, parameter overrides, generation settings and, where a run needs
+    another adapter than its engine's choice (a comparison's reference), its adapter. `None` settings
     take the preset's value, then the built-in default. `build` validates everything, so a front end builds
     once when the user changes something and a bad value never reaches a run."""
     strategy: str | None = "ar"
@@ -73,6 +74,7 @@ class RunConfig:
     seed: int = 0
     stop: tuple[str, ...] = ()
     oracle_accept: float | None = None   # bench: accept decisions are Bernoulli(P) draws (the output means nothing)
+    adapter: str | None = None   # this run's adapter (a directory, a shipped name, "none"); None: the engine's choice
 
     @property
     def label(self) -> str:

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import typer
 
-from studio.run.compare import RunSpec, parse_specs, progress_display, render_table, rows, run_compare, trace_path, \
-    write_html
 from studio.engine.strategies import STRATEGIES
+from studio.run.compare import compare_configs, progress_display, render_table, rows, run_compare, trace_path, \
+    write_html
+from studio.run.config import RunConfig
 
 # a prompt long enough for 64 greedy tokens, whose repetitive structure lets parallel decoding show: r-isd (shipped
 # adapter) reaches TPF ~2.2 on it, jacobi-mr-cpu ~1.9
@@ -23,19 +24,14 @@ TRACE_PREFIX = "demo-"
 REPORT_NAME = "demo-report.html"
 
 
-def default_specs() -> list[RunSpec]:
-    """Every registered strategy, in registry order (ar first); `NAME-cpu` presets replace the plain name."""
+def demo_configs(strategies: str | None, max_new_tokens: int) -> dict[str, RunConfig]:
+    """The demo's runs, greedy, seed 0: `None` or `all` is every registered strategy in registry order (ar first),
+    a strategy's `NAME-cpu` preset in its place where one exists; otherwise a comma list as for compare."""
     from studio.presets import list_presets
-    presets = set(list_presets("strategies"))
-    items = [f"{name}-cpu" if f"{name}-cpu" in presets else name for name in STRATEGIES]
-    return parse_specs(",".join(items))
-
-
-def demo_specs(strategies: str | None) -> list[RunSpec]:
-    """`None` or `all`: every strategy (see `default_specs`); otherwise a comma list as for compare."""
     if strategies is None or strategies.strip() in ("", "all"):
-        return default_specs()
-    return parse_specs(strategies)
+        presets = set(list_presets("strategies"))
+        strategies = ",".join(f"{name}-cpu" if f"{name}-cpu" in presets else name for name in STRATEGIES)
+    return compare_configs(strategies, RunConfig(temperature=0.0, max_new_tokens=max_new_tokens))
 
 
 def run_demo(engine, prompt: str = DEMO_PROMPT, strategies: str | None = None, max_new_tokens: int = 64,
@@ -43,22 +39,20 @@ def run_demo(engine, prompt: str = DEMO_PROMPT, strategies: str | None = None, m
     """Runs the demo on `engine` (greedy, seed 0) and prints it; returns {results, rows, traces, report}."""
     from rich.console import Console
 
-    from studio.run.config import RunConfig
     from studio.run.session import encode_prompt
 
     if console is None:  # piped: 80 columns would cut the table's labels; a terminal keeps its own width
         console = Console()
         console = console if console.is_terminal else Console(width=120)
     err = err_console or Console(stderr=True)
-    specs = demo_specs(strategies)
-    runs = {s.label: RunConfig(s.strategy, preset=s.preset, max_new_tokens=max_new_tokens, temperature=0.0).build() for s in specs}
+    configs = demo_configs(strategies, max_new_tokens)
     ids = encode_prompt(engine, prompt)
     trace_dir = Path(trace_dir)
     trace_dir.mkdir(parents=True, exist_ok=True)
     say = lambda text: err.print(text, highlight=False, markup=False, soft_wrap=True)  # noqa: E731
     say(f"model: {engine.name} ({engine.config.arch}, {engine.source}; loaded in {engine.load_s:.1f}s"
         f"{' from cache' if engine.from_cache else ''})")
-    say(f"runs:  {', '.join(runs)}  (greedy, seed 0, up to {max_new_tokens} new tokens)")
+    say(f"runs:  {', '.join(configs)}  (greedy, seed 0, up to {max_new_tokens} new tokens)")
     console.print(f"prompt: {prompt}\n", highlight=False, markup=False)
 
     def done(label, r) -> None:
@@ -66,8 +60,8 @@ def run_demo(engine, prompt: str = DEMO_PROMPT, strategies: str | None = None, m
             f = r.footer
             say(f"[{label}] {f['n_tokens']} tokens, {f['forwards']} forwards, {f['wall_s']:.2f}s")
 
-    with progress_display({label: settings.max_new_tokens for label, (_, settings) in runs.items()}, err) as progress:
-        results = run_compare(engine, prompt, ids, specs, lambda spec: runs[spec.label], trace_dir, progress,
+    with progress_display({label: max_new_tokens for label in configs}, err) as progress:
+        results = run_compare(engine, prompt, ids, configs, trace_dir=trace_dir, progress=progress,
                               trace_prefix=TRACE_PREFIX, on_done=done)
     table = rows(results)
     console.print(render_table(table, sampled=False))
@@ -95,11 +89,10 @@ def run_demo(engine, prompt: str = DEMO_PROMPT, strategies: str | None = None, m
 def demo_command(prompt: str, strategies: str | None, max_new_tokens: int, trace_dir: Path, html: bool = True,
                  device: str = "auto", dtype: str = "auto", graphs: bool = True) -> None:
     """The body of `dlm-studio demo`: validate every run before loading the embedded model, then run."""
-    from studio.run.config import RunConfig
     from studio.engine.engine import Engine
 
-    for s in demo_specs(strategies):
-        RunConfig(s.strategy, preset=s.preset, max_new_tokens=max_new_tokens, temperature=0.0).build()
+    for config in demo_configs(strategies, max_new_tokens).values():   # every run valid before the model loads
+        config.build()
     engine = Engine.load("default", device=device, dtype=dtype, graphs=graphs)
     out = run_demo(engine, prompt, strategies, max_new_tokens, trace_dir, html)
     typer.echo(f"replay a run in the terminal: dlm-studio trace replay {out['traces'][-1]} --speed 2", err=True)

@@ -273,7 +273,8 @@ def eval_cmd(
     import json
 
     from studio.presets.shipped import adapter_path
-    from studio.run.compare import parse_specs
+    from studio.run.compare import compare_configs
+    from studio.run.config import RunConfig
     from studio.engine.engine import Engine
     from studio.errors import BadInput
     from studio.train import evaluate, prompts as builtin
@@ -281,18 +282,19 @@ def eval_cmd(
     if n_prompts < 1 or max_new_tokens < 1:
         raise BadInput("--n-prompts and --max-new-tokens must be >= 1")
     path = adapter_path(adapter)
-    specs = parse_specs(strategies or evaluate.default_runs(path))
+    configs = compare_configs(strategies or evaluate.default_runs(path),
+                              RunConfig(temperature=0.0, max_new_tokens=max_new_tokens))
     texts = builtin.read_prompt_file(prompts) if prompts else builtin.eval_prompts(n_prompts)
     engine = Engine.load(model, adapter=path, device=device, dtype=dtype)
-    with _progress("eval", len(texts) * len(specs)) as bar:
-        task = bar.add_task("eval", total=len(texts) * len(specs), info="")
+    with _progress("eval", len(texts) * len(configs)) as bar:
+        task = bar.add_task("eval", total=len(texts) * len(configs), info="")
 
         def tick(i: int, label: str) -> None:
             bar.update(task, advance=1, info=f"prompt {i + 1} {label}")
-            if not bar.console.is_terminal and label == specs[-1].label:   # a log line per prompt, not a bar
+            if not bar.console.is_terminal and label == list(configs)[-1]:   # a log line per prompt, not a bar
                 bar.console.print(f"eval: prompt {i + 1}/{len(texts)} done", highlight=False, markup=False)
 
-        report = evaluate.evaluate(engine, texts, specs, max_new_tokens, progress=tick)
+        report = evaluate.evaluate(engine, texts, configs, progress=tick)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     else:

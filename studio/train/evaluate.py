@@ -2,8 +2,10 @@
 
 Greedy, interleaved per prompt (ar first, then each strategy), after one warm-up round. Per strategy:
 TPF (all tokens / all forwards), acceptance overall and by draft position, decode tok/s and its ratio to
-ar's (pooled, and the median of per-prompt ratios), prompts whose output is identical to ar's, and token
-agreement (the share of ar's tokens that the run reproduces at the same position).
+ar's (pooled, and the median of per-prompt ratios), prompts whose output is identical to its reference's, and
+token agreement (the share of the reference's tokens that the run reproduces at the same position). A run's
+reference is `ar` on the model it decodes (`studio.run.compare`): for r-isd on an adapter of every row, the
+base model, whose `ar` run then joins the table.
 """
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
-from studio.run.compare import RunSpec, first_difference
-from studio.run.session import Session, encode_prompt
+from studio.run.compare import make_runs, rows as compare_rows
+from studio.run.config import RunConfig
+from studio.run.session import drive, encode_prompt
 from studio.events.metrics import Tally, tok_per_s
 
 # the runs that can use an adapter of each recipe (train_state.json's kind and gate)
@@ -47,42 +51,44 @@ class Pooled:
         return tok_per_s(self.tally.decoded, self.decode_s)
 
 
-def evaluate(engine, prompts: list[str], specs: list[RunSpec], max_new_tokens: int = 128, progress=None) -> dict:
-    """Returns {model, adapter, prompts, max_new_tokens, rows: [...]} (rows: ar first)."""
-    from studio.run.config import RunConfig
-
-    runs = {s.label: RunConfig(s.strategy, preset=s.preset, max_new_tokens=max_new_tokens, temperature=0.0).build()
-            for s in specs}
+def evaluate(engine, prompts: list[str], configs: Mapping[str, RunConfig], progress=None) -> dict:
+    """Returns {model, adapter, prompts, max_new_tokens, rows: [...]} (rows: ar first, as `compare_configs` puts
+    it; the runs greedy)."""
+    max_new_tokens = configs["ar"].build()[1].max_new_tokens
     ids = [encode_prompt(engine, p) for p in prompts]
-    for label, (strategy, settings) in runs.items():      # warm-up, not counted
-        Session(engine, strategy, settings).run(prompts[0], ids[0][:16])
-    pooled = {label: Pooled() for label in runs}
+    for run in make_runs(engine, prompts[0], ids[0][:16], configs).values():   # warm-up, not counted
+        drive([run])
+    pooled: dict[str, Pooled] = {}   # the configs' runs and the references they need (see studio.run.compare)
     for i, prompt in enumerate(prompts):
-        ar_ids, ar_tok_s = None, None
-        for label, (strategy, settings) in runs.items():
-            r = Session(engine, strategy, settings).run(prompt, ids[i])
-            t, f = pooled[label], r.footer
-            t.tally.feed_all(r.events)
-            t.decode_s += f["wall_s"] - f["prefill_s"]
-            if ar_ids is None:
-                ar_ids, ar_tok_s = r.token_ids, f["tok_s"]
-            t.identical += first_difference(ar_ids, r.token_ids) is None
-            t.agree += sum(a == b for a, b in zip(ar_ids, r.token_ids))
-            t.ar_tokens += len(ar_ids)
-            if ar_tok_s:
-                t.ratios.append(f["tok_s"] / ar_tok_s)
-            if progress:
+        results = {}
+        for label, run in make_runs(engine, prompt, ids[i], configs).items():   # one at a time: timed alone
+            drive([run])
+            results[label] = run.result
+            if progress and label in configs:
                 progress(i, label)
-    ar_rate = pooled[specs[0].label].tok_s
+        for row in compare_rows(results):
+            t, f = pooled.setdefault(row["label"], Pooled()), results[row["label"]].footer
+            reference = results[row["reference"]].token_ids
+            t.tally.feed_all(results[row["label"]].events)
+            t.decode_s += f["wall_s"] - f["prefill_s"]
+            t.identical += row["identical_to_reference"]
+            t.agree += sum(a == b for a, b in zip(reference, row["token_ids"]))
+            t.ar_tokens += len(reference)
+            if row["speed_vs_ar"] is not None:
+                t.ratios.append(row["speed_vs_ar"])
+    ar_rate = pooled["ar"].tok_s
+    reference_of = {row["label"]: row["reference"] for row in compare_rows(results)}
     rows = []
     for label, t in pooled.items():
         acc = t.tally.acceptance
-        rows.append({"label": label, "strategy": runs[label][0].name, "params": runs[label][0].header_params(),
+        first = results[label].header   # the last prompt's run: its strategy and parameters are every prompt's
+        rows.append({"label": label, "strategy": first["strategy"], "params": first["params"],
                      "tokens": t.tally.n_tokens, "forwards": t.tally.forwards, "tpf": t.tally.tpf,
                      "accept_rate": acc.rate if acc.verified else None, "accept_by_slot": acc.by_pos,
                      "tok_s": t.tok_s, "speed_vs_ar": t.tok_s / ar_rate if ar_rate else 0.0,
                      "speed_vs_ar_median": statistics.median(t.ratios) if t.ratios else None,
-                     "identical_prompts": t.identical, "token_agreement": t.agree / max(1, t.ar_tokens)})
+                     "reference": reference_of[label], "identical_prompts": t.identical,
+                     "token_agreement": t.agree / max(1, t.ar_tokens)})
     return {"model": engine.name, "adapter": engine.adapter, "prompts": prompts, "max_new_tokens": max_new_tokens,
             "rows": rows}
 
@@ -90,12 +96,13 @@ def evaluate(engine, prompts: list[str], specs: list[RunSpec], max_new_tokens: i
 def render(report: dict) -> str:
     """The eval table as Markdown (the form the README and the adapters' README use)."""
     n = len(report["prompts"])
-    head = "| strategy | TPF | accept | accept by slot | tok/s | × ar | identical | token agreement |\n" \
+    head = "| strategy | TPF | accept | accept by slot | tok/s | × ar | identical (to) | token agreement |\n" \
            "|---|---|---|---|---|---|---|---|\n"
     lines = []
     for r in report["rows"]:
         acc = "—" if r["accept_rate"] is None else f"{r['accept_rate']:.2f}"
         slots = " ".join("—" if x is None else f"{x:.2f}" for x in r["accept_by_slot"]) or "—"
         lines.append(f"| {r['label']} | {r['tpf']:.2f} | {acc} | {slots} | {r['tok_s']:.1f} | "
-                     f"{r['speed_vs_ar']:.2f}× | {r['identical_prompts']}/{n} | {r['token_agreement']:.1%} |")
+                     f"{r['speed_vs_ar']:.2f}× | {r['identical_prompts']}/{n} ({r['reference']}) | "
+                     f"{r['token_agreement']:.1%} |")
     return head + "\n".join(lines)

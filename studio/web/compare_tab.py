@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 import gradio as gr
 
-from studio.run.compare import as_trace, parse_specs, rows, write_html
 from studio.errors import BadInput
+from studio.run.compare import as_trace, compare_configs, make_runs, rows, write_html
 from studio.run.config import RunConfig
-from studio.run.session import Run, encode_prompt
+from studio.run.session import encode_prompt
 from studio.viz.figures import comparison_figure
 from studio.web import components, render
 from studio.web.files import Downloads
@@ -32,15 +32,14 @@ class CompareTab:
             self.worker.cancel()
 
 
-def make_runs(engine, prompt: str, names: list[str], max_new_tokens, temperature, seed, chat_template: bool):
-    """(labels, runs) of a comparison; BadInput before anything runs when a name or setting is wrong."""
-    specs = parse_specs(",".join(names or []))
-    if not 2 <= len(specs) <= MAX_RUNS:
-        raise BadInput(f"compare 2 to {MAX_RUNS} runs (ar always runs as the baseline); got {len(specs)}: "
-                       + ", ".join(s.label for s in specs))
+def start_runs(engine, prompt: str, names: list[str], max_new_tokens, temperature, seed, chat_template: bool):
+    """(labels, runs) of a comparison (`studio.run.compare.make_runs`); BadInput before anything runs when a name
+    or setting is wrong."""
+    base = RunConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=0 if seed is None else seed)
+    configs = compare_configs(",".join(names or []), base)
     ids = encode_prompt(engine, prompt, chat=chat_template)
-    runs = [Run(engine, *RunConfig(s.strategy, preset=s.preset, max_new_tokens=max_new_tokens, temperature=temperature, seed=0 if seed is None else seed).build(), prompt, ids) for s in specs]
-    return [s.label for s in specs], runs
+    runs = make_runs(engine, prompt, ids, configs, most=MAX_RUNS)
+    return list(runs), list(runs.values())
 
 
 def build(engine, chat_template: bool, downloads: Downloads, engine_queue: dict) -> None:
@@ -74,7 +73,7 @@ def build(engine, chat_template: bool, downloads: Downloads, engine_queue: dict)
     def on_run(text, run_names, n_tokens, temp, seed_value, pace_ms, tab: CompareTab | None):
         tab = tab or CompareTab()
         try:
-            labels, runs = make_runs(engine, text, run_names, n_tokens, temp, seed_value, chat_template)
+            labels, runs = start_runs(engine, text, run_names, n_tokens, temp, seed_value, chat_template)
         except BadInput as e:
             yield {status: render.note_html(str(e), "error"), state: tab}
             return

@@ -117,15 +117,15 @@ def test_labels_that_would_share_a_trace_file_are_refused(tmp_path):
 
 def test_a_malicious_run_label_writes_its_trace_inside_the_trace_dir(tmp_path):
     """A label from a preset or a trace ('../../x', an absolute path) only names a file inside trace_dir."""
-    from studio.run.compare import RunSpec, run_compare
+    from studio.run.compare import run_compare
     from studio.run.config import RunConfig
     from studio.run.session import encode_prompt
     engine = tiny_engine("llama", vocab=16)
     d = tmp_path / "a" / "traces"
     d.mkdir(parents=True)
-    specs = [RunSpec("ar", "ar", None), RunSpec("../../escape", "jacobi", None), RunSpec("/abs/evil", "isd", None)]
-    run_compare(engine, "abc", encode_prompt(engine, "abc"), specs,
-                lambda s: RunConfig(s.strategy, max_new_tokens=4, temperature=0.0).build(), d)
+    configs = {label: RunConfig(name, max_new_tokens=4, temperature=0.0)
+               for label, name in (("ar", "ar"), ("../../escape", "jacobi"), ("/abs/evil", "isd"))}
+    run_compare(engine, "abc", encode_prompt(engine, "abc"), configs, trace_dir=d)
     assert sorted(p.name for p in d.iterdir()) == ["abs-evil.jsonl", "ar.jsonl", "escape.jsonl"]
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == sorted(p.name for p in d.iterdir())
     assert read_trace(d / "escape.jsonl").header["strategy"] == "jacobi"

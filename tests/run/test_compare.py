@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from studio.cli import app
 from studio.run.config import RunConfig
-from studio.run.compare import RunSpec, first_difference, parse_specs, render_table, rows, run_compare, same_as
+from studio.run.compare import compare_configs, first_difference, make_runs, render_table, rows, run_compare, same_as
 from studio.engine.engine import Engine
 from studio.engine.lora import attach_adapter
 from studio.engine.strategies import STRATEGIES
@@ -62,15 +62,29 @@ def _compare_json(cli, *args):
 
 
 # -- parsing the run list ----------------------------------------------------------------------------
-def test_parse_specs_adds_ar_first_and_rejects_bad_lists():
-    assert [s.label for s in parse_specs("isd,jacobi")] == ["ar", "isd", "jacobi"]
-    assert [s.label for s in parse_specs("isd,ar,jacobi")] == ["ar", "isd", "jacobi"]  # ar moved to the front
-    specs = parse_specs("isd", preset="jacobi-mr-cpu")
-    assert specs[-1] == RunSpec("jacobi-mr-cpu", None, "jacobi-mr-cpu")
+def test_compare_configs_put_ar_first_on_the_shared_settings_and_reject_bad_lists():
+    assert list(compare_configs("isd,jacobi")) == ["ar", "isd", "jacobi"]
+    assert list(compare_configs("isd,ar,jacobi")) == ["ar", "isd", "jacobi"]  # ar moved to the front
+    base = RunConfig("r-isd", params={"stride": 3}, temperature=0.7, max_new_tokens=9, seed=5, stop=("x",))
+    configs = compare_configs("isd,jacobi-mr-cpu", base)
+    assert configs["jacobi-mr-cpu"] == RunConfig(None, "jacobi-mr-cpu", {}, 0.7, None, None, 9, 5, ("x",))
+    assert configs["ar"].strategy == "ar" and configs["isd"].params == {}   # a strategy's own defaults
     with pytest.raises(BadInput, match="beam"):
-        parse_specs("ar,beam")
+        compare_configs("ar,beam")
     with pytest.raises(BadInput, match="twice"):
-        parse_specs("isd,isd")
+        compare_configs("isd,isd")
+    for nothing in ("", "ar", " , ar"):   # ar alone compares nothing
+        with pytest.raises(BadInput, match="nothing to compare"):
+            compare_configs(nothing)
+
+
+def test_make_runs_refuses_more_runs_than_a_view_shows_before_any_trace_is_opened(engine, tmp_path):
+    configs = compare_configs("isd,jacobi,r-isd", RunConfig(max_new_tokens=4, temperature=0.0))
+    ids = encode_prompt(engine, PROMPT)
+    with pytest.raises(BadInput, match="at most 3 runs"):
+        make_runs(engine, PROMPT, ids, configs, trace_dir=tmp_path, most=3)
+    assert not list(tmp_path.iterdir())
+    assert list(make_runs(engine, PROMPT, ids, configs, most=4)) == ["ar", "isd", "jacobi", "r-isd"]
 
 
 def test_first_difference():
@@ -129,11 +143,9 @@ def test_differing_run_reports_first_differing_position(engine):
     ids = encode_prompt(engine, PROMPT)
     settings = {"ar": ("ar", 12, 0.0), "hot": ("ar", 12, 3.0), "short": ("ar", 5, 0.0)}
 
-    def make_run(spec):
-        name, n, temp = settings[spec.label]
-        return RunConfig(name, max_new_tokens=n, temperature=temp, seed=1).build()
-    specs = [RunSpec(label, "ar", None) for label in settings]
-    results = run_compare(engine, PROMPT, ids, specs, make_run)
+    configs = {label: RunConfig(name, max_new_tokens=n, temperature=temp, seed=1)
+               for label, (name, n, temp) in settings.items()}
+    results = run_compare(engine, PROMPT, ids, configs)
     table = {r["label"]: r for r in rows(results)}
     base, hot = results["ar"].token_ids, results["hot"].token_ids
     k = next(i for i, (a, b) in enumerate(zip(base, hot)) if a != b)  # raises if they never differ
@@ -160,8 +172,8 @@ def test_compare_cli_table_and_bad_input(cli):
 
 
 # -- references: each run against ar on the model it decodes ------------------------------------------
-def _build(n):
-    return lambda s: RunConfig(s.strategy, preset=s.preset, max_new_tokens=n, temperature=0.0).build()
+def _greedy(items: str, n: int):
+    return compare_configs(items, RunConfig(max_new_tokens=n, temperature=0.0))
 
 
 @pytest.fixture
@@ -183,7 +195,7 @@ def test_each_run_is_compared_with_ar_on_the_model_it_decodes(shipped_engine, tm
     (whatever its adapter) and jacobi decode the base model: their reference is the ar row. The fields defined
     against ar keep their meaning."""
     ids = encode_prompt(shipped_engine, PROMPT)
-    results = run_compare(shipped_engine, PROMPT, ids, parse_specs("isd,r-isd,jacobi"), _build(12))
+    results = run_compare(shipped_engine, PROMPT, ids, _greedy("isd,r-isd,jacobi", 12))
     assert list(results) == ["ar", "ar · every", "isd", "r-isd", "jacobi"]
     assert results["ar · every"].header["model"]["adapter"] == str(tmp_path / "adapters" / "every")
     assert results["r-isd"].header["model"]["adapter"] == str(tmp_path / "adapters" / "masked")
@@ -213,7 +225,7 @@ def test_when_ar_reads_an_adapter_of_every_row_the_base_model_gets_its_own_refer
     base_ar = _ar_tokens(engine, 12)
     attach_adapter(engine, random_adapter(tmp_path / "every", engine.model, seed=1, adapted_rows="all"))
     ids = encode_prompt(engine, PROMPT)
-    results = run_compare(engine, PROMPT, ids, parse_specs("r-isd"), _build(12))
+    results = run_compare(engine, PROMPT, ids, _greedy("r-isd", 12))
     assert list(results) == ["ar", "ar · base", "r-isd"]
     assert results["ar · base"].token_ids == base_ar != results["ar"].token_ids
     r_isd = rows(results)[2]
@@ -267,11 +279,11 @@ def test_html_report_self_contained(cli, tmp_path):
 
 # -- the demo (make run) ------------------------------------------------------------------------------
 def test_demo_every_strategy_cpu_presets_traces_and_report(cli, tmp_path):
-    from studio.run.demo import default_specs
-    specs = default_specs()
-    assert [s.strategy or s.preset for s in specs][0] == "ar"
+    from studio.run.demo import demo_configs
+    configs = demo_configs(None, 8)
     expected = [f"{n}-cpu" if n in ("jacobi-mr", "s2d2", "simsd") else n for n in STRATEGIES]
-    assert [s.label for s in specs] == expected                         # every registered strategy, CPU-sized
+    assert list(configs) == expected and expected[0] == "ar"             # every registered strategy, CPU-sized
+    assert all(c.temperature == 0.0 and c.max_new_tokens == 8 and c.seed == 0 for c in configs.values())
     d = tmp_path / "tr"
     res = cli("demo", "--prompt", PROMPT, "--max-new-tokens", "8", "--trace-dir", str(d))
     assert res.exit_code == 0, (res.output, res.exception)
@@ -311,9 +323,7 @@ def test_demo_explicit_strategies_and_bad_list(cli, tmp_path):
 def test_table_keeps_long_labels_on_80_columns(engine):
     from rich.console import Console
     ids = encode_prompt(engine, PROMPT)
-    specs = parse_specs("jacobi-mr-cpu")
-    results = run_compare(engine, PROMPT, ids, specs,
-                          lambda s: RunConfig(s.strategy, preset=s.preset, max_new_tokens=4, temperature=0.0).build())
+    results = run_compare(engine, PROMPT, ids, _greedy("jacobi-mr-cpu", 4))
     con = Console(width=80, record=True)
     con.print(render_table(rows(results), sampled=False))
     assert "│ jacobi-mr-cpu │" in con.export_text()

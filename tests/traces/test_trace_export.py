@@ -362,7 +362,7 @@ def strategy_traces(tmp_path_factory):
     import torch
 
     from studio.run.config import RunConfig
-    from studio.run.compare import parse_specs, run_compare
+    from studio.run.compare import compare_configs, run_compare
     from studio.run.session import encode_prompt
     from tests.support.tiny import tiny_engine
 
@@ -371,8 +371,8 @@ def strategy_traces(tmp_path_factory):
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        run_compare(engine, "abcab", encode_prompt(engine, "abcab"), parse_specs(",".join(_strategy_names())),
-                    lambda s: RunConfig(s.strategy, preset=s.preset, max_new_tokens=10, temperature=0.0).build(), d)
+        configs = compare_configs(",".join(_strategy_names()), RunConfig(max_new_tokens=10, temperature=0.0))
+        run_compare(engine, "abcab", encode_prompt(engine, "abcab"), configs, trace_dir=d)
     finally:
         torch.set_num_threads(old)
     return {name: d / f"{name}.jsonl" for name in _strategy_names()}

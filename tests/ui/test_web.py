@@ -18,12 +18,12 @@ pytest.importorskip("gradio")
 from gradio_client import Client, handle_file  # noqa: E402
 
 from studio.run.config import RunConfig  # noqa: E402
-from studio.run.compare import parse_specs  # noqa: E402
+from studio.run.compare import compare_configs, make_runs  # noqa: E402
 from studio.engine.strategies import STRATEGIES, make_strategy  # noqa: E402
 from studio.engine.strategies.params import N, TAU  # noqa: E402
 from studio.errors import BadInput  # noqa: E402
 from studio.events import read_trace  # noqa: E402
-from studio.run.session import Run, Session, drive, encode_prompt  # noqa: E402
+from studio.run.session import Session, drive, encode_prompt  # noqa: E402
 from studio.web import render  # noqa: E402
 from studio.web.app import build_app, serve  # noqa: E402
 from studio.web.files import read_upload  # noqa: E402
@@ -292,9 +292,8 @@ def test_compare_advances_runs_in_lock_step_then_reports(server, engine, tmp_pat
     frames = [named(app, "compare", out) for out in job]
     final = named(app, "compare", job.outputs()[-1])
     ends = [len(final[f"cmp-trajectory-{i}"]["rows"]) for i in range(3)]
-    specs = parse_specs("isd,jacobi")
-    runs = [Run(engine, *RunConfig(s.strategy, preset=s.preset, max_new_tokens=24, temperature=0.0).build(), "bcdef",
-                encode_prompt(engine, "bcdef")) for s in specs]
+    configs = compare_configs("isd,jacobi", RunConfig(max_new_tokens=24, temperature=0.0))
+    runs = list(make_runs(engine, "bcdef", encode_prompt(engine, "bcdef"), configs).values())
     drive(runs)
     assert ends == [len({e["step"] for e in r.result.events}) for r in runs]
     seen = 0
@@ -319,7 +318,9 @@ def test_compare_refuses_too_many_runs_with_a_message(server):
     app, url, _ = server
     out = named(app, "compare", client(url).predict(text="bcd", run_names=["isd", "r-isd", "jacobi", "jacobi-mr"],
                                                      api_name="/compare"))
-    assert "compare 2 to 4 runs" in out["cmp-status"] and "ar, isd, r-isd, jacobi, jacobi-mr" in out["cmp-status"]
+    assert "at most 4 runs" in out["cmp-status"] and "ar, isd, r-isd, jacobi, jacobi-mr" in out["cmp-status"]
+    out = named(app, "compare", client(url).predict(text="bcd", run_names=["ar"], api_name="/compare"))
+    assert "nothing to compare" in out["cmp-status"]
 
 
 # -- traces -----------------------------------------------------------------------------------------

@@ -115,20 +115,16 @@ class CompareScreen(Screen):
         self.status(f"comparing {', '.join(labels)} …")
 
     def _runs(self, prompt: str, items: str):
-        """One Run per spec (ar first), on the chat's sampling settings; BadInput for a bad list."""
-        from studio.run.compare import parse_specs
-        from studio.run.config import RunConfig
-        from studio.run.session import Run, encode_prompt
+        """(runs, labels): `studio.run.compare.make_runs` on the chat's settings; BadInput for a bad list."""
+        from studio.run.compare import compare_configs, make_runs
+        from studio.run.session import encode_prompt
         if not prompt:
             raise BadInput("type a prompt first")
-        specs = parse_specs(items)
-        if len(specs) > MAX_PANES:
-            raise BadInput(f"compare shows at most {MAX_PANES} runs (ar included): {', '.join(s.label for s in specs)}")
-        c, engine = self.session.choice, self.session.engine
-        made = [RunConfig(s.strategy, preset=s.preset, max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p, seed=c.seed, stop=tuple(c.stop)).build()
-                for s in specs]
+        configs = compare_configs(items, self.session.choice)
+        engine = self.session.engine
         ids = encode_prompt(engine, prompt, chat=self.session.conversation.chat)
-        return [Run(engine, strategy, settings, prompt, ids) for strategy, settings in made], [s.label for s in specs]
+        runs = make_runs(engine, prompt, ids, configs, most=MAX_PANES)
+        return list(runs.values()), list(runs)
 
     def frame(self) -> None:
         worker = self.worker
