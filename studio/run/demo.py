@@ -52,7 +52,8 @@ def run_demo(engine, prompt: str = DEMO_PROMPT, strategies: str | None = None, m
     say = lambda text: err.print(text, highlight=False, markup=False, soft_wrap=True)  # noqa: E731
     say(f"model: {engine.name} ({engine.config.arch}, {engine.source}; loaded in {engine.load_s:.1f}s"
         f"{' from cache' if engine.from_cache else ''})")
-    say(f"runs:  {', '.join(configs)}  (greedy, seed 0, up to {max_new_tokens} new tokens)")
+    say(f"runs:  {', '.join(configs)}  (greedy, seed 0, up to {max_new_tokens} new tokens; and ar on the model of "
+        "each run that decodes an adapter of every row, its reference)")
     console.print(f"prompt: {prompt}\n", highlight=False, markup=False)
 
     def done(label, r) -> None:
