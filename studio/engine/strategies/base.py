@@ -190,10 +190,6 @@ class DecodeContext:
         frm, to = self.kv.keep(rows)
         self.event("kv", op="commit", from_len=frm, to_len=to)
 
-    def rollback(self, to_len: int) -> None:
-        frm, to = self.kv.rollback(to_len)
-        self.event("kv", op="rollback", from_len=frm, to_len=to)
-
     def verify(self, pos: list[int], drafts: list[int], p: torch.Tensor, q: torch.Tensor | None,
                proposal: Proposal, sampling: SamplingParams | None = None,
                logits: tuple[torch.Tensor, torch.Tensor | None] | None = None, **rule) -> ChainResult:
