@@ -29,9 +29,11 @@ HELP = """commands:
 
 @dataclass
 class Reply:
-    """What a command did: a message to show, and whether the chat should end."""
+    """What a command did: a message to show, whether it is an error (bad input or wrong usage: nothing changed),
+    and whether the chat should end."""
     message: str
     quit: bool = False
+    error: bool = False
 
 
 class ChatSession:
@@ -57,14 +59,14 @@ class ChatSession:
         try:
             words = shlex.split(line.strip()[1:])
         except ValueError as e:
-            return Reply(f"error: {e}")
+            return Reply(f"error: {e}", error=True)
         if not words:
             return Reply(HELP)
         name, args = words[0].lower(), words[1:]
         try:
             return self._commands().get(name, self._unknown)(args)
         except BadInput as e:
-            return Reply(f"error: {e}")
+            return Reply(f"error: {e}", error=True)
 
     def _commands(self):
         return {"strategy": self._strategy, "set": self._set, "reset": self._reset, "model": self._model,
@@ -73,17 +75,17 @@ class ChatSession:
                 "exit": lambda args: Reply("bye", quit=True)}
 
     def _unknown(self, args) -> Reply:
-        return Reply(f"error: unknown command (type /help); commands: /{', /'.join(self._commands())}")
+        return Reply(f"error: unknown command (type /help); commands: /{', /'.join(self._commands())}", error=True)
 
     def _strategy(self, args: list[str]) -> Reply:
         if len(args) != 1:
-            return Reply(f"usage: /strategy NAME|PRESET (now: {self.choice.describe()})")
+            return Reply(f"usage: /strategy NAME|PRESET (now: {self.choice.describe()})", error=True)
         self.choice = self.choice.use(args[0])
         return Reply(f"strategy: {self.choice.describe()}")
 
     def _set(self, args: list[str]) -> Reply:
         if len(args) != 2:
-            return Reply("usage: /set KEY VALUE")
+            return Reply("usage: /set KEY VALUE", error=True)
         self.choice = self.choice.set(args[0], parse_value(args[1]))
         return Reply(f"set {args[0]} = {args[1]} · {self.choice.describe()}")
 
@@ -93,7 +95,7 @@ class ChatSession:
 
     def _model(self, args: list[str]) -> Reply:
         if len(args) not in (1, 2):
-            return Reply(f"usage: /model SPEC [ADAPTER] (now: {self.engine.name})")
+            return Reply(f"usage: /model SPEC [ADAPTER] (now: {self.engine.name})", error=True)
         from studio.engine.engine import Engine
         from studio.run.conversation import Conversation
         engine = Engine.load(args[0], adapter=args[1] if len(args) == 2 else None)
@@ -104,7 +106,7 @@ class ChatSession:
         flags = {a for a in args if a.startswith("--")}
         paths = [a for a in args if not a.startswith("--")]
         if len(paths) != 1 or flags - {"--all", "--force"}:
-            return Reply("usage: /save FILE [--all] [--force]")
+            return Reply("usage: /save FILE [--all] [--force]", error=True)
         written = save_traces(self.turns, Path(paths[0]), every_turn="--all" in flags, force="--force" in flags)
         return Reply("saved " + ", ".join(map(str, written)))
 

@@ -98,7 +98,8 @@ class RunConfig:
         params.update(self.params)
         sampling = dict(base.sampling) if base else {}
         sampling.update({k: getattr(self, k) for k in SAMPLING_KEYS if getattr(self, k) is not None})
-        limit = self.max_new_tokens or (base.max_new_tokens if base else None) or DEFAULT_MAX_NEW_TOKENS
+        limit = next((n for n in (self.max_new_tokens, base.max_new_tokens if base else None) if n is not None),
+                     DEFAULT_MAX_NEW_TOKENS)   # 0 is refused by Settings, never taken for "unset"
         settings = Settings(max_new_tokens=limit, sampling=SamplingParams(**sampling), seed=self.seed,
                             stop=tuple(self.stop), oracle_accept=self.oracle_accept)
         return make_strategy(name, params), settings

@@ -43,11 +43,14 @@ def test_strategy_and_set_commands_change_the_next_turn_and_refuse_bad_values():
     assert result.footer["n_tokens"] <= 5
     for line, words in [("/set stride 1", "stride must be >= 2"), ("/set nope 1", "has no parameter 'nope'"),
                         ("/set temperature hot", "temperature"), ("/strategy nope", "unknown strategy or preset"),
-                        ("/frobnicate", "unknown command"), ("/set stride", "usage: /set KEY VALUE")]:
+                        ("/frobnicate", "unknown command"), ("/set stride", "usage: /set KEY VALUE"),
+                        ("/set max_new_tokens 0", "must be >= 1")]:   # 0 was once taken for "unset": 128
         reply = s.command(line)
-        assert words in reply.message and not reply.quit, line
+        assert words in reply.message and reply.error and not reply.quit, line
     assert s.choice.params == {"stride": 3} and s.choice.label == "isd"   # refused changes left it as it was
-    assert s.command("/strategy isd-n4").message.startswith("strategy: isd-n4")
+    assert not s.command("/strategy isd-n4").error and s.choice.label == "isd-n4"
+    for usage in ("/set", "/strategy", "/save", "/model a b c"):   # wrong usage is an error, not a success
+        assert s.command(usage).message.startswith("usage:") and s.command(usage).error, usage
     assert s.choice.build()[0].params.stride == 4
 
 

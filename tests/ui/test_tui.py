@@ -185,6 +185,10 @@ def test_parameters_from_the_controls_and_bad_values_stay_in_the_ui():
             await say(pilot, "/strategy nope")
             await wait_until(pilot, lambda: "unknown strategy or preset 'nope'" in status(app))
             assert app.is_running and app.session.choice.label == "isd"
+            await say(pilot, "/set")   # wrong usage is an error, shown whole in the log, not "/set: ok"
+            await wait_until(pilot, lambda: status(app).startswith("usage: /set KEY VALUE"))
+            notes = [str(n.render()) for n in screen.query(".note")]
+            assert any("presets: " in n and "simsd-cpu" in n for n in notes)   # the long error, whole
     asyncio.run(go())
 
 

@@ -120,19 +120,18 @@ class ChatScreen(Screen):
         try:
             reply = self.session.command(line)
         except Exception as e:  # noqa: BLE001 - a failed command is a message, never the end of the app
-            reply = Reply(f"error: {error_line(e)}")
+            reply = Reply(f"error: {error_line(e)}", error=True)
         self.app.call_from_thread(self._command_done, line, reply)
 
     def _command_done(self, line: str, reply) -> None:
         if reply.quit:
             self.app.exit()
             return
-        is_error = reply.message.startswith("error:")
-        self.status(reply.message.splitlines()[0] if is_error else f"{line.split()[0]}: ok", error=is_error)
-        if not is_error:
-            if line.split()[0] in ("/reset", "/model"):
-                self.query_one("#conversation", VerticalScroll).remove_children()
-            self.note(reply.message)
+        self.status(reply.message.splitlines()[0] if reply.error else f"{line.split()[0]}: ok", error=reply.error)
+        if not reply.error and line.split()[0] in ("/reset", "/model"):
+            self.query_one("#conversation", VerticalScroll).remove_children()
+        self.note(reply.message)   # the status line is cut at the terminal's width; the log line wraps, whole
+        if not reply.error:
             self.query_one(Controls).sync(self.session.choice, self.session.engine)
             self.title = f"dlm-studio · {self.session.engine.name}"
 
