@@ -327,7 +327,9 @@ def test_snapshot_compare(snap_compare, fake_clock):
         app.screen.query_one("#compare-prompt").value = "bcdef"
         app.screen.query_one("#compare-specs").value = "isd,jacobi"
         await press_button(pilot, "#compare-run")
-        await wait_until(pilot, lambda: app.screen.query_one("#compare-table").display)
+        table = app.screen.query_one("#compare-table")
+        # shown, filled and laid out: on a loaded machine the screenshot once came a refresh before the layout
+        await wait_until(pilot, lambda: table.display and table.row_count == 3 and table.size.height > 0)
         await pilot.pause()
     assert snap_compare(app, terminal_size=SIZE, run_before=before)
 
