@@ -14,7 +14,7 @@ from typing import Callable, Mapping
 
 from studio.errors import BadInput
 from studio.run.config import RunConfig
-from studio.run.session import Run, RunResult, drive, kv_length_needed
+from studio.run.session import Run, RunResult, decoded_model, drive, kv_length_needed
 
 
 def compare_configs(items: str, base: RunConfig | None = None) -> dict[str, RunConfig]:
@@ -131,8 +131,7 @@ def make_runs(engine, prompt: str, prompt_ids: list[int], configs: Mapping[str, 
     with_ar = set()   # the models an ar run decodes so far (None: the base model)
     for label, config in configs.items():
         strategy, settings = built[label]
-        adapted = view(config, strategy)
-        model = adapted.adapter if strategy.clean_gate(adapted.lora) else None
+        model = decoded_model(view(config, strategy), strategy)
         if strategy.name != "ar" and model not in with_ar:
             reference = dataclasses.replace(configs["ar"], adapter=model or "none")
             planned[reference_label(model)] = reference, reference.build()

@@ -75,6 +75,12 @@ def encode_messages(engine: Engine, messages: list[dict], chat: bool = True) -> 
     return tok.encode("".join(m["content"] for m in messages))
 
 
+def decoded_model(engine: Engine, strategy: Strategy) -> str | None:
+    """The adapter whose model a run of `strategy` on `engine` (its adapter view) decodes: the adapter when its
+    LoRA applies at the clean rows (`Strategy.clean_gate`), else None for the base model."""
+    return engine.adapter if strategy.clean_gate(engine.lora) else None
+
+
 def kv_length_needed(engine: Engine, strategy: Strategy, settings: Settings, prompt_ids: list[int]) -> int:
     """KV slots a run needs; BadInput when the prompt or the run does not fit the model's context."""
     cfg = engine.config
@@ -146,7 +152,7 @@ class Run:
     @property
     def model_adapter(self) -> str | None:
         """The adapter whose model this run decodes (its LoRA on the clean rows), None for the base model."""
-        return self.engine.adapter if self.ctx.clean_gate else None
+        return decoded_model(self.engine, self.strategy)
 
     def keep_cache(self):
         """The run's KV cache, kept by the caller after the run (not given back to the pool)."""
