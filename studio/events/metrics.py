@@ -147,6 +147,16 @@ def acceptance(events: Iterable[Mapping[str, Any]]) -> Acceptance:
     return Tally().feed_all(events).acceptance
 
 
+def prefill_tokens(events: Iterable[Mapping[str, Any]]) -> tuple[int, int]:
+    """(prompt tokens the prefill wrote to the KV cache, prompt tokens it found there from a chat's earlier turns),
+    from the KV moves of step 0: prompt tokens, not the width of the prefill forwards (which add MASK rows)."""
+    moves = [e for e in events if e["t"] == "kv" and e["step"] == 0]
+    if not moves:
+        return 0, 0
+    reused = moves[0]["from_len"]
+    return moves[-1]["to_len"] - reused, reused
+
+
 def tok_per_s(tokens: int, seconds: float) -> float:
     """The tok/s of every report: output tokens / decode seconds (prefill excluded); 0.0 for no time."""
     return tokens / seconds if seconds > 0 else 0.0

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from studio.engine.engine import Engine
 from studio.engine.strategies import Strategy
-from studio.run.session import Run, RunResult, Settings, encode_messages
+from studio.run.session import CANCELLED, Run, RunResult, Settings, encode_messages
 
 
 class Conversation:
@@ -31,7 +31,8 @@ class Conversation:
     def start_turn(self, user_text: str, strategy: Strategy, settings: Settings,
                    trace_path: str | None = None) -> Run:
         """The run of the assistant's answer to `user_text`. When it finishes, both messages join the
-        history; a run that fails or is never finished leaves the history as it was."""
+        history; a run that fails, is never finished, or is cancelled before its first token (during a long
+        prefill) leaves the history as it was (keeping the prompt's KV computed so far, for a resend)."""
         messages = self.messages + [{"role": "user", "content": user_text}]
         ids = encode_messages(self.engine, messages, self.chat)
         key = (strategy.kv_signature(), self.engine.for_strategy(strategy.name).adapter)
@@ -47,8 +48,10 @@ class Conversation:
             kv = None
 
         def finished(run: Run) -> None:
-            self.messages = messages + [{"role": "assistant", "content": run.out.text}]
-            self.turns.append(run.result)
+            answered = bool(run.out.token_ids) or run.out.stop_reason != CANCELLED
+            if answered:
+                self.messages = messages + [{"role": "assistant", "content": run.out.text}]
+                self.turns.append(run.result)
             cache = run.keep_cache()
             # committed slots hold (prompt + output) in order; a commit past the output (drafts after an EOS) is dropped
             valid = min(cache.length, len(ids) + len(run.out.token_ids))

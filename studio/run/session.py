@@ -21,6 +21,8 @@ from studio.engine.strategies import DecodeContext, Output, Strategy
 from studio.errors import BadInput
 
 CANCELLED = "cancelled"
+PREFILL_CHUNK = 256   # prompt tokens per prefill forward of a long prompt: a cancel waits for one chunk at most
+                      # (well under a second on a CPU for the embedded model), and the UIs show the progress
 
 
 @dataclass
@@ -30,10 +32,16 @@ class Settings:
     seed: int = 0
     stop: tuple[str, ...] = ()
     oracle_accept: float | None = None   # bench: accept decisions are Bernoulli(P) draws (the output means nothing)
+    prefill_chunk: int = field(default_factory=lambda: PREFILL_CHUNK)
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise BadInput(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        for flag, value, least in (("--max-new-tokens", self.max_new_tokens, 1), ("--seed", self.seed, 0)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise BadInput(f"{flag} must be a whole number, got {value!r}")
+            if value < least:
+                raise BadInput(f"{flag} must be >= {least}, got {value}")
+        if self.prefill_chunk < 1:
+            raise BadInput(f"prefill chunk must be >= 1 token, got {self.prefill_chunk}")
         if self.oracle_accept is not None and not 0 < self.oracle_accept <= 1:
             raise BadInput(f"--oracle-accept must be in (0, 1], got {self.oracle_accept}")
 
@@ -103,7 +111,13 @@ class Run:
 
     `kv`: a cache whose committed slots hold a prefix of `prompt_ids` (a chat's earlier turns); the
     prefill then computes only the tokens after it. `on_finish(run)` is called once, when the result
-    is ready. Not thread-safe except `cancel`: one thread advances a run.
+    is ready. Not thread-safe except `cancel` and reading `prefill_progress`: one thread advances a run.
+
+    A long prompt is prefilled in chunks of `settings.prefill_chunk` tokens, one per `advance()`, when the
+    strategy's committed KV is token-causal (`Strategy.causal_kv`), so a cancel lands between chunks and
+    `prefill_progress` moves; the strategy's own prefill then computes only the last chunk (as after a
+    reused prefix). The chunks' events are handed out with the strategy's prefill, so step 0 stays one whole
+    step for every reader.
     """
 
     def __init__(self, engine: Engine, strategy: Strategy, settings: Settings, prompt_text: str,
@@ -130,7 +144,9 @@ class Run:
         self._cancel = threading.Event()
         self.events: list[dict] = []
         self.forwards = 0            # forwards after the prefill (the lock-step clock, docs/metrics.md)
-        self.started = False
+        self._chunk_ends = self._plan_chunks() if strategy.causal_kv(engine.config) else []
+        self._held: list[dict] = []  # events of the prefill chunks so far (step 0 is handed out whole)
+        self.started = False         # the strategy's own prefill has run
         self.prefill_s = 0.0
         self.decode_s = 0.0
         self.result: RunResult | None = None
@@ -145,9 +161,27 @@ class Run:
                 "tokenizer": self.engine.tokenizer_meta(),
                 "prompt": {"text": prompt_text, "token_ids": self.prompt_ids}, "seed": s.seed}
 
+    def _plan_chunks(self) -> list[int]:
+        """Prompt lengths after each chunk forward: chunks from the committed KV on, leaving the strategy's prefill
+        the last 1..chunk tokens."""
+        chunk = self.settings.prefill_chunk
+        return list(range(self.ctx.kv.length + chunk, len(self.prompt_ids), chunk))
+
     @property
     def done(self) -> bool:
         return self.result is not None
+
+    @property
+    def prefilling(self) -> bool:
+        """Prefill chunks remain before the strategy's own prefill (they run without step-mode waits)."""
+        return bool(self._chunk_ends) and not self.done
+
+    @property
+    def prefill_progress(self) -> tuple[int, int] | None:
+        """(prompt tokens in the KV cache, prompt tokens) until the strategy's prefill has run, then None."""
+        if self.started or self.done:
+            return None
+        return min(self.ctx.kv.length, len(self.prompt_ids)), len(self.prompt_ids)
 
     @property
     def model_adapter(self) -> str | None:
@@ -168,23 +202,32 @@ class Run:
         return self.engine.tokenizer.token_text(token_id)
 
     def advance(self) -> list[dict]:
-        """The prefill on the first call, then one strategy step; returns the events of what ran.
-        A finished run returns []. An exception leaves the trace truncated (the honest record)."""
+        """The prefill (one chunk per call for a long prompt, handing out nothing until the strategy's own prefill
+        has run), then one strategy step per call; returns the events of what ran. A finished run returns [].
+        An exception leaves the trace truncated (the honest record)."""
         if self.done:
             return []
         if self._cancel.is_set():
             self.out.stop_reason = CANCELLED
+            events = self._publish()   # a prefill cancelled between chunks: the chunks that ran
             self._finish()
-            return []
+            return events
         self.engine.activate()                      # runs sharing the model may use different adapters
         t = time.perf_counter()
         self.ctx.resume_clock()
         try:
-            if not self.started:
+            if self._chunk_ends:
+                end = self._chunk_ends.pop(0)
+                self.ctx.prefill_prefix(self.prompt_ids[self.ctx.kv.length:end], self.strategy.prefill_gate(self.ctx))
+                synchronize(self.ctx.device)
+                self.prefill_s += time.perf_counter() - t
+                self._held.extend(self.ctx.drain())
+                return []
+            elif not self.started:
                 self.started = True
                 self.strategy.start(self.ctx, self.prompt_ids)
                 synchronize(self.ctx.device)
-                self.prefill_s = time.perf_counter() - t
+                self.prefill_s += time.perf_counter() - t
             else:
                 self.strategy.step(self.ctx)
                 synchronize(self.ctx.device)
@@ -201,7 +244,7 @@ class Run:
         return events
 
     def _publish(self) -> list[dict]:
-        events = self.ctx.drain()
+        events, self._held = self._held + self.ctx.drain(), []
         for e in events:
             if e["t"] == "forward" and e["role"] != "prefill":
                 self.forwards += 1
@@ -229,13 +272,13 @@ def drive(runs: Sequence[Run], on_events: Callable[[int, list[dict]], None] | No
           before_advance: Callable[[], None] | None = None) -> None:
     """Advance `runs` until every one is done, in lock-step by forward count: the unfinished run with the
     fewest forwards goes next (ties: list order). `on_events(index, events)` after every advance;
-    `before_advance()` before it (step mode waits there)."""
+    `before_advance()` before it (step mode waits there; not before a prefill chunk)."""
     while True:
         live = [i for i, r in enumerate(runs) if not r.done]
         if not live:
             return
         i = min(live, key=lambda i: runs[i].forwards)
-        if before_advance:
+        if before_advance and not runs[i].prefilling:
             before_advance()
         events = runs[i].advance()
         if on_events:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from studio.events.metrics import prefill_tokens
 from studio.viz.grid import Grid, show_text
 from studio.viz.palette import PALETTE, RICH_FG, RICH_STYLE, RICH_TEXT, TEXT_CUE, State, legend_text
 
@@ -123,15 +124,14 @@ def rich_legend() -> "Text":
 
 def run_summary_line(footer: dict, label: str, events: list[dict]) -> str:
     """The one-line summary printed after a run (and after each chat turn): tokens, forwards, TPF,
-    acceptance (n/a when nothing was verified), tok/s, the prefill (new tokens, and those reused from a
-    chat's cached history) and the stop reason."""
+    acceptance (n/a when nothing was verified), tok/s, the prefill (prompt tokens computed, and those reused
+    from a chat's cached history) and the stop reason; a run cancelled during its prefill says only that."""
     f = footer
+    new, reused = prefill_tokens(events)
+    prefill = f"{new} tokens" + (f" + {reused} reused" if reused else "")
+    if f["stop_reason"] == "cancelled" and not any(e["t"] == "emit" or e["step"] > 0 for e in events):
+        return f"[{label}] cancelled during the prefill: {prefill} of the prompt in {f['prefill_s']:.2f}s, no output"
     verified = any(e["t"] in ("accept", "reject") for e in events)
     acc = f"{f['accept_rate']:.2f}" if verified else "n/a"
-    prefill = next((e for e in events if e["t"] == "forward" and e["role"] == "prefill"), None)
-    reused = next((e["from_len"] for e in events if e["t"] == "kv"), 0)
-    new = f"{prefill['n_tokens']} tokens" if prefill else "none"
-    if reused:
-        new += f" + {reused} reused"
     return (f"[{label}] {f['n_tokens']} tokens  {f['forwards']} forwards  TPF {f['tpf']:.2f}  "
-            f"accept {acc}  {f['tok_s']:.1f} tok/s  prefill {new} {f['prefill_s']:.2f}s  stop {f['stop_reason']}")
+            f"accept {acc}  {f['tok_s']:.1f} tok/s  prefill {prefill} {f['prefill_s']:.2f}s  stop {f['stop_reason']}")

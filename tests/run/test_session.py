@@ -5,8 +5,10 @@ import torch
 from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import make_strategy
 from studio.events import read_trace
+from studio.events.metrics import prefill_tokens
 from studio.run.conversation import Conversation
 from studio.run.session import CANCELLED, Run, Session, Settings, drive
+from studio.viz.text import run_summary_line
 from tests.support.dlm import full_forward_row
 from tests.support.tiny import tiny_dlm, tiny_engine
 
@@ -82,6 +84,69 @@ def _engine_for(name):
 
 def _prefills(result):
     return [e for e in result.events if e["t"] == "forward" and e["role"] == "prefill"]
+
+
+# -- long prompts: the prefill in chunks ---------------------------------------------------------------
+LONG = [int(t) for t in torch.randint(0, 18, (40,), generator=torch.Generator().manual_seed(5))]
+
+
+def chunked(chunk, n=8, temperature=1.0):
+    return Settings(max_new_tokens=n, sampling=SamplingParams(temperature), seed=3, prefill_chunk=chunk)
+
+
+@pytest.mark.parametrize("name,params", CAUSAL, ids=[n for n, _ in CAUSAL])
+def test_a_long_prompt_prefills_in_chunks_one_per_advance_and_decodes_the_same(name, params):
+    engine = _engine_for(name)
+    whole = Session(engine, make_strategy(name, params), chunked(1000)).run("", LONG)
+    run = Run(engine, make_strategy(name, params), chunked(8), "", LONG)
+    progress, batches = [], []
+    while not run.done:
+        progress.append(run.prefill_progress)
+        batches.append(run.advance())
+    assert run.result.token_ids == whole.token_ids
+    assert progress[:6] == [(0, 40), (8, 40), (16, 40), (24, 40), (32, 40), None]
+    assert batches[:4] == [[]] * 4                        # chunks hand out nothing: step 0 comes whole
+    step0 = [e for e in batches[4] if e["step"] == 0]
+    assert step0 == [e for e in run.result.events if e["step"] == 0]
+    assert len([e for e in step0 if e["t"] == "forward" and e["role"] == "prefill"]) == 5
+    assert prefill_tokens(run.result.events) == (40, 0) == prefill_tokens(whole.events)
+
+
+def test_step_mode_waits_before_the_strategys_prefill_not_before_each_chunk():
+    engine = tiny_engine("llama", vocab=20, seed=2)
+    run = Run(engine, make_strategy("ar"), chunked(8, n=3), "", LONG)
+    waits = []
+    drive([run], before_advance=lambda: waits.append(run.prefill_progress))
+    assert waits[0] == (32, 40) and waits[1] is None and len(waits) == 3   # the prefill, then one per token
+
+
+def test_cancel_during_a_chunked_prefill_stops_at_the_next_chunk_and_says_so(tmp_path):
+    engine = tiny_engine("llama", vocab=20, seed=2)
+    run = Run(engine, make_strategy("isd"), chunked(8), "", LONG, trace_path=str(tmp_path / "t.jsonl"))
+    run.advance()
+    run.advance()
+    run.cancel()
+    events = run.advance()
+    assert run.done and run.result.footer["stop_reason"] == CANCELLED and run.result.token_ids == []
+    assert [(e["t"], e.get("to_len")) for e in events] == [("forward", None), ("kv", 8), ("forward", None), ("kv", 16)]
+    assert read_trace(tmp_path / "t.jsonl").events == run.result.events == events
+    line = run_summary_line(run.result.footer, "isd", run.result.events)
+    assert line.startswith("[isd] cancelled during the prefill: 16 tokens of the prompt")
+
+
+def test_a_turn_cancelled_in_its_prefill_is_not_in_the_history_and_a_resend_reuses_its_chunks():
+    engine = tiny_engine("llama", vocab=20, seed=2)
+    conv = Conversation(engine)
+    text = "bcdefghijklmnopq" * 3
+    run = conv.start_turn(text, make_strategy("ar"), chunked(8, temperature=0.0))
+    run.advance()
+    run.advance()
+    run.cancel()
+    _finish(run)
+    assert conv.messages == [] and conv.turns == []
+    again = _finish(conv.start_turn(text, make_strategy("ar"), chunked(8, temperature=0.0)))
+    assert prefill_tokens(again.events) == (len(again.header["prompt"]["token_ids"]) - 16, 16)
+    assert again.token_ids == Session(engine, make_strategy("ar"), settings(n=8)).run("", PROMPT_OF(again)).token_ids
 
 
 def _finish(run):

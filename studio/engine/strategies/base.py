@@ -165,6 +165,8 @@ class DecodeContext:
         if role == "prefill" and positions is None:
             first_row = 0 if logits_rows is None else min(logits_rows)
             skip = min(reusable, first_row, len(tokens))
+        if skip < self.kv.length:   # the prefill wants logits of rows already in the cache: recompute them
+            self.event("kv", op="rollback", from_len=self.kv.length, to_len=skip)
         self.kv.rollback(skip)
         self._skipped = skip
         if skip:
@@ -173,6 +175,14 @@ class DecodeContext:
             lora_gate = None if lora_gate is None else lora_gate[skip:]
             logits_rows = [r - skip for r in logits_rows]
         return tokens, positions, mask, lora_gate, logits_rows
+
+    def prefill_prefix(self, tokens: list[int], lora_gate: bool) -> None:
+        """Commit the K/V of `tokens`, the prompt's next tokens after the committed KV, in one causal "prefill"
+        forward (a long prompt's chunks, `Run`); the strategy's own prefill then skips them as a reused prefix."""
+        self._reusable = None
+        self.forward("prefill", tokens, lora_gate=[lora_gate] * len(tokens), logits_rows=[len(tokens) - 1])
+        self.commit(len(tokens))
+        self._reusable = self.kv.length
 
     def _has_adapter(self, model) -> bool:
         if id(model) not in self._adapters:
@@ -192,7 +202,8 @@ class DecodeContext:
 
     def verify(self, pos: list[int], drafts: list[int], p: torch.Tensor, q: torch.Tensor | None,
                proposal: Proposal, sampling: SamplingParams | None = None,
-               logits: tuple[torch.Tensor, torch.Tensor | None] | None = None, **rule) -> ChainResult:
+               logits: tuple[torch.Tensor, torch.Tensor | None] | None = None, forced: int = 0,
+               **rule) -> ChainResult:
         """Verify `drafts` left to right against the target distributions `p` (one row per draft; `q` the
         distributions they were drawn from) by the exact rule (docs/verification.md; `sampling.verify_chain`; `rule`:
         its tau, reference, gamma; `sampling` defaults to the run's), or under the oracle by Bernoulli draws;
@@ -201,7 +212,11 @@ class DecodeContext:
         `logits` = (target, draft or None): the raw rows that p and q are `process_logits(·, sampling)` of. A
         strategy that has them passes them, and on CUDA the fused kernel verifies the chain from them in one
         launch (`kernels.verify_logits`): the same rule and distribution, drawing its noise from the run's
-        generator in another order, so a seeded sampled run commits other tokens than on the torch path."""
+        generator in another order, so a seeded sampled run commits other tokens than on the torch path.
+
+        `forced`: the first drafts were drawn from the target's own distribution (q is p by construction: S2D2's
+        first slot on a right-shifted model), so they are verified like the rest, but an accepted one is the
+        target's token, not an accepted proposal: the strategy does not propose it and no accept reports it."""
         sampling = sampling or self.sampling
         if self.oracle_accept is not None:
             res = oracle_chain(drafts, p, q, sampling, self.gen, self.oracle_accept)
@@ -209,14 +224,16 @@ class DecodeContext:
             res = kernels.verify_logits(drafts, logits[0], logits[1], proposal, sampling, self.gen, **rule)
         else:
             res = verify_chain(drafts, p, q, proposal, sampling, self.gen, **rule)
-        self._report_chain(pos, drafts, res)
+        self._report_chain(pos, drafts, res, forced)
         return res
 
-    def _report_chain(self, pos: list[int], drafts: list[int], res: ChainResult) -> None:
-        """Accept for the accepted prefix, then reject + resample at the first rejection."""
+    def _report_chain(self, pos: list[int], drafts: list[int], res: ChainResult, forced: int) -> None:
+        """Accept for the accepted prefix (forced drafts left out), then reject + resample at the first rejection
+        (a forced draft rejected over numerical noise included: it was verified and failed)."""
         a = res.n_accepted
-        if a:
-            self.event("accept", pos=pos[:a], tok=drafts[:a], p=res.p_draft[:a], q=res.q_draft[:a])
+        if a > forced:
+            self.event("accept", pos=pos[forced:a], tok=drafts[forced:a], p=res.p_draft[forced:a],
+                       q=res.q_draft[forced:a])
         if res.correction is not None:
             self.event("reject", pos=pos[a], tok=drafts[a], p=res.p_draft[a], q=res.q_draft[a])
             self.event("resample", pos=pos[a], tok=res.correction)
@@ -285,6 +302,10 @@ class Strategy:
         every row ("all"), off for a MASK-row one ("mask": the base model on clean tokens). So greedy output
         of a lossless strategy equals greedy `ar` on the same adapter. MASK rows are gated by the strategy."""
         return adapter is not None and adapter.adapted_rows == "all"
+
+    def prefill_gate(self, ctx: DecodeContext) -> bool:
+        """The LoRA gate of the prompt rows in this strategy's prefill (prefill chunks are written with it)."""
+        return ctx.clean_gate
 
     def causal_kv(self, config) -> bool:
         """Whether every KV row this strategy commits is the token-causal K/V of the token in that slot, so a

@@ -153,6 +153,9 @@ class BlockDiffusion(Strategy):
         """The causal cache (S2D2's "AR-like caching"); block-attention KV depends on where blocks fall."""
         return self.params.cache == "causal" or (self.params.cache == "auto" and config.block_size is None)
 
+    def prefill_gate(self, ctx: DecodeContext) -> bool:
+        return self.params.adapter_rows == "all"   # `gate` of a clean token
+
     # -- blocks -----------------------------------------------------------------------------------
     def start(self, ctx: DecodeContext, prompt: list[int]) -> None:
         cfg = ctx.model.config
@@ -307,10 +310,11 @@ class BlockDiffusion(Strategy):
         ctx.event("propose", pos=[self.out_pos(j) for j in slots], tok=drafts, q=q_of, src=src)
 
     def _verify_fill(self, ctx: DecodeContext, slots: list[int], drafts: list[int], p: torch.Tensor,
-                     q: torch.Tensor | None, sampling: SamplingParams | None = None, **rule) -> int:
-        """Verify the sampled drafts at `slots` (`ctx.verify`) and fill the accepted ones and the correction
-        into the block. Returns the number of slots filled."""
-        res = ctx.verify([self.out_pos(j) for j in slots], drafts, p, q, Proposal.SAMPLED, sampling, **rule)
+                     q: torch.Tensor | None, sampling: SamplingParams | None = None, forced: int = 0, **rule) -> int:
+        """Verify the sampled drafts at `slots` (`ctx.verify`; `forced` as there) and fill the accepted ones and the
+        correction into the block. Returns the number of slots filled."""
+        res = ctx.verify([self.out_pos(j) for j in slots], drafts, p, q, Proposal.SAMPLED, sampling, forced=forced,
+                         **rule)
         filled = drafts[:res.n_accepted] + ([] if res.correction is None else [res.correction])
         for j, t in zip(slots, filled):
             self.block.fill(j, t)
