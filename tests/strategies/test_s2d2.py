@@ -51,6 +51,29 @@ def test_always_verify_with_causal_cache_is_the_block_size_one_model(family, shi
         assert r.token_ids == generate(engine, "ar", n=30).token_ids
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_forced_first_slot_is_verified_but_not_counted_as_an_accepted_proposal(temperature):
+    """Right-shifted model + partially causal drafts: the first masked slot is drafted by the clean row before it,
+    which sees what the verifier sees, so its draft is the target's own sample and always passes. It is not a
+    proposal: counted, it would put acceptance at slot 0 at 100% whatever the drafter's quality."""
+    engine = tiny_dlm("llama", True, vocab=24, seed=7)
+    params = {"policy": "always", "cache": "causal", "causal_prefix": True}
+    r = generate(engine, "s2d2", params, n=30, temperature=temperature)
+    proposed = {p for e in r.events if e["t"] == "propose" for p in e["pos"]}
+    verified = [e for e in r.events if e["t"] in ("accept", "reject")]
+    assert all(set(e["pos"] if e["t"] == "accept" else [e["pos"]]) <= proposed for e in verified)
+    rounds = [e for e in r.events if e["t"] == "forward" and e["role"] == "verify"]
+    filled_unproposed = [p for e in r.events if e["t"] == "emit" for p in e["pos"]
+                         if p not in proposed and not any(u["t"] == "unmask" and p in u["pos"] for u in r.events)]
+    assert len(filled_unproposed) >= len(rounds) > 3     # a forced token per verify round (+ each block's slot 0)
+    first_slot = [e["pos"] == min(p["pos"]) for e in verified for p in r.events
+                  if p["t"] == "propose" and p["step"] == e["step"] and e["t"] == "reject"]
+    assert any(first_slot), "some first proposal is rejected: slot 0 is a real draft, not a forced token"
+    assert r.footer["accept_by_pos"][0] < 1.0
+    if temperature == 0:   # the accounting changes no output: always verifying is greedy AR on this model
+        assert r.token_ids == generate(engine, "ar", n=30).token_ids
+
+
 def _first_token_samples(engine, params, n, prompt):
     """The token the first S2D2 step commits at the first masked slot, over n seeds (same state)."""
     strat = make_strategy("s2d2", params)

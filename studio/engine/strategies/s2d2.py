@@ -81,8 +81,17 @@ class S2D2(BlockDiffusion):
         logits = self._no_mask(ctx, self.verifier_logits(ctx, filled, slots))
         p = process_logits(logits, ctx.sampling)
         q = None if d.q is None else d.q[:span]
-        self._propose(ctx, slots, drafts, q, "diffusion")
-        return list(range(self._verify_fill(ctx, slots, drafts, p, q, gamma=self.params.gamma)))
+        forced = self._forced_slots()
+        if span > forced:
+            self._propose(ctx, slots[forced:], drafts[forced:], None if q is None else q[forced:], "diffusion")
+        return list(range(self._verify_fill(ctx, slots, drafts, p, q, forced=forced, gamma=self.params.gamma)))
+
+    def _forced_slots(self) -> int:
+        """Drafts at the start of the span that are the target's own samples: on a right-shifted model with the
+        partially causal draft mask, the first masked slot is predicted by the clean row before it, which sees
+        exactly what the verifier's causal row sees, so its draft distribution is the target's (accepted by
+        construction). Such a token is not a verified proposal (docs/strategies.md#s2d2)."""
+        return 1 if self.shift and self.params.causal_prefix else 0
 
     def verifier_logits(self, ctx: DecodeContext, filled: list[int], slots: list[int]) -> torch.Tensor:
         """The model in block-size-1 mode at `slots` of the draft-filled block: logits [len(slots), V]."""
