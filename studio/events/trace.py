@@ -122,6 +122,7 @@ class Trace:
     header: dict[str, Any]
     events: list[Event]
     footer: dict[str, Any] | None  # None only for a truncated trace read with allow_truncated=True
+    path: Path | None = None       # the file it was read from
 
     @property
     def truncated(self) -> bool:
@@ -230,7 +231,7 @@ class TraceReader:
 
     def read(self) -> Trace:
         events = list(self)
-        return Trace(self.header, events, self.footer)
+        return Trace(self.header, events, self.footer, self.path)
 
     def close(self) -> None:
         self._f.close()

@@ -31,6 +31,8 @@ class Cell:
     conf: float | None = None       # diffusion confidence (unmask)
     draft_tok: int | None = None    # a rejected draft token (the resample replaced it)
     draft_text: str | None = None
+    draft_p: float | None = None    # p and q of that rejected draft (the correction has none of its own)
+    draft_q: float | None = None
     src: str | None = None          # proposal source (mask, draft_model, jacobi, ngram, diffusion)
     kinds: tuple[str, ...] = ()     # event kinds that touched the position at this step, in order
     emitted: bool = False           # emitted (became final output) at this very step
@@ -39,10 +41,8 @@ class Cell:
 
     @property
     def ratio(self) -> float | None:
-        """Acceptance ratio min(1, p/q) of a verified draft (None when p or q is unknown)."""
-        if self.p is None or self.q is None or "accept" not in self.kinds and "reject" not in self.kinds:
-            return None
-        return 1.0 if self.q <= 0 else min(1.0, self.p / self.q)
+        """Acceptance ratio min(1, p/q) of this cell's accepted draft (None when p or q is unknown)."""
+        return _ratio(self.p, self.q) if "accept" in self.kinds else None
 
     @property
     def glyph(self) -> str:
@@ -53,14 +53,11 @@ class Cell:
         lines = [f"{self.glyph} {label(self.state)}" + (" (held: not yet emitted)" if self.held else "")]
         if self.tok is not None:
             lines.append(f"token {self.tok}" + (f" {show_text(self.text)}" if self.text is not None else ""))
+        lines += _probs(self.p, self.q, self.ratio)
         if self.draft_tok is not None:
             lines.append(f"rejected draft {self.draft_tok}"
                          + (f" {show_text(self.draft_text)}" if self.draft_text is not None else ""))
-        probs = [f"{k}={_fmt(v)}" for k, v in (("p", self.p), ("q", self.q)) if v is not None]
-        if self.ratio is not None:
-            probs.append(f"min(1,p/q)={_fmt(self.ratio)}")
-        if probs:
-            lines.append("  ".join(probs))
+            lines += ["  " + line for line in _probs(self.draft_p, self.draft_q, _ratio(self.draft_p, self.draft_q))]
         if self.conf is not None:
             lines.append(f"confidence {_fmt(self.conf)}")
         if self.src:
@@ -141,6 +138,19 @@ _EMPTY = Cell(State.EMPTY)
 
 def _fmt(v: float) -> str:
     return f"{v:.3g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"
+
+
+def _ratio(p: float | None, q: float | None) -> float | None:
+    """min(1, p/q): the chance a draft with these probabilities is accepted (None when one is unknown)."""
+    if p is None or q is None:
+        return None
+    return 1.0 if q <= 0 else min(1.0, p / q)
+
+
+def _probs(p: float | None, q: float | None, ratio: float | None) -> list[str]:
+    """'p=0.9  q=1  min(1,p/q)=0.9', or nothing when no number is known."""
+    parts = [f"{k}={_fmt(v)}" for k, v in (("p", p), ("q", q), ("min(1,p/q)", ratio)) if v is not None]
+    return ["  ".join(parts)] if parts else []
 
 
 def visible_token(text: str | None, tok: int | None = None, limit: int = 9) -> str:
@@ -318,8 +328,9 @@ class GridBuilder:
             st = _EVENT_STATE[kind]
             c = touched.setdefault(pos, {"state": None, "kinds": []})
             c["kinds"].append(kind)
-            if kind == "reject":
-                c["draft_tok"] = info.pop("tok")
+            if kind == "reject":   # the draft's numbers; the correction that replaces it has none
+                c["draft_tok"], c["draft_p"], c["draft_q"] = info.pop("tok"), info.pop("p"), info.pop("q")
+                c.pop("q", None)   # the proposal's q, now the draft's
             if "tok" in info and (c["state"] is None or PRIORITY[st] >= PRIORITY[c["state"]]):
                 c["tok"] = info.pop("tok")
             info.pop("tok", None)
@@ -388,7 +399,8 @@ class GridBuilder:
                 tok = emitted_now[pos]
             draft = c.get("draft_tok")
             cell = Cell(state, tok=tok, text=text_of(pos, tok), p=c.get("p"), q=c.get("q"), conf=c.get("conf"),
-                        draft_tok=draft, draft_text=text_of(None, draft), src=c.get("src"),
+                        draft_tok=draft, draft_text=text_of(None, draft), draft_p=c.get("draft_p"),
+                        draft_q=c.get("draft_q"), src=c.get("src"),
                         kinds=tuple(c["kinds"]) + (("emit",) if emitted else ()), emitted=emitted,
                         committed_step=step if emitted else None)
             cells[(step, pos)] = cell

@@ -116,3 +116,21 @@ def tint(hex_color: str, amount: float) -> str:
 def legend_text() -> str:
     """One line, e.g. for a terminal footer: '○ proposed  ✓ accepted  ...'."""
     return "  ".join(f"{PALETTE[s][1]} {PALETTE[s][2]}" for s in State if s is not State.EMPTY)
+
+
+# What each forward role (`forward.role` in the events, docs/events.md) does, for legends and tooltips.
+FORWARD_ROLES: dict[str, str] = {
+    "prefill": "the prompt into the KV cache (in chunks for long prompts)",
+    "extend": "ar: one token after the last",
+    "cold": "isd: MASK rows draft a chain (nothing to verify yet)",
+    "verify": "checks the drafts against the target model; drafts the next chain too",
+    "jacobi": "jacobi: refines the whole window at once",
+    "draft": "block diffusion: one denoising pass over the open block",
+    "commit": "block diffusion: writes a finished block's KV",
+    "target": "simsd: the target model completes a block",
+}
+
+
+def roles_legend(roles=None) -> str:
+    """'verify: checks the drafts …', one line per role given (default: every role)."""
+    return "\n".join(f"{r}: {FORWARD_ROLES[r]}" for r in (roles or FORWARD_ROLES) if r in FORWARD_ROLES)

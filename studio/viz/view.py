@@ -59,8 +59,11 @@ class RunView:
     @classmethod
     def of_trace(cls, trace: Trace, token_text: Callable[[int], str | None] | None = None) -> "RunView":
         """A finished (or truncated) trace. Token texts come from the trace's emits (their `pieces`), then from
-        `token_text` (the tokenizer the trace was made with, when the caller has it); without one, ids the
-        trace never emitted (rejected drafts) have no text."""
+        `token_text`: by default the tokenizer the header names, when this machine has it
+        (`model_cache.trace_token_text`); without one, ids the trace never emitted (rejected drafts) have no text."""
+        if token_text is None:
+            from studio.engine.model_cache import trace_token_text
+            token_text = trace_token_text(trace.header)
         view = cls(header=trace.header)
         view._builder = GridBuilder.of_events(trace.events, token_text)
         view.feed(trace.events)

@@ -17,7 +17,7 @@ import torch
 from studio.engine import weights as W
 from studio.engine.tokenizer import Tokenizer, _bytes_to_unicode
 from studio.errors import BadInput
-from tests.support.hf_files import CHATML, tiny_hf_model, write_hf_dir
+from tests.support.hf_files import CHATML, tiny_hf_model, tiny_tokenizer_files, write_hf_dir
 
 
 @pytest.fixture(autouse=True)
@@ -390,6 +390,26 @@ def test_cache_dir_follows_xdg(monkeypatch, tmp_path):
     assert W.cache_dir() == tmp_path / "c" / "dlm-studio" / "models"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert W.cache_dir().name == "models" and "dlm-studio" in str(W.cache_dir())
+
+
+def test_a_trace_finds_the_tokenizer_it_names_in_the_model_cache_or_its_model_dir(monkeypatch, tmp_path):
+    """Replays show proposal and rejected-draft texts when this machine has the trace's tokenizer."""
+    from studio.engine import model_cache
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "c"))
+    model_cache._find_tokenizer.cache_clear()
+    (tmp_path / "hf").mkdir()
+    tiny_tokenizer_files(tmp_path / "hf")
+    tok = Tokenizer.from_dir(tmp_path / "hf", name="tiny-tok")
+    tok.save_dir(W.cache_dir() / "tiny-gguf-1234")
+    Tokenizer.from_dir(tmp_path / "hf", name="other-tok").save_dir(W.cache_dir() / "other-5678")
+    header = {"model": {"name": "/elsewhere/tiny.gguf"}, "tokenizer": {"name": "tiny-tok", "vocab_size": tok.vocab_size}}
+    text = model_cache.trace_token_text(header)
+    assert text is not None and [text(i) for i in range(5, 9)] == [tok.token_text(i) for i in range(5, 9)]
+    assert model_cache.trace_token_text(dict(header, tokenizer={"name": "unknown"})) is None
+    smaller = dict(header, tokenizer={"name": "tiny-tok", "vocab_size": tok.vocab_size - 1})
+    assert model_cache.trace_token_text(smaller) is None          # not the vocabulary the trace was made with
+    by_dir = {"model": {"name": str(tmp_path / "hf")}, "tokenizer": {"name": "hf"}}
+    assert model_cache.trace_token_text(by_dir) is not None       # a model directory named by the header
 
 
 # -------------------------------------------------------------------------------------------------

@@ -87,16 +87,18 @@ def test_grid_cell_details():
     c = g.cell(1, 1)
     assert (c.tok, c.p, c.q, c.ratio) == (101, 0.9, 0.5, 1.0)
     assert g.cell(1, 2).ratio == pytest.approx(0.2 / 0.4)
-    c = g.cell(1, 3)  # reject + resample: the correction's token, the rejected draft kept for the hover
-    assert (c.tok, c.draft_tok, c.p, c.q) == (103, 150, 0.05, 0.3)
-    assert c.ratio == pytest.approx(0.05 / 0.3)
+    c = g.cell(1, 3)  # reject + resample: the correction's token; p, q and ratio are the rejected draft's, kept apart
+    assert (c.tok, c.draft_tok, c.draft_p, c.draft_q) == (103, 150, 0.05, 0.3)
+    assert (c.p, c.q, c.ratio) == (None, None, None)
     assert c.kinds == ("reject", "resample", "emit")
     assert g.cell(2, 7).tok == 107 and g.cell(2, 7).kinds == ("bonus", "emit")
     assert g.cell(3, 8).conf == 0.95 and g.cell(4, 8).conf == 0.95
     assert g.cell(6, 8).committed_step == 6 and g.cell(6, 0).committed_step == 0
     assert g.cell(3, 10).state is State.EMPTY and g.cell(1, 7).state is State.EMPTY
-    text = "\n".join(g.cell(1, 3).describe())
-    assert "min(1,p/q)=0.167" in text and "rejected draft 150" in text
+    lines = g.cell(1, 3).describe()
+    draft = next(i for i, line in enumerate(lines) if line.startswith("rejected draft 150"))
+    assert "p=" not in "".join(lines[:draft])             # nothing computed for the correction itself
+    assert lines[draft + 1].split() == ["p=0.05", "q=0.3", "min(1,p/q)=0.167"]
     # rows: forward info, routing, kv, blocks
     assert [g.rows[s].role for s in g.steps] == ["prefill", "verify", "verify", "draft", "draft", "draft", "commit"]
     assert g.rows[3].route == {"verify": False, "score": 0.31, "policy": "dynamic"}

@@ -65,7 +65,7 @@ class ReplayScreen(Screen):
         self.title = "dlm-studio · replay"
         self.query_one("#grid-box").border_title = "tokens"
         if self._initial is not None:
-            self.load(self._initial, "")
+            self.load(self._initial, str(self._initial.path or ""))
         else:
             self.query_one("#replay-path", Input).focus()
             self.status("open a trace: type its path, Enter")
@@ -98,6 +98,7 @@ class ReplayScreen(Screen):
         if trace.truncated:
             title.append("  · truncated trace (the run did not finish)", style="bold #D55E00")
         self.query_one("#replay-title", Static).update(title)
+        self.query_one("#replay-path", Input).value = path
         grid = self.query_one(TokenGrid)
         grid.cursor = None
         grid.focus()

@@ -22,7 +22,7 @@ def position_history(grid: Grid, pos: int, upto_step: int | None = None) -> Text
         row = grid.rows.get(final.committed_step)
         role = f" {row.role}" if row and row.role else ""
         out.append(f"  {show_text(final.text)}  committed at step {final.committed_step}{role} forward")
-        out.append(f" ({label(final.state)})", style="dim")
+        out.append(f" · {label(final.state)}", style="dim")
     else:
         out.append("  not committed yet", style="dim")
     for step in grid.steps:
@@ -46,8 +46,9 @@ def position_history(grid: Grid, pos: int, upto_step: int | None = None) -> Text
             details.append(f"ratio={_num(cell.ratio)}")
         if cell.conf is not None:
             details.append(f"conf={_num(cell.conf)}")
-        if cell.draft_tok is not None:
-            details.append(f"rejected draft {show_text(cell.draft_text)} → replaced")
+        if cell.draft_tok is not None:   # the rejected draft's own numbers, never the correction's
+            details.append(f"replaced rejected draft {show_text(cell.draft_text)}: p={_num(cell.draft_p)} "
+                           f"q={_num(cell.draft_q)}")
         if details:
             out.append("  " + "  ".join(details), style="dim")
     return out
