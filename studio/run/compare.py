@@ -14,7 +14,16 @@ from typing import Callable, Mapping
 
 from studio.errors import BadInput
 from studio.run.config import RunConfig
-from studio.run.session import Run, RunResult, decoded_model, drive, kv_length_needed
+from studio.run.session import (
+    CANCELLED,
+    Run,
+    RunResult,
+    decoded_model,
+    drive,
+    kv_length_needed,
+)
+
+ENDED_ON_ITS_OWN = ("eos", "stop_string")   # stop reasons after which a run's output is complete
 
 
 def compare_configs(items: str, base: RunConfig | None = None) -> dict[str, RunConfig]:
@@ -29,7 +38,8 @@ def compare_configs(items: str, base: RunConfig | None = None) -> dict[str, RunC
             raise BadInput(f"{config.label} is listed twice: {items}")
         configs[config.label] = config
     if set(configs) <= {"ar"}:
-        raise BadInput(f"nothing to compare with ar: name a strategy or preset besides it (got {items!r})")
+        got = f" (got {items.strip()!r})" if items.strip() else ""
+        raise BadInput(f"nothing to compare with ar: name a strategy or preset besides it{got}")
     ar = configs.pop("ar", None) or base.use("ar")
     return {"ar": ar, **configs}
 
@@ -40,6 +50,29 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+    """How a run's output agrees with its reference's, on the tokens both produced."""
+    difference: int | None   # the first position where they really differ; None when they agree
+    compared: int            # tokens both produced
+    so_far: bool             # they agree, but a run was cut short (cancelled, or at a lower token limit)
+
+
+def agreement(ref: RunResult, run: RunResult) -> Agreement:
+    """Compare `run`'s tokens with `ref`'s where both produced one. Different lengths differ only where the
+    shorter run ended on its own (EOS, a stop string) while the other went on; a run cut short (cancelled, or
+    at a lower --max-new-tokens) agrees "so far"."""
+    a, b = ref.token_ids, run.token_ids
+    compared = min(len(a), len(b))
+    k = first_difference(a[:compared], b[:compared])
+    if k is None and len(a) != len(b):
+        shorter = ref if len(a) < len(b) else run
+        if shorter.footer["stop_reason"] in ENDED_ON_ITS_OWN:
+            k = compared
+    cut_short = len(a) != len(b) or CANCELLED in (ref.footer["stop_reason"], run.footer["stop_reason"])
+    return Agreement(k, compared, k is None and cut_short and run is not ref)
 
 
 def reference_label(model_adapter: str | None) -> str:
@@ -60,34 +93,49 @@ def references(results: dict[str, RunResult]) -> dict[str, str]:
 def rows(results: dict[str, RunResult]) -> list[dict]:
     """One row per run: the numbers the table, --json and reports show (all from footers/events). Speed and
     `identical_to_ar` are against the `ar` row; `identical_to_reference` against the row's reference (None
-    when it did not run)."""
+    when it did not run). Outputs are compared on the tokens both runs produced (`agreement`):
+    `identical_so_far` marks a match where a run was cut short, `compared_tokens` counts the tokens compared."""
     base = results["ar"]
     refs = references(results)
     out = []
     for label, r in results.items():
         f = r.footer
         verified = any(e["t"] in ("accept", "reject") for e in r.events)
+        to_ar = agreement(base, r)
         ref = results.get(refs[label])
-        k = None if ref is None else first_difference(ref.token_ids, r.token_ids)
+        to_ref = None if ref is None else agreement(ref, r)
         out.append({"label": label, "strategy": r.header["strategy"], "params": r.header["params"],
                     "n_tokens": f["n_tokens"], "token_ids": list(r.token_ids), "forwards": f["forwards"],
                     "tpf": f["tpf"],
                     "accept_rate": f["accept_rate"] if verified else None, "tok_s": f["tok_s"],
                     "speed_vs_ar": f["tok_s"] / base.footer["tok_s"] if base.footer["tok_s"] else None,
-                    "identical_to_ar": first_difference(base.token_ids, r.token_ids) is None,
-                    "first_difference": first_difference(base.token_ids, r.token_ids),
-                    "reference": refs[label], "identical_to_reference": None if ref is None else k is None,
-                    "reference_first_difference": k,
+                    "identical_to_ar": to_ar.difference is None, "first_difference": to_ar.difference,
+                    "reference": refs[label],
+                    "identical_to_reference": None if to_ref is None else to_ref.difference is None,
+                    "reference_first_difference": None if to_ref is None else to_ref.difference,
+                    "identical_so_far": None if to_ref is None else to_ref.so_far,
+                    "compared_tokens": None if to_ref is None else to_ref.compared,
                     "stop_reason": f["stop_reason"], "text": f["text"]})
     return out
 
 
 def same_as(row: dict) -> str:
-    """The table's last column: whether the output is identical to the row's reference, which it names."""
+    """The table's last column: whether the output is identical to the row's reference, which it names
+    ("yes so far" when a run was cut short before the other ended)."""
     ref, same = row["reference"], row["identical_to_reference"]
     if same is None:
         return f"— ({ref} did not run)"
-    return f"yes ({ref})" if same else f"no at token {row['reference_first_difference']} ({ref})"
+    if not same:
+        return f"no at token {row['reference_first_difference']} ({ref})"
+    return f"yes so far ({ref}, {row['compared_tokens']} tokens)" if row["identical_so_far"] else f"yes ({ref})"
+
+
+def settings_text(header: dict) -> str:
+    """The generation settings a run used, from its trace header: `temperature 0 · top-k 0 · top-p 1 · seed 0
+    · max tokens 16`."""
+    p = header["params"]
+    return (f"temperature {p['temperature']:g} · top-k {p['top_k']} · top-p {p['top_p']:g} · seed {header['seed']}"
+            f" · max tokens {p['max_new_tokens']}")
 
 
 def render_table(table_rows: list[dict], sampled: bool):

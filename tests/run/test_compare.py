@@ -10,14 +10,15 @@ from typer.testing import CliRunner
 
 from studio.cli import app
 from studio.run.config import RunConfig
-from studio.run.compare import compare_configs, first_difference, make_runs, render_table, rows, run_compare, same_as
+from studio.run.compare import (agreement, compare_configs, first_difference, make_runs, render_table, rows,
+                                run_compare, same_as, settings_text)
 from studio.engine.engine import Engine
 from studio.engine.lora import attach_adapter
 from studio.engine.strategies import STRATEGIES
 from studio.errors import BadInput
 from studio.events import read_trace
 from studio.presets import shipped
-from studio.run.session import Session, encode_prompt
+from studio.run.session import CANCELLED, Session, drive, encode_prompt
 from tests.support.lora import random_adapter
 from tests.support.tiny import tiny_engine
 
@@ -25,7 +26,7 @@ PROMPT = "abcab"                                     # TinyTokenizer: letters a.
 LOSSLESS = ["isd", "r-isd", "jacobi", "jacobi-mr-cpu"]  # greedy output == greedy ar, token for token
 ROW_KEYS = {"label", "strategy", "params", "n_tokens", "token_ids", "forwards", "tpf", "accept_rate", "tok_s",
             "speed_vs_ar", "identical_to_ar", "first_difference", "reference", "identical_to_reference",
-            "reference_first_difference", "stop_reason", "text"}
+            "reference_first_difference", "identical_so_far", "compared_tokens", "stop_reason", "text"}
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +112,7 @@ def test_compare_json_fields_and_metrics(cli, engine):
         assert r["speed_vs_ar"] == pytest.approx(r["tok_s"] / ar["tok_s"])
         assert r["identical_to_ar"] is True and r["first_difference"] is None  # greedy, lossless
         assert r["reference"] == "ar" and r["identical_to_reference"] is True   # no adapter: ar is every reference
+        assert r["identical_so_far"] is False and r["compared_tokens"] == 12 and same_as(r) == "yes (ar)"
     assert ar["accept_rate"] is None and ar["forwards"] == 11           # ar verifies nothing; prefill gives token 0
     isd = out[1]
     assert 0.0 <= isd["accept_rate"] <= 1.0
@@ -139,7 +141,8 @@ def test_every_registered_strategy_runs_in_compare(cli):
 
 
 def test_differing_run_reports_first_differing_position(engine):
-    """A run that differs from ar on purpose: sampled at a high temperature, and a shorter run (a prefix)."""
+    """A run that differs from ar on purpose (sampled at a high temperature: both produce 12 tokens, they differ
+    at k < 12), and a shorter run (a lower token limit: the same tokens as far as it went)."""
     ids = encode_prompt(engine, PROMPT)
     settings = {"ar": ("ar", 12, 0.0), "hot": ("ar", 12, 3.0), "short": ("ar", 5, 0.0)}
 
@@ -151,14 +154,64 @@ def test_differing_run_reports_first_differing_position(engine):
     k = next(i for i, (a, b) in enumerate(zip(base, hot)) if a != b)  # raises if they never differ
     assert base[:k] == hot[:k] and base[k] != hot[k]
     assert table["hot"]["first_difference"] == k and table["hot"]["identical_to_ar"] is False
-    assert table["short"]["token_ids"] == base[:5]
-    assert table["short"]["first_difference"] == 5 and table["short"]["identical_to_ar"] is False
+    assert table["hot"]["reference_first_difference"] == k and table["hot"]["compared_tokens"] == 12
+    assert table["hot"]["identical_so_far"] is False
+    short = table["short"]
+    assert short["token_ids"] == base[:5] and short["stop_reason"] == "max_new_tokens"
+    assert short["first_difference"] is None and short["identical_to_ar"] is True   # cut short, not different
+    assert short["identical_so_far"] is True and short["compared_tokens"] == 5
     assert table["ar"]["first_difference"] is None and table["ar"]["speed_vs_ar"] == 1.0
+    assert table["ar"]["identical_so_far"] is False   # ar against itself
     from rich.console import Console
     con = Console(width=140, record=True)
     con.print(render_table(list(table.values()), sampled=True))
     text = con.export_text()
-    assert f"no at token {k} (ar)" in text and "no at token 5 (ar)" in text and "in distribution" in text
+    assert f"no at token {k} (ar)" in text and "yes so far (ar, 5 tokens)" in text and "in distribution" in text
+
+
+def test_a_cancelled_run_that_matched_so_far_is_not_a_difference(engine):
+    """Every run cancelled mid-way (Esc in a front end): isd produced fewer tokens than ar or more, and
+    matches it on the tokens both produced."""
+    ids = encode_prompt(engine, PROMPT)
+    runs = make_runs(engine, PROMPT, ids, _greedy("isd,jacobi", 12))
+    steps = []
+
+    def cancel_all_after_four_steps(i, events):
+        steps.append(i)
+        if len(steps) == 4:
+            for run in runs.values():
+                run.cancel()
+    drive(list(runs.values()), cancel_all_after_four_steps)
+    results = {label: run.result for label, run in runs.items()}
+    assert all(r.footer["stop_reason"] == CANCELLED for r in results.values())
+    assert 0 < len(results["ar"].token_ids) < 12
+    for r in rows(results)[1:]:
+        n = min(len(r["token_ids"]), len(results["ar"].token_ids))
+        assert r["identical_to_reference"] is True and r["reference_first_difference"] is None
+        assert r["identical_so_far"] is True and r["compared_tokens"] == n
+        assert same_as(r) == f"yes so far (ar, {n} tokens)"
+
+
+def test_a_run_that_ended_on_its_own_before_the_other_differs_where_it_ended(engine):
+    """A stop string ends one run early; the other went on: that is a difference (at the end of the shorter),
+    not "so far", whichever of the two is the reference."""
+    ids = encode_prompt(engine, PROMPT)
+    full = run_compare(engine, PROMPT, ids, {"ar": RunConfig("ar", max_new_tokens=12, temperature=0.0)})["ar"]
+    stop_at = next(i for i, t in enumerate(full.token_ids) if i > 0 and t not in full.token_ids[:i])
+    stopped = run_compare(engine, PROMPT, ids, {"ar": RunConfig("ar", max_new_tokens=12, temperature=0.0,
+                                                              stop=(chr(97 + full.token_ids[stop_at]),))})["ar"]
+    assert stopped.footer["stop_reason"] == "stop_string" and stopped.token_ids == full.token_ids[:stop_at + 1]
+    for ref, run in ((full, stopped), (stopped, full)):
+        a = agreement(ref, run)
+        assert (a.difference, a.compared, a.so_far) == (stop_at + 1, stop_at + 1, False)
+    assert agreement(full, full).difference is None and not agreement(full, full).so_far
+
+
+def test_settings_text_names_what_a_run_used(engine):
+    ids = encode_prompt(engine, PROMPT)
+    config = RunConfig("ar", max_new_tokens=3, temperature=0.5, top_k=4, top_p=0.9, seed=7)
+    result = run_compare(engine, PROMPT, ids, {"ar": config})["ar"]
+    assert settings_text(result.header) == "temperature 0.5 · top-k 4 · top-p 0.9 · seed 7 · max tokens 3"
 
 
 def test_compare_cli_table_and_bad_input(cli):
