@@ -39,21 +39,30 @@ def chat_repl(session: ChatSession, stdin: TextIO = sys.stdin, stdout: TextIO = 
         line = line.strip()
         if not line:
             continue
-        if line.startswith("/"):
-            reply = session.command(line)
-            stderr.write(reply.message + "\n")
-            if reply.quit:
-                return
-            continue
-        try:
-            run = session.start_turn(line)
-        except BadInput as e:
-            stderr.write(f"error: {e}\n")
-            continue
-        _stream(Worker([run]).start(), stdout, stderr)
-        if run.done:
-            stderr.write(run_summary_line(run.result.footer, session.choice.label, run.result.events) + "\n")
+        if not interactive:   # no terminal echoes piped input: the transcript says what each answer answers
+            stderr.write(f"> {line}\n")
+        if not _answer(session, line, stdout, stderr):
+            return
+        if not interactive:
+            stderr.write("\n")   # a blank line between one exchange and the next
         stderr.flush()
+
+
+def _answer(session: ChatSession, line: str, stdout: TextIO, stderr: TextIO) -> bool:
+    """Run one line: a command (its reply) or a turn (the answer, then its metrics line). False: the chat ends."""
+    if line.startswith("/"):
+        reply = session.command(line)
+        stderr.write(reply.message + "\n")
+        return not reply.quit
+    try:
+        run = session.start_turn(line)
+    except BadInput as e:
+        stderr.write(f"error: {e}\n")
+        return True
+    _stream(Worker([run]).start(), stdout, stderr)
+    if run.done:
+        stderr.write(run_summary_line(run.result.footer, session.choice.label, run.result.events) + "\n")
+    return True
 
 
 def _stream(worker: Worker, stdout: TextIO, stderr: TextIO) -> None:

@@ -6,6 +6,7 @@ transformers' GGUF loader, the oracle (bit-exact weights, identical token ids, s
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import time
 from pathlib import Path
@@ -396,7 +397,7 @@ def test_a_trace_finds_the_tokenizer_it_names_in_the_model_cache_or_its_model_di
     """Replays show proposal and rejected-draft texts when this machine has the trace's tokenizer."""
     from studio.engine import model_cache
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "c"))
-    model_cache._find_tokenizer.cache_clear()
+    monkeypatch.setattr(model_cache, "_find_tokenizer", functools.lru_cache(model_cache._find_tokenizer.__wrapped__))
     (tmp_path / "hf").mkdir()
     tiny_tokenizer_files(tmp_path / "hf")
     tok = Tokenizer.from_dir(tmp_path / "hf", name="tiny-tok")

@@ -3,6 +3,7 @@ parameters, compare, replay, bad input, help; and snapshots of the chat, compare
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import itertools
 import time
@@ -300,11 +301,16 @@ def test_snapshot_chat(snap_compare, fake_clock):
 
 
 
-def test_snapshot_replay(snap_compare):
+def test_snapshot_replay(snap_compare, monkeypatch, tmp_path):
+    from studio.engine import model_cache
     from studio.events import read_trace
     from tests.support.fixtures import traces
     import pathlib
-    trace = read_trace(pathlib.Path(traces.__file__).with_name("isd_smollm2.jsonl"))
+    monkeypatch.chdir(pathlib.Path(traces.__file__).parent)   # the path field shows the path as given
+    # the same picture whether or not this machine has the trace's tokenizer (it names proposals)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(model_cache, "_find_tokenizer", functools.lru_cache(model_cache._find_tokenizer.__wrapped__))
+    trace = read_trace("isd_smollm2.jsonl")
     app = StudioApp(None, trace=trace)
 
     async def before(pilot):

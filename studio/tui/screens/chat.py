@@ -6,6 +6,8 @@ Each turn runs on a `Worker` thread; a timer (≈15 Hz) takes the drained steps,
 """
 from __future__ import annotations
 
+from typing import ClassVar
+
 from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
@@ -26,6 +28,7 @@ from studio.viz.text import rich_text, run_summary_line
 from studio.viz.view import RunView
 from studio.run.worker import Worker
 
+SIDE_PANEL_MIN_WIDTH = 100   # narrower, the run panel (44 columns) would leave the answer a sliver
 TEXT_EVERY = 3   # the answer, metrics and inspector on every 3rd drawn frame: numbers and prose cannot be
                  # read faster, and drawing them costs the decode thread its share of the GIL
 
@@ -36,6 +39,7 @@ class ChatMessage(LiveText):
     ChatMessage { padding: 0 1; margin: 0 0 1 0; }
     ChatMessage.user { background: $boost; }
     ChatMessage.note { color: $text-muted; }
+    ChatMessage.error { color: $text-error; }
     """
 
 
@@ -47,7 +51,11 @@ class ChatScreen(Screen):
         Binding("ctrl+n", "step", "next step", id="chat.step"),
         Binding("ctrl+g", "focus_grid", "grid", id="chat.grid"),
         Binding("ctrl+l", "focus_prompt", "prompt", show=False, id="chat.prompt"),
+        Binding("f6", "toggle_side", "panel", id="chat.panel"),
     ]
+    # below 100 columns the run panel folds away and below 32 rows the grid and inspector shrink (studio.tcss)
+    HORIZONTAL_BREAKPOINTS: ClassVar = [(0, "-narrow"), (SIDE_PANEL_MIN_WIDTH, "-wide")]
+    VERTICAL_BREAKPOINTS: ClassVar = [(0, "-short"), (32, "-tall")]
 
     def __init__(self, session: ChatSession):
         super().__init__(id="chat")
@@ -57,6 +65,8 @@ class ChatScreen(Screen):
         self.answer: ChatMessage | None = None
         self.step_mode = False
         self._timer = None
+        self._prefill_shown: tuple[int, int] | None = None   # the prefill progress the status shows
+        self._stopping = False
         self._frames, self._pending, self.pacer = 0, False, FramePacer()
 
     def compose(self) -> ComposeResult:
@@ -93,10 +103,16 @@ class ChatScreen(Screen):
     def running(self) -> bool:
         return self.worker is not None
 
-    def note(self, text: str) -> None:
+    def note(self, text: str, error: bool = False) -> None:
+        """A line in the conversation's log: wrapped and whole, where the status line is cut at the width."""
         conv = self.query_one("#conversation", VerticalScroll)
-        conv.mount(ChatMessage(Text(text), classes="note"))
+        conv.mount(ChatMessage(Text(text), classes="note error" if error else "note"))
         conv.scroll_end(animate=False)
+
+    def fail(self, text: str) -> None:
+        """An error: the status line says it in red, the log keeps it whole."""
+        self.status(text, error=True)
+        self.note(text, error=True)
 
     # -- input -----------------------------------------------------------------------------------
     @on(Input.Submitted, "#prompt")
@@ -104,14 +120,14 @@ class ChatScreen(Screen):
         text = event.value.strip()
         if not text:
             return
-        if self.running:
+        if self.running:   # the text stays in the input, to send once the answer is done
             self.status("a generation is running: Esc stops it", error=True)
             return
-        event.input.value = ""
         if text.startswith("/"):
+            event.input.value = ""   # back in the input if the command is refused (_command_done)
             self.run_command(text)
-        else:
-            self.send(text)
+        elif self.send(text):
+            event.input.value = ""   # only a message that became a turn leaves the input
 
     @work(thread=True, exclusive=True, group="command")
     def run_command(self, line: str) -> None:
@@ -127,31 +143,42 @@ class ChatScreen(Screen):
         if reply.quit:
             self.app.exit()
             return
+        prompt = self.query_one("#prompt", Input)
+        prompt.focus()
         self.status(reply.message.splitlines()[0] if reply.error else f"{line.split()[0]}: ok", error=reply.error)
         if not reply.error and line.split()[0] in ("/reset", "/model"):
             self.query_one("#conversation", VerticalScroll).remove_children()
-        self.note(reply.message)   # the status line is cut at the terminal's width; the log line wraps, whole
-        if not reply.error:
+        self.note(reply.message, error=reply.error)
+        if reply.error:
+            if not prompt.value:   # a refused command comes back to be mended (unless the user typed on)
+                prompt.value = line
+            return
             self.query_one(Controls).sync(self.session.choice, self.session.engine)
             self.title = f"dlm-studio · {self.session.engine.name}"
 
-    def send(self, text: str) -> None:
+    def send(self, text: str) -> bool:
+        """Start a turn with `text`; False (and why, in the status and the log) when the session refuses it."""
         try:
             run = self.session.start_turn(text)
         except BadInput as e:
-            self.status(error_line(e), error=True)
-            return
+            self.fail(f"not sent: {error_line(e)}")
+            return False
         conv = self.query_one("#conversation", VerticalScroll)
         conv.mount(ChatMessage(Text(text), classes="user"))
         self.answer = ChatMessage(Text("…", style="dim"), grow_by=4, classes="assistant")
         conv.mount(self.answer)
         conv.scroll_end(animate=False)
         self.view = RunView(run.token_text, run.header)
+        self.redraw()   # the grid, metrics and inspector of the last turn go now, not at this turn's first step
         self._frames, self._pending, self.pacer = 0, False, FramePacer()
+        self._prefill_shown, self._stopping = None, False
         self.worker = Worker([run], step_mode=self.step_mode).start()
         self._timer = self.set_interval(FRAME_S, self.frame)
-        label = self.session.choice.label
-        self.status(f"{label}: decoding… (Esc stops{', ctrl+n steps' if self.step_mode else ''})")
+        self.status(self._decoding_line())
+        return True
+
+    def _decoding_line(self) -> str:
+        return f"{self.session.choice.label}: decoding… (Esc stops{', ctrl+n steps' if self.step_mode else ''})"
 
     # -- frames ----------------------------------------------------------------------------------
     def frame(self) -> None:
@@ -163,13 +190,35 @@ class ChatScreen(Screen):
         batches = worker.drain()
         for _, events in batches:
             self.view.feed(events)
-        self._pending = self._pending or bool(batches)
+        stepped = any(events for _, events in batches)   # a prefill chunk hands out no events (yet)
+        if stepped or finished:
+            self._prefill_done()
+        else:
+            self._show_prefill(worker.runs[0])
+        self._pending = self._pending or stepped
         if self._pending and (finished or self.step_mode or self.pacer.due()):
             self._pending = False
             self._frames += 1
             self.redraw(all_widgets=finished or self.step_mode or self._frames % TEXT_EVERY == 1)
         if finished:
             self.turn_done(worker)
+
+    def _show_prefill(self, run) -> None:
+        """A long prompt is prefilled in chunks before the first step (nothing to draw yet): the status and the
+        answer say how much of the prompt is in."""
+        progress = run.prefill_progress
+        if progress is None or progress == self._prefill_shown or not (run.prefilling or self._prefill_shown):
+            return
+        self._prefill_shown = progress
+        line = "prefilling {:,} / {:,} prompt tokens".format(*progress)
+        self.answer.show_text(Text(f"{line}…", style="dim"))
+        if not self._stopping:
+            self.status(f"{line} (Esc stops)")
+
+    def _prefill_done(self) -> None:
+        if self._prefill_shown is not None and not self._stopping:
+            self.status(self._decoding_line())
+        self._prefill_shown = None
 
     def redraw(self, all_widgets: bool = True) -> None:
         view = self.view
@@ -190,10 +239,11 @@ class ChatScreen(Screen):
         self._timer.stop()
         self.worker = None
         run = worker.runs[0]
-        if self.answer is not None and self.view.grid.steps:
-            self.answer.show_text(rich_text(self.view.grid), final=True)
+        if self.answer is not None:
+            text = rich_text(self.view.grid)
+            self.answer.show_text(text if text.plain else Text("(no output)", style="dim"), final=True)
         if worker.error is not None:
-            self.status(error_line(worker.error), error=True)
+            self.fail(error_line(worker.error))
             return
         result = run.result
         self.view.footer = result.footer
@@ -206,7 +256,8 @@ class ChatScreen(Screen):
     def action_stop(self) -> None:
         if self.worker is not None:
             self.worker.cancel()
-            self.status("stopping after this step…")
+            self._stopping = True
+            self.status(f"stopping after this {'chunk' if self.worker.runs[0].prefilling else 'step'}…")
 
     def check_action(self, action: str, parameters) -> bool | None:
         if action == "interrupt":   # ctrl+c stops a generation; otherwise it goes on to the app (copy, quit hint)
@@ -223,9 +274,7 @@ class ChatScreen(Screen):
         self.step_mode = on
         if self.worker is not None:
             self.worker.set_step_mode(on)
-        switch = self.query_one("#ctl-step")
-        with switch.prevent(switch.Changed):
-            switch.value = on
+        self.query_one(Controls).show_step_mode(on)
         self.status("step mode on: ctrl+n advances one step" if on else "step mode off")
 
     def action_step(self) -> None:
@@ -237,6 +286,20 @@ class ChatScreen(Screen):
 
     def action_focus_prompt(self) -> None:
         self.query_one("#prompt", Input).focus()
+
+    def on_resize(self, event) -> None:
+        # a compact footer without the palette's key keeps "f1 help" on an 80-column line
+        footer = self.query_one(Footer)
+        footer.compact = event.size.width < SIDE_PANEL_MIN_WIDTH
+        footer.show_command_palette = not footer.compact
+
+    def on_screen_resume(self) -> None:
+        """Back on the chat (F2 from another screen, or help closed): typing goes to the input again."""
+        self.query_one("#prompt", Input).focus()
+
+    def action_toggle_side(self) -> None:
+        """Show or hide the run panel; the choice holds for this width class (narrow: hidden by default)."""
+        self.toggle_class("-side-shown" if self.has_class("-narrow") else "-side-hidden")
 
     # -- widgets ---------------------------------------------------------------------------------
     def on_token_grid_cursor_moved(self, event: TokenGrid.CursorMoved) -> None:
@@ -251,7 +314,7 @@ class ChatScreen(Screen):
             self.session.choice = apply_change(self.session.choice, event.key, event.value)
         except BadInput as e:
             controls.invalid(event.key)
-            self.status(error_line(e), error=True)
+            self.fail(error_line(e))
             return
         controls.sync(self.session.choice, self.session.engine)
         self.status(f"next turn: {self.session.choice.describe()}")

@@ -11,6 +11,7 @@ from textual.widgets import Static
 
 from studio.run.chat import HELP
 from studio.tui.widgets.token_grid import TokenGrid
+from studio.viz.palette import FORWARD_ROLES
 
 
 def _keys(key: str) -> str:
@@ -19,21 +20,31 @@ def _keys(key: str) -> str:
     return ", ".join(names.get(k.strip(), k.strip()) for k in key.split(","))
 
 
-def bindings_table(title: str, bindings) -> Table:
+def two_columns(title: str, rows) -> Table:
+    """A titled table of (key or name, what it does) rows."""
     t = Table(title=title, title_justify="left", show_header=False, box=None, pad_edge=False)
     t.add_column(style="bold #56B4E9", min_width=14)
     t.add_column()
-    for b in bindings:
-        if isinstance(b, Binding) and b.description:
-            t.add_row(_keys(b.key), b.description)
+    for name, meaning in rows:
+        t.add_row(name, meaning)
     return t
+
+
+def bindings_table(title: str, bindings) -> Table:
+    return two_columns(title, [(_keys(b.key), b.description) for b in bindings
+                               if isinstance(b, Binding) and b.description])
+
+
+def roles_table() -> Table:
+    """What each forward role (the grid's rows, the metrics panel's "step N · role") does."""
+    return two_columns("forward roles", FORWARD_ROLES.items())
 
 
 class HelpScreen(ModalScreen):
     BINDINGS = [Binding("escape,q,f1,question_mark", "dismiss", "close", id="help.close")]
     DEFAULT_CSS = """
     HelpScreen { align: center middle; }
-    HelpScreen > VerticalScroll { width: 90; max-height: 90%; border: thick $primary; background: $surface;
+    HelpScreen > VerticalScroll { width: 90; max-width: 100%; max-height: 90%; border: thick $primary; background: $surface;
                                   padding: 1 2; }
     """
 
@@ -47,4 +58,5 @@ class HelpScreen(ModalScreen):
             yield Static(bindings_table("everywhere", self.app.BINDINGS))
             yield Static(bindings_table(f"{self.screen_name} screen", self.screen_bindings))
             yield Static(bindings_table("token grid (Tab or ctrl+g to focus it)", TokenGrid.BINDINGS))
+            yield Static(roles_table())
             yield Static(Text(HELP))

@@ -23,6 +23,11 @@ FIELDS = [(N, "N"), (TAU, "τ"), ("temperature", "temperature"), ("top_k", "top-
 UNUSED = "—"   # shown for a role the strategy has no parameter for
 
 
+def step_mode_label(on: bool) -> str:
+    """Says on or off in words: the checkbox's mark alone looks the same both ways without colour."""
+    return f"step mode {'ON ' if on else 'off'} (ctrl+t; ctrl+n steps)"
+
+
 def choices() -> list[tuple[str, str]]:
     """(label, value) for the picker: every strategy, then every strategy preset."""
     from studio.engine.strategies import STRATEGIES
@@ -37,6 +42,7 @@ class Controls(Vertical):
     Controls Label { width: 13; }
     Controls Input { width: 1fr; height: 1; }
     Controls Checkbox { margin: 1 0 0 0; }
+    Controls Checkbox.-on { text-style: bold; }
     Controls Input.-invalid { border: tall $error; }
     Controls Select { width: 1fr; }
     """
@@ -63,7 +69,7 @@ class Controls(Vertical):
             with Horizontal():
                 yield Label(text)
                 yield Input(id=f"ctl-{key}", compact=True)
-        yield Checkbox("step mode (ctrl+t; ctrl+n steps)", id="ctl-step", compact=True)
+        yield Checkbox(step_mode_label(False), id="ctl-step", compact=True)
 
     def sync(self, choice: RunConfig, engine=None) -> None:
         """Show `choice`'s current values (after any change, so the fields never lie). `engine`: the chat's,
@@ -84,6 +90,13 @@ class Controls(Vertical):
             field.remove_class("-invalid")
             field.disabled = values[key] == UNUSED
 
+    def show_step_mode(self, on: bool) -> None:
+        """Show step mode as `on` (set elsewhere, e.g. by ctrl+t) without reporting it back as a change."""
+        box = self.query_one("#ctl-step", Checkbox)
+        with box.prevent(Checkbox.Changed):
+            box.value = on
+        box.label = step_mode_label(on)
+
     def invalid(self, key: str) -> None:
         self.query_one(f"#ctl-{key}", Input).add_class("-invalid")
 
@@ -99,6 +112,7 @@ class Controls(Vertical):
 
     def on_checkbox_changed(self, event: Checkbox.Changed) -> None:
         event.stop()
+        event.checkbox.label = step_mode_label(event.value)
         self.post_message(self.StepMode(event.value))
 
 

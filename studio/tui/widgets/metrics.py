@@ -10,6 +10,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widget import Widget
 
+from studio.viz.palette import FORWARD_ROLES
 from studio.viz.stats import Acceptance
 from studio.viz.view import RunNumbers
 
@@ -30,6 +31,11 @@ def sparkline(values: list[float], width: int) -> str:
     values = values[-width:]
     top = max(values, default=0) or 1
     return "".join(SPARK[min(7, max(0, round(v / top * 7)))] for v in values)
+
+
+def cut(text: str, width: int) -> str:
+    """`text` in at most `width` characters, "…" marking a cut."""
+    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 def acceptance_text(accept: Acceptance) -> Text:
@@ -55,6 +61,8 @@ def metrics_text(numbers: RunNumbers, label: str, width: int) -> Text:
     tpf, tok_s = numbers.tpf, numbers.tok_s()
     prefill = next((p for p in points if p.role == "prefill"), None)
     out.append(f"step {last.step}  ·  {last.role or '—'}\n")
+    if last.role in FORWARD_ROLES:   # what the role does, on one line (F1 lists every role)
+        out.append(f"{cut(FORWARD_ROLES[last.role], width)}\n", style="dim")
     out.append("forwards ", style="dim").append(f"{tally.forwards:<6}")
     out.append("tokens ", style="dim").append(f"{tally.n_tokens}\n")
     out.append("TPF      ", style="dim").append(f"{tpf:.2f}\n" if tpf is not None else "—\n")
@@ -79,13 +87,18 @@ class MetricsPanel(Widget):
         super().__init__(id=id)
         self._text = Text()
         self._lines = 0
+        self._shown: tuple[RunNumbers | None, str] = (None, "")
 
     def show(self, numbers: RunNumbers | None, label: str = "") -> None:
         """Show `numbers` (None: a run that has not started)."""
+        self._shown = numbers, label
         self._text = metrics_text(numbers or RunNumbers(), label, max(8, self.size.width))
         lines = self._text.plain.count("\n") + 1
         self.refresh(layout=lines != self._lines)
         self._lines = lines
+
+    def on_resize(self) -> None:
+        self.show(*self._shown)   # the sparkline and the role's line are cut to the width (hidden: none at all)
 
     def render(self) -> Text:
         return self._text

@@ -11,6 +11,7 @@ from functools import lru_cache
 
 from rich.segment import Segment
 from rich.style import Style
+from textual import events
 from textual.binding import Binding
 from textual.message import Message
 from textual.reactive import reactive
@@ -59,6 +60,7 @@ class TokenGrid(Widget, can_focus=True):
         self.grid: Grid | None = None
         self.step: int | None = None
         self._rows = 0
+        self._width = 0   # the width `_rows` was reserved for
         self._row_cache: dict[int, tuple[tuple, Strip]] = {}
 
     def show(self, grid: Grid | None, step: int | None = None) -> None:
@@ -88,6 +90,19 @@ class TokenGrid(Widget, can_focus=True):
 
     def get_content_height(self, container, viewport, width: int) -> int:
         return max(self._needed_rows(width), self._rows)
+
+    def on_resize(self, event: events.Resize) -> None:
+        """A new width puts a new number of cells in a row: the rows reserved for the old width (many when it
+        was narrow) would leave the scroll offset past the end, showing blank rows. Size for this width and
+        bring the cursor, or the end of the output, back into view. (A new height is only the grid growing.)"""
+        if event.size.width == self._width:
+            return
+        self._width = event.size.width
+        self._rows = self._needed_rows(event.size.width)
+        self.refresh(layout=True)
+        if self._n():
+            row = (self.cursor if self.cursor is not None else self._n() - 1) // self.per_row()
+            self.call_after_refresh(self.reveal_row, row)
 
     def _block_marks(self, step: int) -> dict[int, str]:
         """pos -> style of a block boundary mark at that position (the open block's are bold)."""
