@@ -202,6 +202,8 @@ def test_a_long_prefill_shows_its_progress_and_esc_stops_it_within_a_chunk():
             # stopped within a chunk or so of Esc (in_at_esc also counts the first turn's reused tokens)
             assert prefilled < prompt_len and prefilled <= in_at_esc + 4 * 3
             assert "cancelled during the prefill" in status(app)
+            # not in the conversation: the message is back in the input, to edit or resend
+            assert screen.query_one("#prompt").value == "bcdefgh" * 14 and len(app.session.turns) == 1
     asyncio.run(go())
 
 

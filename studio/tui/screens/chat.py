@@ -251,6 +251,16 @@ class ChatScreen(Screen):
         line = run_summary_line(result.footer, self.session.choice.label, result.events)
         self.note(line)
         self.status(line)
+        if not result.token_ids and result.footer["stop_reason"] == "cancelled":
+            self._give_back(run.header["prompt"]["text"])
+
+    def _give_back(self, text: str) -> None:
+        """A turn cancelled before its first token is not in the conversation: its message returns to the input
+        (unless something new was typed), to edit or resend; the prompt's KV computed so far is kept."""
+        prompt = self.query_one("#prompt", Input)
+        if not prompt.value:
+            prompt.value = text
+        self.note("not in the conversation (cancelled before the answer began): the message is back in the input")
 
     # -- actions ---------------------------------------------------------------------------------
     def action_stop(self) -> None:
