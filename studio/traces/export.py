@@ -461,7 +461,11 @@ code, .mono { font-family: 'JetBrains Mono', 'DejaVu Sans Mono', Menlo, Consolas
 .notes li { margin: 3px 0; }
 .chip { display: inline-block; background: #f1f3f4; border-radius: 10px; padding: 1px 8px; margin: 2px 4px 2px 0;
         font-size: 12.5px; }
-.fig { background: #fff; border: 1px solid var(--line); border-radius: 8px; margin: 12px 0; padding: 4px; }
+.fig { background: #fff; border: 1px solid var(--line); border-radius: 8px; margin: 12px 0; padding: 8px;
+       display: flex; flex-wrap: wrap; gap: 12px; }
+.fig.wide { display: block; overflow: auto; max-height: 80vh; }
+.chart { max-width: 100%; height: auto; } .fig.wide .chart { max-width: none; }
+.chart text { fill: #222; }
 footer { color: var(--muted); font-size: 12px; margin-top: 40px; }
 """
 
@@ -592,13 +596,13 @@ def _comparison_table(traces: Sequence[Trace], labels: Sequence[str], metrics: S
 
 def html_report(traces: Sequence[Trace] | Trace, path: str | os.PathLike, title: str | None = None, *,
                 token_text: Any = None, labels: Sequence[str] | None = None) -> Path:
-    """A self-contained HTML report (plotly.js inlined once, so it opens offline): for several runs a
-    comparison table and figure first, then for each run its header, metrics, diagnostics, the
-    generated text coloured by provenance, and its figures. `labels` names the runs (default: the
-    strategy names, numbered when one repeats), e.g. the preset names a comparison ran."""
-    import plotly.io as pio
-
-    from studio.viz.figures import comparison_figure, run_figures, trace_metrics, unique_labels
+    """A self-contained HTML report, one light file that opens offline (its figures are static SVG,
+    `studio.viz.svg`: no script at all): for several runs a comparison table and figures first, then for
+    each run its header, metrics, diagnostics, the generated text coloured by provenance, and its figures.
+    `labels` names the runs (default: the strategy names, numbered when one repeats), e.g. the preset names
+    a comparison ran."""
+    from studio.viz import svg
+    from studio.viz.figures import trace_metrics, unique_labels
     from studio.viz.grid import build_grid
     from studio.viz.palette import legend_text
     from studio.viz.stats import acceptance, diagnostics, kind_counts
@@ -615,14 +619,9 @@ def html_report(traces: Sequence[Trace] | Trace, path: str | os.PathLike, title:
     labels = list(labels)
     if title is None:
         title = ("dlm-studio trace: " + labels[0]) if len(traces) == 1 else f"dlm-studio comparison: {', '.join(labels)}"
-    first_js = [True]
-    config = {"displaylogo": False, "responsive": True,
-              "toImageButtonOptions": {"format": "png", "scale": 2}}
 
-    def fig_html(fig: Any) -> str:
-        inc = first_js[0]
-        first_js[0] = False
-        return '<div class="fig">' + pio.to_html(fig, full_html=False, include_plotlyjs=inc, config=config) + "</div>"
+    def fig_html(*figures: str) -> str:
+        return '<div class="fig">' + "".join(figures) + "</div>"
 
     metrics = [trace_metrics(t) for t in traces]
     body: list[str] = [f"<h1>{_esc(title)}</h1>",
@@ -630,7 +629,7 @@ def html_report(traces: Sequence[Trace] | Trace, path: str | os.PathLike, title:
                        f"{_esc(legend_text())}</div>"]
     if len(traces) > 1:
         body += ["<h2>Comparison</h2>", '<div class="card">', _comparison_table(traces, labels, metrics), "</div>",
-                 fig_html(comparison_figure(traces, labels))]
+                 fig_html(*svg.comparison_svgs(traces, labels, metrics))]
     for lab, t, m in zip(labels, traces, metrics):
         grid = build_grid(t.header, t.events, token_text)
         body.append(f"<h2>{_esc(lab)}</h2>" if len(traces) > 1 else "")
@@ -645,17 +644,15 @@ def html_report(traces: Sequence[Trace] | Trace, path: str | os.PathLike, title:
                         + "".join(f"<li>{_esc(n)}</li>" for n in notes) + "</ul></div>")
         body.append('<div class="card"><h3>Generated text</h3>' + _text_legend()
                     + f'<div class="gen">{_generated_html(grid)}</div></div>')
-        figs = run_figures(t.header, t.events, t.footer, token_text=token_text, grid=grid)
-        body.append(fig_html(figs["trajectory"]))
-        body.append(fig_html(figs["tpf"]))
+        body.append('<div class="fig wide">' + svg.trajectory_svg(grid) + "</div>")
+        body.append(fig_html(svg.tpf_svg(t.events, t.footer)))
         if acceptance(t.events).verified:
-            body.append('<div class="grid2">' + fig_html(figs["acceptance_by_position"])
-                        + fig_html(figs["acceptance_length"]) + "</div>")
+            body.append(fig_html(svg.acceptance_svg(t.events), svg.acceptance_length_svg(t.events)))
         else:
             body.append(f'<div class="card sub">No drafts were verified in this run ({_esc(t.header.get("strategy"))}),'
                         " so there are no acceptance figures.</div>")
-    body.append("<footer>Generated by dlm-studio from the JSONL event trace alone. Hover any cell for token, p, q, "
-                "min(1, p/q) and confidence; every state has a glyph as well as a colour.</footer>")
+    body.append("<footer>Generated by dlm-studio from the JSONL event trace alone. Hover a trajectory cell for its "
+                "token, p, q, min(1, p/q) and confidence, and a bar for its numbers.</footer>")
     doc = (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
            f'<meta name="viewport" content="width=device-width, initial-scale=1"><title>{_esc(title)}</title>'
            f"<style>{_CSS}\n{_state_css()}</style></head><body><main>{''.join(body)}</main></body></html>\n")

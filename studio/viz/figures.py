@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 import math
+from pathlib import PurePath
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -41,8 +42,10 @@ def short_token(text: str | None, tok: int | None = None, limit: int = 9) -> str
 
 
 def run_label(header: Mapping[str, Any]) -> str:
+    """`strategy · model + adapter`, the adapter by its folder's name (a trace holds its path on the machine
+    that ran it)."""
     model = header.get("model", {})
-    adapter = f" + {model.get('adapter')}" if model.get("adapter") else ""
+    adapter = f" + {PurePath(model['adapter']).name}" if model.get("adapter") else ""
     return f"{header.get('strategy', '?')} · {model.get('name', '?')}{adapter}"
 
 
@@ -197,10 +200,9 @@ def tpf_figure(header: Mapping[str, Any] | None, events: Sequence[Mapping[str, A
                              name="running TPF (tokens / forwards so far)", line=dict(color="#000000", width=2.5),
                              hovertemplate="step %{x}<br>running TPF %{y:.3f}<extra></extra>"))
     final = footer.get("tpf") if footer else (run[-1].tpf if run else None)
-    if final is not None:
-        fig.add_hline(y=final, line=dict(color="#000000", width=1, dash="dot"),
-                      annotation_text=f"final TPF {final:.3f}", annotation_position="top left",
-                      annotation_font=dict(size=12))
+    if final is not None:   # its value in the title: a label on the line would sit on the bars
+        fig.add_hline(y=final, line=dict(color="#000000", width=1, dash="dot"))
+        fig.update_layout(title=_title(f"Tokens per forward · final TPF {final:.2f}", header))
     top = max([p.emitted + p.unmasked for p in pts] + [p.tpf for p in run] + [1])
     fig.update_yaxes(title_text="tokens per forward", range=[0, top * 1.18], rangemode="tozero")
     fig.update_xaxes(title_text="step (forward index)")
@@ -221,10 +223,11 @@ def acceptance_by_position_figure(header: Mapping[str, Any] | None, events: Sequ
     xs = [f"slot {k + 1}" for k in range(len(acc.by_pos))]
     fig.add_trace(go.Bar(
         x=xs, y=acc.by_pos, marker=dict(color=PALETTE[State.ACCEPTED][0], line=dict(color="#333333", width=1)),
-        text=[f"{a}/{v}" for a, v in zip(acc.accepted_by_pos, acc.verified_by_pos)], textposition="outside",
-        hovertemplate="%{x}<br>accepted %{text}<br>rate %{y:.1%}<extra></extra>", name="accept rate"))
-    fig.add_hline(y=acc.rate, line=dict(color="#000000", width=1, dash="dot"),
-                  annotation_text=f"overall {acc.rate:.1%}", annotation_position="top right")
+        text=[f"{r:.0%} ({a}/{v})" for r, a, v in zip(acc.by_pos, acc.accepted_by_pos, acc.verified_by_pos)],
+        textposition="outside", hovertemplate="%{x}<br>accepted %{text}<extra></extra>", name="accept rate"))
+    # the overall rate in the title: a label on its line would sit on the bars' labels
+    fig.add_hline(y=acc.rate, line=dict(color="#000000", width=1, dash="dot"))
+    fig.update_layout(title=_title(f"Acceptance by draft position · overall {acc.rate:.0%}", header))
     fig.update_yaxes(title_text="accepted / verified", range=[0, 1.15], tickformat=".0%")
     fig.update_xaxes(title_text="draft slot (in verification order)")
     fig.update_layout(height=340, showlegend=False)
@@ -305,7 +308,7 @@ def comparison_figure(traces: Sequence[Any], labels: Sequence[str] | None = None
         fig.update_yaxes(range=[0, top * 1.25], row=row, col=col)
 
     bars("tpf", 1, 1, ".2f")
-    bars("accept_rate", 1, 2, ".1%")
+    bars("accept_rate", 1, 2, ".0%")
     bars("tok_s", 2, 1, ".1f")
     fig.update_yaxes(tickformat=".0%", row=1, col=2)
     top = 1

@@ -132,6 +132,6 @@ def run_summary_line(footer: dict, label: str, events: list[dict]) -> str:
     if f["stop_reason"] == "cancelled" and not any(e["t"] == "emit" or e["step"] > 0 for e in events):
         return f"[{label}] cancelled during the prefill: {prefill} of the prompt in {f['prefill_s']:.2f}s, no output"
     verified = any(e["t"] in ("accept", "reject") for e in events)
-    acc = f"{f['accept_rate']:.2f}" if verified else "n/a"
+    acc = f"{f['accept_rate']:.0%}" if verified else "n/a"
     return (f"[{label}] {f['n_tokens']} tokens  {f['forwards']} forwards  TPF {f['tpf']:.2f}  "
             f"accept {acc}  {f['tok_s']:.1f} tok/s  prefill {prefill} {f['prefill_s']:.2f}s  stop {f['stop_reason']}")

@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import gradio as gr
 
-from studio.run.chat import ChatSession
-from studio.run.config import RunConfig
-from studio.run.compare import as_trace
 from studio.errors import BadInput
+from studio.run.chat import ChatSession
+from studio.run.compare import as_trace
+from studio.run.config import RunConfig
+from studio.run.worker import Worker
 from studio.viz.figures import acceptance_by_position_figure, tpf_figure
 from studio.viz.text import run_summary_line
 from studio.web import components, render
 from studio.web.files import DOWNLOADS, Downloads
-from studio.web.form import RunForm, read_choice
+from studio.web.form import RunForm, form_message, read_choice
 from studio.web.live import Trajectory, frames
-from studio.run.worker import Worker
+
+EXAMPLES = ["Name the planets of the solar system in order.", "Write a haiku about parallel decoding.",
+            "Explain in three sentences what a KV cache is.", "List five fruits, one per line."]
+BUSY = "a turn is being decoded: wait for it or press Stop (your message stays in the box)"
 
 
 class ChatTab:
@@ -28,7 +32,13 @@ class ChatTab:
     def __init__(self, session: ChatSession):
         self.session = session
         self.worker: Worker | None = None
-        self.trajectory: Trajectory | None = None
+        self.trajectory: Trajectory | None = None   # the turn on the page; None after a reset
+        self.text = ""                              # the message of the last turn started
+
+    def busy_with_another(self, text: str) -> bool:
+        """Whether a turn is decoding and `text` was sent beside it (not the Send that started it: both
+        handlers of that click see the same text)."""
+        return self.worker is not None and not self.worker.done and text != self.text
 
     def cancel(self, wait: bool = False) -> None:
         """Stop the turn being decoded (it ends at its next step); `wait`: until it has ended."""
@@ -43,15 +53,16 @@ def build(engine, initial: RunConfig, chat_template: bool, downloads: Downloads,
     state = gr.State(None)
     with gr.Row():
         with gr.Column(scale=2, min_width=360):
-            chatbot = gr.Chatbot(label="Conversation", render_markdown=False, sanitize_html=True, allow_tags=False,
+            chatbot = gr.Chatbot(label="Conversation", render_markdown=True, sanitize_html=True, allow_tags=False,
                                  feedback_options=None, height=380, elem_id="chat-log")
-            message = gr.Textbox(label="Message", placeholder="Type a message and press Enter", lines=2,
-                                 elem_id="chat-message")
+            message = gr.Textbox(label="Message", placeholder="Type a message: Enter sends, Shift+Enter adds a line",
+                                 lines=1, max_lines=8, elem_id="chat-message")
+            gr.Examples(EXAMPLES, inputs=message, label="Examples", elem_id="chat-examples")
             with gr.Row():
                 send = gr.Button("Send", variant="primary", elem_id="chat-send")
                 stop = gr.Button("Stop", variant="stop", elem_id="chat-stop")
                 reset = gr.Button("New conversation", elem_id="chat-reset")
-            status = gr.HTML(elem_id="chat-status")
+            status = gr.HTML(elem_id="chat-status", elem_classes="status")
             with gr.Accordion("Strategy and parameters", open=True):
                 form = RunForm(initial, "chat")
                 pace = gr.Slider(0, 500, value=0, step=10, label="Slow motion: ms per step (0 = full speed)",
@@ -67,34 +78,49 @@ def build(engine, initial: RunConfig, chat_template: bool, downloads: Downloads,
                 tpf_plot = gr.Plot(label="Tokens per forward", elem_id="chat-tpf")
                 acc_plot = gr.Plot(label="Acceptance by draft position", elem_id="chat-acceptance")
             fmt, prepare, download = components.download_row("chat")
+    # what belongs to one turn: cleared when a new turn starts or the conversation is reset
+    turn_panels = {inspector: render.inspector_html(None, None), position: None, form.message: "",
+                   download: gr.File(None, visible=False), tpf_plot: None, acc_plot: None}
+
+    def new_conversation() -> dict:
+        return {chatbot: [], trajectory: components.EMPTY, metrics: render.metrics_html(),
+                status: render.note_html("new conversation"), **turn_panels}
 
     def on_send(text: str, tab: ChatTab | None, pace_ms: float, **values):
         tab = tab or ChatTab(ChatSession(engine, initial, chat=chat_template))
+        if not (text or "").strip():
+            yield {status: render.note_html("type a message first", "error"), state: tab}
+            return
         try:
             tab.session.choice = read_choice(values)
         except BadInput as e:
-            yield {form.message: render.note_html(str(e), "error"), state: tab}
+            yield {form.message: render.note_html(str(e), "error"), status: "", state: tab}
             return
         try:
             run = tab.session.start_turn(text)
-        except BadInput as e:
-            yield {status: render.note_html(str(e), "error"), form.message: "", state: tab}
+        except BadInput as e:   # the message stays in the box
+            yield {status: render.note_html(form_message(str(e)), "error"), form.message: "", state: tab}
             return
         history = list(tab.session.conversation.messages) + [{"role": "user", "content": text}]
+        tab.text = text
         tab.trajectory = traj = Trajectory.live(run.token_text, title=tab.session.choice.label)
         tab.worker = worker = Worker([run], step_mode=(pace_ms or 0) > 0).start()
-        yield {state: tab, message: "", form.message: "", status: "", trajectory: traj.frame(),
-               metrics: traj.metrics(),
-               chatbot: render.chat_messages(history + [{"role": "assistant", "content": ""}])}
+        yield {state: tab, message: "", status: "", trajectory: traj.frame(), metrics: traj.metrics(),
+               chatbot: render.chat_messages(history + [{"role": "assistant", "content": ""}]), **turn_panels}
         try:
             for finished in frames(worker, [traj], (pace_ms or 0) / 1000):
-                if finished:
+                if finished or tab.trajectory is not traj:
                     break
                 yield {chatbot: render.chat_messages(history + [{"role": "assistant", "content": traj.view.text}]),
                        trajectory: traj.frame(), metrics: traj.metrics()}
         finally:
             worker.cancel()   # a closed page ends the run at its next step, before the engine is free again
             worker.join()
+        if tab.trajectory is not traj:
+            # the conversation was reset during the turn; gradio shows a handler's last frame again when it ends
+            # (with the values this handler last gave each output), so that frame is the new conversation's page
+            yield new_conversation()
+            return
         if worker.error is not None:
             yield {status: render.error_html(worker.error), trajectory: traj.frame(),
                    chatbot: render.chat_messages(tab.session.conversation.messages)}
@@ -107,9 +133,17 @@ def build(engine, initial: RunConfig, chat_template: bool, downloads: Downloads,
                tpf_plot: tpf_figure(result.header, result.events, result.footer),
                acc_plot: acceptance_by_position_figure(result.header, result.events, result.footer)}
 
+    # a queued request shows its place in the queue (gradio's tracker, on the status line); a Send while this
+    # session's own turn decodes says why nothing starts (the front end ignores a trigger that is pending)
     gr.on([send.click, message.submit], on_send, inputs=[message, state, pace], inputs_kwargs=form.kwargs(),
-          outputs=[state, chatbot, message, status, trajectory, metrics, tpf_plot, acc_plot, form.message],
-          api_name="chat", show_progress="hidden", **engine_queue)
+          outputs=[state, chatbot, message, status, trajectory, metrics, *turn_panels],
+          api_name="chat", show_progress="full", show_progress_on=[status], **engine_queue)
+
+    def on_busy_send(text: str, tab: ChatTab | None):
+        return render.note_html(BUSY, "error") if tab is not None and tab.busy_with_another(text) else gr.skip()
+
+    gr.on([send.click, message.submit], on_busy_send, [message, state], status, api_visibility="private",
+          trigger_mode="multiple", show_progress="hidden", concurrency_limit=None)
 
     def on_stop(tab: ChatTab | None) -> None:
         if tab is not None:
@@ -118,15 +152,17 @@ def build(engine, initial: RunConfig, chat_template: bool, downloads: Downloads,
     stop.click(on_stop, state, None, api_name="stop_chat", concurrency_limit=None)
 
     def on_reset(tab: ChatTab | None):
+        """A new conversation: the turn being decoded is cancelled and never shown again, the history forgotten."""
         if tab is not None:
-            tab.cancel(wait=True)   # else the cancelled turn would join the history after the reset
+            tab.trajectory = None     # first: the running turn's handler stops updating the page
+            tab.cancel(wait=True)     # else the cancelled turn would join the history after the reset
             tab.session.conversation.reset()
-            tab.trajectory = None
-        return ([], components.EMPTY, render.metrics_html(), render.inspector_html(None, None),
-                render.note_html("new conversation"))
+        return new_conversation()
 
-    reset.click(on_reset, state, [chatbot, trajectory, metrics, inspector, status], api_name="reset_chat",
-                concurrency_limit=None)
+    reset_outputs = [chatbot, trajectory, metrics, status, *turn_panels]
+    reset.click(on_reset, state, reset_outputs, api_name="reset_chat", concurrency_limit=None)
+    # the chatbot's own Clear icon: a new conversation too (else the next turn would still see the history)
+    chatbot.clear(on_reset, state, reset_outputs, api_visibility="private", concurrency_limit=None)
 
     def on_inspect(tab: ChatTab | None, pos: int | None):
         return render.inspector_html(tab.trajectory.view.grid if tab and tab.trajectory else None, pos)

@@ -11,12 +11,12 @@ from studio.errors import BadInput
 from studio.run.compare import as_trace, compare_configs, make_runs, rows, write_html
 from studio.run.config import RunConfig
 from studio.run.session import encode_prompt
+from studio.run.worker import Worker
 from studio.viz.figures import comparison_figure
 from studio.web import components, render
 from studio.web.files import Downloads
-from studio.web.form import pick_choices
+from studio.web.form import form_message, pick_choices, read_settings, settings_fields
 from studio.web.live import Trajectory, frames
-from studio.run.worker import Worker
 
 MAX_RUNS = 4
 
@@ -32,31 +32,37 @@ class CompareTab:
             self.worker.cancel()
 
 
-def start_runs(engine, prompt: str, names: list[str], max_new_tokens, temperature, seed, chat_template: bool):
-    """(labels, runs) of a comparison (`studio.run.compare.make_runs`); BadInput before anything runs when a name
-    or setting is wrong."""
-    base = RunConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=0 if seed is None else seed)
-    configs = compare_configs(",".join(names or []), base)
-    ids = encode_prompt(engine, prompt, chat=chat_template)
-    runs = make_runs(engine, prompt, ids, configs, most=MAX_RUNS)
+COMPARE_SETTINGS = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 64, "seed": 0}   # greedy
+
+
+def start_runs(engine, prompt: str, names: list[str], settings: dict, chat_template: bool):
+    """(labels, runs) of a comparison (`studio.run.compare.make_runs`) with `settings` (the settings fields by
+    key); BadInput, in the form's words, before anything runs when the prompt, a name or a setting is wrong."""
+    if not (prompt or "").strip():
+        raise BadInput("type a prompt first")
+    try:
+        configs = compare_configs(",".join(names or []), RunConfig(**read_settings(settings)))
+        ids = encode_prompt(engine, prompt, chat=chat_template)
+        runs = make_runs(engine, prompt, ids, configs, most=MAX_RUNS)
+    except BadInput as e:
+        raise BadInput(form_message(str(e))) from None
     return list(runs), list(runs.values())
 
 
 def build(engine, chat_template: bool, downloads: Downloads, engine_queue: dict) -> None:
     state = gr.State(None)
-    prompt = gr.Textbox(label="Prompt", lines=2, elem_id="cmp-prompt")
+    prompt = gr.Textbox(label="Prompt", placeholder="Type a prompt: Enter runs the comparison", lines=1, max_lines=8,
+                        elem_id="cmp-prompt")
+    names = gr.Dropdown(pick_choices(), value=["ar", "isd"], multiselect=True, max_choices=MAX_RUNS,
+                        label=f"Strategies or presets (2–{MAX_RUNS} runs; ar is always the baseline)",
+                        elem_id="cmp-names")
     with gr.Row():
-        names = gr.Dropdown(pick_choices(), value=["ar", "isd"], multiselect=True, max_choices=MAX_RUNS,
-                            label=f"Strategies or presets (2–{MAX_RUNS} runs; ar is always the baseline)",
-                            elem_id="cmp-names", scale=3)
-        max_new_tokens = gr.Number(64, label="max_new_tokens", precision=0, min_width=120)
-        temperature = gr.Number(0.0, label="temperature", info="0 = greedy", min_width=120)
-        seed = gr.Number(0, label="seed", precision=0, min_width=100)
+        settings = settings_fields(COMPARE_SETTINGS, "cmp")
     pace = gr.Slider(0, 500, value=0, step=10, label="Slow motion: ms per step (0 = full speed)", elem_id="cmp-pace")
     with gr.Row():
         start = gr.Button("Run comparison", variant="primary", elem_id="cmp-run")
         stop = gr.Button("Stop", variant="stop", elem_id="cmp-stop")
-    status = gr.HTML(elem_id="cmp-status")
+    status = gr.HTML(elem_id="cmp-status", elem_classes="status")
     components.legend()
     columns, metrics, trajectories = [], [], []
     with gr.Row():
@@ -69,20 +75,24 @@ def build(engine, chat_template: bool, downloads: Downloads, engine_queue: dict)
     table = gr.HTML(elem_id="cmp-table")
     figure = gr.Plot(label="Comparison", visible=False, elem_id="cmp-figure")
     report = gr.File(label="HTML report", interactive=False, visible=False, elem_id="cmp-report")
+    # the last comparison's panes: cleared when another starts or is refused
+    cleared = {table: "", figure: gr.Plot(None, visible=False), report: gr.File(None, visible=False),
+               inspector: render.inspector_html(None, None), **{m: "" for m in metrics},
+               **{t: components.EMPTY for t in trajectories}}
 
-    def on_run(text, run_names, n_tokens, temp, seed_value, pace_ms, tab: CompareTab | None):
+    def on_run(text, run_names, pace_ms, tab: CompareTab | None, **setting_values):
         tab = tab or CompareTab()
         try:
-            labels, runs = start_runs(engine, text, run_names, n_tokens, temp, seed_value, chat_template)
+            labels, runs = start_runs(engine, text, run_names, setting_values, chat_template)
         except BadInput as e:
-            yield {status: render.note_html(str(e), "error"), state: tab}
+            tab.views = []
+            yield {status: render.note_html(str(e), "error"), state: tab, **cleared}
             return
         tab.views = views = [Trajectory.live(run.token_text, title=label) for label, run in zip(labels, runs)]
         tab.worker = worker = Worker(runs, step_mode=(pace_ms or 0) > 0).start()
         shown = {col: gr.Column(visible=i < len(runs)) for i, col in enumerate(columns)}
-        yield {state: tab, status: render.note_html("running " + ", ".join(labels) + " in lock-step"),
-               table: "", figure: gr.Plot(None, visible=False), report: gr.File(None, visible=False), **shown,
-               **{trajectories[i]: v.frame() for i, v in enumerate(views)}}
+        yield {state: tab, status: render.note_html("running " + ", ".join(labels) + " in lock-step"), **cleared,
+               **shown, **{trajectories[i]: v.frame() for i, v in enumerate(views)}}
         try:
             for finished in frames(worker, views, (pace_ms or 0) / 1000):
                 if finished:
@@ -110,9 +120,9 @@ def build(engine, chat_template: bool, downloads: Downloads, engine_queue: dict)
             out[trajectories[i]] = v.frame()
         return out
 
-    gr.on([start.click, prompt.submit], on_run, [prompt, names, max_new_tokens, temperature, seed, pace, state],
-          [state, status, table, figure, report, *columns, *metrics, *trajectories],
-          api_name="compare", show_progress="hidden", **engine_queue)
+    gr.on([start.click, prompt.submit], on_run, [prompt, names, pace, state], inputs_kwargs=settings,
+          outputs=[state, status, table, figure, report, inspector, *columns, *metrics, *trajectories],
+          api_name="compare", show_progress="full", show_progress_on=[status], **engine_queue)
 
     def on_stop(tab: CompareTab | None) -> None:
         if tab is not None:

@@ -29,9 +29,12 @@ function draw() {
     const follow = scroller.scrollTop + scroller.clientHeight >= scroller.scrollHeight - 24;
     box.insertAdjacentHTML('beforeend', rows.slice(n).join(''));
     if (follow) {
+      // to the newest row's last cell, not its emitted text: in a narrow pane the text would scroll every
+      // earlier row's cells out of sight
       scroller.scrollTop = scroller.scrollHeight;
-      const last = box.lastElementChild.lastElementChild;
-      scroller.scrollLeft = Math.max(0, last.offsetLeft + last.offsetWidth + 8 - scroller.clientWidth);
+      const cells = box.lastElementChild.querySelectorAll('.c, .cb');
+      const last = cells[cells.length - 1];
+      if (last) scroller.scrollLeft = Math.max(0, last.offsetLeft + last.offsetWidth + 8 - scroller.clientWidth);
     }
   }
 }
@@ -68,5 +71,6 @@ def download_row(prefix: str) -> tuple[gr.Dropdown, gr.Button, gr.File]:
     with gr.Row():
         fmt = gr.Dropdown(list(DOWNLOADS), value="JSONL trace", label="Download as", elem_id=f"{prefix}-format")
         button = gr.Button("Prepare download", elem_id=f"{prefix}-download")
-        file = gr.File(label="File", interactive=False, visible=False, elem_id=f"{prefix}-file")
+    # on a row of its own, full width: a long file name shows whole
+    file = gr.File(label="File", interactive=False, visible=False, elem_id=f"{prefix}-file")
     return fmt, button, file

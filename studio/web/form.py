@@ -2,25 +2,30 @@
 `paramspec`) and the generation settings. It reads back as a `RunConfig`, which validates everything, so
 a bad value becomes a one-line message beside the form and never reaches a run.
 
-Every strategy gets its own group of fields, shown while it is picked. Picking a preset fills its
-strategy's fields and the settings with the preset's values. Handlers take the form as keyword arguments
-(`kwargs`), so the web API names each field, e.g. `isd_stride`.
+Every strategy gets its own group of fields, shown while it is picked. Picking a strategy shows its
+parameters' defaults and keeps the settings as they are; picking a preset fills its strategy's fields and
+the settings the preset sets with its values. Handlers take the form as keyword arguments (`kwargs`), so
+the web API names each field, e.g. `isd_stride`. Messages name fields as the form labels them
+(`form_message`), never as CLI flags.
 """
 from __future__ import annotations
 
+import re
+
 import gradio as gr
 
-from studio.run.config import RunConfig
 from studio.engine.strategies import STRATEGIES
 from studio.errors import BadInput
 from studio.presets import list_presets, load_strategy_preset
-from studio.run.config import parse_value
+from studio.run.config import RunConfig, parse_value
 from studio.web.paramspec import ParamField, param_fields, toml_inline
 from studio.web.render import note_html
 
-# generation settings: (help, precision: 0 = an integer)
-SETTINGS = {"temperature": ("0 = greedy", None), "top_k": ("0 = off", 0), "top_p": ("1 = off", None),
-            "max_new_tokens": (None, 0), "seed": (None, 0)}
+# generation settings: key -> (label, help, precision: 0 = an integer)
+SETTINGS = {"temperature": ("temperature", "0 = greedy", None), "top_k": ("top-k", "0 = off", 0),
+            "top_p": ("top-p", "1 = off", None), "max_new_tokens": ("max new tokens", None, 0),
+            "seed": ("seed", None, 0)}
+SETTING_LABELS = {key: label for key, (label, _, _) in SETTINGS.items()}
 
 
 def pick_choices() -> list[tuple[str, str]]:
@@ -47,18 +52,57 @@ def form_values(choice: RunConfig) -> dict[str, object]:
     return values
 
 
+def preset_settings(name: str) -> dict[str, object]:
+    """The settings a preset sets (none for a strategy): picking it fills only these."""
+    if name in STRATEGIES:
+        return {}
+    preset = load_strategy_preset(name)
+    given = dict(preset.sampling, max_new_tokens=preset.max_new_tokens)
+    return {k: v for k, v in given.items() if k in SETTINGS and v is not None}
+
+
 def read_choice(values: dict) -> RunConfig:
-    """The form's values (by key, as handlers receive them) as a RunConfig; BadInput for a bad value."""
+    """The form's values (by key, as handlers receive them) as a RunConfig; BadInput, in the form's words
+    (`form_message`), for a bad or missing value."""
     name = values.get("strategy") or ""
-    strategy = strategy_of(name)
-    params = {f.name: _read(f, values.get(f.key, f.default)) for f in param_fields(strategy)}
-    preset = None if name == strategy else name
-    seed = values.get("seed")
-    choice = RunConfig(None if preset else strategy, preset, params,
-                       *(values.get(k) for k in ("temperature", "top_k", "top_p", "max_new_tokens")),
-                       seed=0 if seed is None else seed)
-    choice.build()
+    strategy = None
+    try:
+        strategy = strategy_of(name)
+        params = {f.name: _read(f, values.get(f.key, f.default)) for f in param_fields(strategy)}
+        settings = read_settings(values)
+        preset = None if name == strategy else name
+        choice = RunConfig(None if preset else strategy, preset, params, **settings)
+        choice.build()
+    except BadInput as e:
+        raise BadInput(form_message(str(e), strategy)) from None
     return choice
+
+
+def form_message(text: str, strategy: str | None = None) -> str:
+    """A message from the runner in the form's words: a CLI flag becomes its field's label (`--max-new-tokens`
+    -> `max new tokens`), and a parameter named after the class that checks it ("isd stride" on r-isd,
+    "strategy 'r-isd' parameter 'stride'") becomes the picked strategy's field (`r-isd stride (N)`)."""
+    for key, label in SETTING_LABELS.items():
+        text = text.replace("--" + key.replace("_", "-"), label)
+    for f in param_fields(strategy) if strategy in STRATEGIES else ():
+        owner = rf"(?:strategy )?'?[\w-]+'? (?:parameter )?'?{re.escape(f.name)}'?(?![\w-])"
+        text = re.sub(rf"^{owner}", f"{strategy} {f.label}".replace("\\", "\\\\"), text)
+    return text
+
+
+def read_settings(values: dict) -> dict[str, object]:
+    """The settings fields by key; BadInput for an empty one (never taken for "the default")."""
+    empty = [key for key in SETTINGS if values.get(key) is None or values.get(key) == ""]
+    if empty:
+        raise BadInput(f"{SETTING_LABELS[empty[0]]}: enter a number")
+    return {key: values[key] for key in SETTINGS}
+
+
+def settings_fields(values: dict[str, object], prefix: str) -> dict[str, gr.Number]:
+    """The settings as number fields (build inside a gr.Row), by key, showing `values`."""
+    return {key: gr.Number(values[key], label=label, info=info, precision=precision, min_width=120,
+                           elem_id=f"{prefix}-{key}")
+            for key, (label, info, precision) in SETTINGS.items()}
 
 
 def _shown(field: ParamField, value: object) -> object:
@@ -98,9 +142,7 @@ class RunForm:
                         self.fields[f.key] = _component(f, value, f"{prefix}-{f.key}")
             self.groups[name] = group
         with gr.Row():
-            self.settings = {name: gr.Number(shown[name], label=name, info=info, precision=precision, min_width=100,
-                                             elem_id=f"{prefix}-{name}")
-                             for name, (info, precision) in SETTINGS.items()}
+            self.settings = settings_fields(shown, prefix)
         self.message = gr.HTML(elem_id=f"{prefix}-form-message")
         self.pick.input(self._on_pick, self.pick, self._outputs(), api_name=f"{prefix}_pick", concurrency_limit=None)
 
@@ -115,17 +157,18 @@ class RunForm:
         try:
             strategy = strategy_of(name)
             shown = form_values(RunConfig().use(name))
+            settings = preset_settings(name)
         except BadInput as e:
             return {self.message: note_html(str(e), "error")}
         updates: dict = {group: gr.Group(visible=s == strategy) for s, group in self.groups.items()}
         updates.update({comp: shown[key] for key, comp in self.fields.items() if key in shown})
-        updates.update({comp: shown[key] for key, comp in self.settings.items()})
+        updates.update({self.settings[key]: value for key, value in settings.items()})
         updates[self.message] = ""
         return updates
 
 
 def _component(f: ParamField, value: object, elem_id: str) -> gr.components.Component:
-    common = dict(label=f.label, info=f.help or None, elem_id=elem_id, min_width=140)
+    common = {"label": f.label, "info": f.help or None, "elem_id": elem_id, "min_width": 140, "elem_classes": "param"}
     if f.kind is bool:
         return gr.Checkbox(value, **common)
     if f.kind is int:

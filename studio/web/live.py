@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from studio.events import Trace
 from studio.run.worker import Worker
@@ -33,13 +33,13 @@ class Trajectory:
         self.rows = [render.row_html(view.grid, step) for step in view.grid.steps]
 
     @classmethod
-    def live(cls, token_text: Callable[[int], str | None] | None = None, title: str = "") -> "Trajectory":
+    def live(cls, token_text: Callable[[int], str | None] | None = None, title: str = "") -> Trajectory:
         """An empty trajectory that a run's steps will be fed into."""
         return cls(RunView(token_text), title)
 
     @classmethod
     def of_trace(cls, trace: Trace, title: str = "",
-                 token_text: Callable[[int], str | None] | None = None) -> "Trajectory":
+                 token_text: Callable[[int], str | None] | None = None) -> Trajectory:
         """A finished (or truncated) trace (see `RunView.of_trace` for where token texts come from)."""
         return cls(RunView.of_trace(trace, token_text), title)
 

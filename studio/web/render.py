@@ -12,11 +12,13 @@ the whole output.
 from __future__ import annotations
 
 import html
+import re
 from bisect import bisect_left
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from studio.viz.grid import Grid, show_text
-from studio.viz.palette import INK, PALETTE, State, label, tint
+from studio.viz.palette import FORWARD_ROLES, INK, PALETTE, State, label, tint
 from studio.viz.stats import Acceptance, StepPoint
 from studio.viz.view import RunNumbers
 
@@ -46,7 +48,9 @@ def row_html(grid: Grid, step: int) -> str:
     for b in blocks:
         for p in range(b.start, b.end):
             edges[p] = " b" + (" bl" if p == b.start else "") + (" br" if p == b.end - 1 else "")
-    parts = [f'<div class="r" data-step="{step}"><span class="h">{step}<i>{esc(row.role or "")}</i></span>']
+    role = row.role or ""
+    head = f'<span class="h">{step}<i title="{esc(FORWARD_ROLES.get(role, role))}">{esc(role)}</i></span>'
+    parts = [f'<div class="r" data-step="{step}">{head}']
     if lo:
         parts.append(f'<span class="cb" data-n="{lo}" style="width:{lo * CELL_PX}px" title="step {step} · '
                      f'positions 0–{lo - 1} committed earlier (click one to inspect it)"></span>')
@@ -75,10 +79,20 @@ def legend_html() -> str:
              for s in State if s is not State.EMPTY]
     items.append('<span><span class="c s-unmasked held">◇</span>held in an open block</span>')
     items.append('<span><span class="c bl br b"></span>open block</span>')
-    return '<div class="legend">' + "".join(items) + "</div>"
+    roles = "".join(f"<li><b>{esc(role)}</b>: {esc(what)}</li>" for role, what in FORWARD_ROLES.items())
+    return ('<div class="legend">' + "".join(items) + "</div>"
+            '<details class="roles"><summary>Forward roles (the word after each step number: cold, verify, …)'
+            f"</summary><ul>{roles}</ul></details>")
 
 
 # -- history of one position ----------------------------------------------------------------------------
+def _rejected_draft(c) -> str:
+    """The draft a correction replaced, with its own p and q (the p, q columns are the cell's own token's)."""
+    if c.draft_tok is None:
+        return ""
+    return f"{_token(c.draft_tok, c.draft_text)} (p={num(c.draft_p, '.3g')}, q={num(c.draft_q, '.3g')})"
+
+
 def inspector_html(grid: Grid | None, pos: int | None, run: str = "") -> str:
     """Every step that did something at output position `pos`, oldest first, and what it became."""
     if grid is None or not grid.steps or pos is None:
@@ -92,7 +106,7 @@ def inspector_html(grid: Grid | None, pos: int | None, run: str = "") -> str:
             continue   # nothing happened here at this step
         cells = (step, esc(grid.rows[step].role or ""),
                  f'<span class="c s-{c.state.value}">{c.glyph}</span> {esc(label(c.state))}',
-                 esc(_token(c.tok, c.text)), esc(_token(c.draft_tok, c.draft_text)),
+                 esc(_token(c.tok, c.text)), esc(_rejected_draft(c)),
                  num(c.p, ".3g"), num(c.q, ".3g"), num(c.ratio, ".3g"), num(c.conf, ".3g"), esc(", ".join(c.kinds)))
         rows.append("<tr>" + "".join(f"<td>{x}</td>" for x in cells) + "</tr>")
     final = grid.final.get(pos)
@@ -178,8 +192,8 @@ def trace_info_html(name: str, header: Mapping[str, Any], metrics: Mapping[str, 
             ("model", " · ".join(str(model.get(k)) for k in ("name", "arch", "dtype"))
              + f" · adapter {model.get('adapter') or 'none'}"),
             ("prompt", header.get("prompt", {}).get("text", "")), ("seed", header.get("seed")),
-            ("result", f"{metrics.get('n_tokens')} tokens · {metrics.get('forwards')} forwards · "
-                       f"TPF {num(metrics.get('tpf'), '.2f')} · stop: {metrics.get('stop_reason')}")]
+            ("result", (f"{metrics.get('n_tokens')} tokens · {metrics.get('forwards')} forwards · "
+                        f"TPF {num(metrics.get('tpf'), '.2f')} · stop: {metrics.get('stop_reason')}"))]
     return '<table class="tbl kv">' + "".join(f"<tr><th>{k}</th><td>{esc(v)}</td></tr>" for k, v in rows) + "</table>"
 
 
@@ -196,8 +210,20 @@ def error_html(error: BaseException) -> str:
 
 
 def chat_messages(messages: Sequence[Mapping[str, str]]) -> list[dict]:
-    """Conversation messages for gr.Chatbot, their text escaped (the chatbot shows it as plain text)."""
-    return [{"role": m["role"], "content": esc(m["content"])} for m in messages]
+    """Conversation messages for gr.Chatbot (which renders markdown), every markup in them shown as text."""
+    return [{"role": m["role"], "content": markdown_text(m["content"])} for m in messages]
+
+
+_CODE = re.compile(r"(```.*?(?:```|$)|`[^`\n]+`)", re.DOTALL)   # code blocks and spans, even an unclosed block
+
+
+def markdown_text(text: str) -> str:
+    """`text` as markdown whose HTML is text: < > & are escaped outside code (inside code the markdown renderer
+    escapes them itself, so escaping twice would show entities), and an image `![..](url)` is shown as text,
+    never loaded (the page fetches nothing from outside)."""
+    parts = _CODE.split(text or "")
+    return "".join(part if i % 2 else html.escape(part, quote=False).replace("![", "!\\[")
+                   for i, part in enumerate(parts))
 
 
 # -- style ------------------------------------------------------------------------------------------
@@ -232,6 +258,11 @@ CSS = f"""
 .traj .t {{ margin-left: 8px; color: #333; }}
 .legend {{ display: flex; flex-wrap: wrap; gap: 4px 12px; font-size: 12px; margin: 4px 0; }}
 .legend > span {{ display: inline-flex; align-items: center; gap: 4px; }}
+.roles {{ font-size: 12px; margin: 0 0 4px; color: #333; }}
+.roles summary {{ cursor: pointer; color: #555; }}
+.roles ul {{ margin: 2px 0 0 18px; padding: 0; columns: 2 320px; }}
+.block.param {{ min-width: min(140px, 100%) !important; }}   /* a checkbox ignores min_width: no field is squeezed */
+.block.status {{ min-height: 3em; }}   /* room for gradio's tracker: "queue: 1/2" while a request waits */
 .metrics {{ display: flex; flex-wrap: wrap; gap: 4px 14px; font-size: 13px; align-items: baseline; }}
 .metrics .ttl {{ font-weight: 600; }}
 .charts {{ display: flex; flex-wrap: wrap; gap: 10px; margin: 4px 0; }}
@@ -244,6 +275,7 @@ CSS = f"""
 .note {{ font-size: 13px; padding: 4px 8px; border-radius: 4px; }}
 .note.error {{ background: #fdecea; border: 1px solid #D55E00; }}
 .note.info {{ color: #444; }}
-.out {{ font-size: 12.5px; margin: 4px 0; white-space: pre-wrap; max-height: 7.5em; overflow: auto; }}
+.out {{ font-size: 12.5px; margin: 4px 0; white-space: pre-wrap; overflow-wrap: anywhere; max-height: 7.5em;
+        overflow: auto; }}
 {_state_rules()}
 """

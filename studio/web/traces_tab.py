@@ -11,7 +11,12 @@ import gradio as gr
 
 from studio.errors import BadInput
 from studio.events import Trace
-from studio.viz.figures import acceptance_by_position_figure, comparison_figure, trace_metrics, tpf_figure
+from studio.viz.figures import (
+    acceptance_by_position_figure,
+    comparison_figure,
+    tpf_figure,
+    trace_metrics,
+)
 from studio.web import components, render
 from studio.web.files import DOWNLOADS, Downloads, read_upload
 from studio.web.live import FPS, Trajectory
@@ -57,7 +62,7 @@ def build(engine, downloads: Downloads) -> None:
         acc_plot = gr.Plot(label="Acceptance by draft position", elem_id="trace-acceptance")
         cmp_plot = gr.Plot(label="All loaded traces", visible=False, elem_id="trace-comparison")
     fmt, prepare, download = components.download_row("trace")
-    shown_outputs = [info, step, trajectory, metrics, inspector, tpf_plot, acc_plot]
+    shown_outputs = [info, step, trajectory, metrics, inspector, tpf_plot, acc_plot, download]
 
     def show(replay: Replay) -> dict:
         t = replay.trace
@@ -67,7 +72,8 @@ def build(engine, downloads: Downloads) -> None:
                 metrics: replay.trajectory.metrics(n),
                 inspector: render.inspector_html(replay.trajectory.view.grid, None),
                 tpf_plot: tpf_figure(t.header, t.events, t.footer),
-                acc_plot: acceptance_by_position_figure(t.header, t.events, t.footer)}
+                acc_plot: acceptance_by_position_figure(t.header, t.events, t.footer),
+                download: gr.File(None, visible=False)}   # a download is of the trace it was prepared from
 
     def on_upload(paths: list[str] | None, tab: TracesTab | None):
         tab = tab or TracesTab()

@@ -177,11 +177,8 @@ def test_html_report_is_self_contained(tmp_path, hand):
     t = read_trace(hand)
     out = export(hand, "html", tmp_path / "r.html")
     doc = out.read_text(encoding="utf-8")
-    assert '<script src="http' not in doc
-    assert not re.search(r"<script[^>]*\bsrc=", doc)   # no external script at all
-    assert doc.count("window.PlotlyConfig") == 1        # plotly.js inlined exactly once
-    assert len(doc) > 1_000_000                          # ... and it is really in there
-    assert doc.count("Plotly.newPlot") == 4              # trajectory, TPF, acceptance x2
+    assert "<script" not in doc and "http" not in doc.replace("http://www.w3.org/2000/svg", "")   # opens offline
+    assert doc.count("<svg") == 4                        # trajectory, TPF, acceptance x2: static SVG
     for needle in (f"{t.footer['tpf']:.3f}", f"{t.footer['accept_rate']:.1%}", str(t.footer["n_tokens"]),
                    t.footer["stop_reason"], t.header["run_id"], "s2d2", "Generated text"):
         assert needle in doc, needle
@@ -192,7 +189,7 @@ def test_html_multi_run_and_truncated(tmp_path, hand):
     ts = [read_trace(REAL[1]), read_trace(REAL[0]), read_trace(hand)]
     out = html_report(ts, tmp_path / "cmp.html", "three runs")
     doc = out.read_text(encoding="utf-8")
-    assert doc.count("window.PlotlyConfig") == 1
+    assert "<script" not in doc and "Tokens vs forwards" in doc
     assert "<h1>three runs</h1>" in doc and "speed vs ar" in doc and "same text as ar" in doc
     assert "no acceptance figures" in doc  # the AR run verifies nothing
     trunc = write_trace(tmp_path / "trunc.jsonl", hand_events(), footer=False)
@@ -421,7 +418,25 @@ def test_every_format_from_every_strategy_roundtrips_metrics(tmp_path, strategy_
         tpf = [x["args"]["TPF"] for x in te if x["name"] == "TPF (running)"]
         assert tpf and tpf[-1] == pytest.approx(t.footer["tpf"], abs=1e-6)  # counters keep 6 decimals
         html_out = export(src, "html", tmp_path / f"{name}.html")
-        assert html_out.stat().st_size > 1_000_000 and t.header["run_id"] in html_out.read_text(encoding="utf-8")
+        assert t.header["run_id"] in html_out.read_text(encoding="utf-8")
+
+
+def test_an_html_report_is_light(tmp_path):
+    """A report of a ~128-token run weighs well under a megabyte (plotly.js inlined made it ~6 MB) and its
+    trajectory keeps a hover text per cell."""
+    from studio.run.config import RunConfig
+    from studio.run.session import Session, encode_prompt
+    from tests.support.tiny import tiny_engine
+
+    engine = tiny_engine("llama", vocab=16)
+    for name, n in (("ar", 124), ("isd", 100)):
+        strategy, settings = RunConfig(name, max_new_tokens=n, temperature=0.0).build()
+        trace = tmp_path / f"{name}.jsonl"
+        Session(engine, strategy, settings).run("abc", encode_prompt(engine, "abc"), trace_path=str(trace))
+        doc = export(trace, "html", tmp_path / f"{name}.html").read_text(encoding="utf-8")
+        assert len(doc.encode()) < 1_000_000, (name, len(doc))
+        cells = re.findall(r"<title>step \d+ · position \d+", doc)
+        assert len(cells) >= n, name   # every emitted position has a cell to hover
 
 
 def test_replay_a_trace_of_every_strategy_without_a_model(strategy_traces):

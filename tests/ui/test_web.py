@@ -148,7 +148,7 @@ def test_forms_come_from_each_strategys_params_and_read_back_to_the_same_run():
     # a preset fills its strategy's fields with its values
     shown = form_values(RunConfig(None, "isd-n3"))
     assert shown["isd_stride"] == 3 and shown["temperature"] == 1.0
-    with pytest.raises(BadInput, match="stride must be >= 2"):
+    with pytest.raises(BadInput, match=r"^isd stride \(N\) must be >= 2"):
         read_choice(dict(shown, strategy="isd-n3", isd_stride=1))
     with pytest.raises(BadInput, match="route must be a table"):
         read_choice(dict(form_values(RunConfig("s2d2")), strategy="s2d2", s2d2_route="7"))
@@ -217,7 +217,7 @@ def test_chat_streams_a_growing_trajectory_and_matches_the_run_alone(server, eng
     alone = solo(engine, "bcdefg", "isd", 30)
     final = named(app, "chat", job.outputs()[-1])
     assert len(final["chat-trajectory"]["rows"]) == len({e["step"] for e in alone.events})
-    assert chat_text(final["chat-log"]) == [render.esc("bcdefg"), render.esc(alone.footer["text"])]
+    assert chat_text(final["chat-log"]) == [render.markdown_text("bcdefg"), render.markdown_text(alone.footer["text"])]
     assert "stop max_new_tokens" in final["chat-status"] and "Traceback" not in str(final)
     # the turn downloaded, then uploaded again, replays exactly as it was drawn live (proposals included)
     out = named(app, "download_chat", c.predict(label="JSONL trace", api_name="/download_chat"))
@@ -249,16 +249,37 @@ def test_stop_ends_the_turn_cleanly_and_keeps_the_partial_answer(server):
     assert "stop max_new_tokens" in after["chat-status"]      # the engine is free and the chat goes on
 
 
-def test_an_invalid_parameter_is_a_message_in_the_form_and_nothing_runs(server):
+def test_an_invalid_or_empty_field_is_a_message_in_the_forms_words_and_nothing_runs(server):
     app, url, _ = server
     c = client(url)
-    for bad, message in (({"isd_stride": 1}, "stride must be >= 2"), ({"temperature": -1}, "temperature must be"),
+    for bad, message in (({"isd_stride": 1}, "isd stride (N) must be >= 2"),
+                         ({"strategy": "r-isd", "r_isd_stride": 1}, "r-isd stride (N) must be >= 2"),
+                         ({"temperature": -1}, "temperature must be"),
+                         ({"max_new_tokens": 0}, "max new tokens must be >= 1, got 0"),
+                         ({"max_new_tokens": None}, "max new tokens: enter a number"),
                          ({"isd_proposal": "guess"}, "proposal must be 'sample' or 'argmax'")):
-        out = named(app, "chat", c.predict(text="bcd", strategy="isd", api_name="/chat", **bad))
+        out = named(app, "chat", c.predict(text="bcd", api_name="/chat", **{"strategy": "isd", **bad}))
         assert render.esc(message) in out["chat-form-message"] and 'class="note error"' in out["chat-form-message"]
+        assert "--" not in out["chat-form-message"]                            # no CLI flag names in the page
         assert not isinstance(out["chat-log"], list) or not out["chat-log"]   # no turn was started
     out = named(app, "chat", c.predict(text="bcd", strategy="isd", max_new_tokens=500, api_name="/chat"))
-    assert render.esc("exceeds the model's context") in out["chat-status"]
+    assert render.esc("max new tokens (500) exceeds the model's context") in out["chat-status"]
+    for blank in ("", "  \n "):
+        out = named(app, "chat", c.predict(text=blank, strategy="isd", api_name="/chat"))
+        assert "type a message first" in out["chat-status"] and not isinstance(out["chat-log"], list)
+
+
+def test_picking_a_strategy_keeps_the_settings_and_a_preset_sets_only_its_own():
+    import gradio as gr
+    from studio.web.form import RunForm
+    with gr.Blocks():
+        form = RunForm(RunConfig("ar", max_new_tokens=16), "test")
+    picked = form._on_pick("isd")
+    assert not any(picked.get(c) is not None for c in form.settings.values())   # max tokens 16 stays 16
+    assert picked[form.fields["isd_stride"]] == 4 and picked[form.groups["isd"]].visible
+    preset = form._on_pick("isd-n3")    # sets temperature 1.0 and stride 3, not max_new_tokens
+    assert preset[form.settings["temperature"]] == 1.0 and preset[form.fields["isd_stride"]] == 3
+    assert form.settings["max_new_tokens"] not in preset
 
 
 def test_two_clients_decode_one_at_a_time_and_get_their_own_results(server, engine):
@@ -281,13 +302,13 @@ def test_two_clients_decode_one_at_a_time_and_get_their_own_results(server, engi
     for prompt, (strategy, params) in requests.items():
         own = {k.split("_", 1)[1]: v for k, v in params.items()}
         alone = solo(engine, prompt, strategy, 24, **own)
-        assert chat_text(finals[prompt]["chat-log"]) == [prompt, render.esc(alone.footer["text"])]
+        assert chat_text(finals[prompt]["chat-log"]) == [prompt, render.markdown_text(alone.footer["text"])]
 
 
 # -- compare ----------------------------------------------------------------------------------------
 def test_compare_advances_runs_in_lock_step_then_reports(server, engine, tmp_path):
     app, url, _ = server
-    job = client(url).submit(text="bcdef", run_names=["isd", "jacobi"], n_tokens=24, temp=0, seed_value=0,
+    job = client(url).submit(text="bcdef", run_names=["isd", "jacobi"], max_new_tokens=24, temperature=0, seed=0,
                              pace_ms=10, api_name="/compare")
     frames = [named(app, "compare", out) for out in job]
     final = named(app, "compare", job.outputs()[-1])
@@ -323,6 +344,19 @@ def test_compare_refuses_too_many_runs_with_a_message(server):
     assert "nothing to compare" in out["cmp-status"]
 
 
+def test_a_refused_compare_clears_the_last_ones_panes(server):
+    app, url, _ = server
+    c = client(url)
+    done = named(app, "compare", c.predict(text="bcd", run_names=["isd"], max_new_tokens=8, api_name="/compare"))
+    assert done["cmp-trajectory-1"]["rows"] and "<table" in done["cmp-table"]
+    for bad, message in (({"text": " "}, "type a prompt first"), ({"max_new_tokens": None}, "max new tokens: enter"),
+                         ({"max_new_tokens": 0}, "max new tokens must be >= 1")):
+        out = named(app, "compare", c.predict(api_name="/compare", **{"text": "bcd", "run_names": ["isd"], **bad}))
+        assert render.esc(message) in out["cmp-status"] and "--" not in out["cmp-status"]
+        assert out["cmp-table"] == "" and all(out[f"cmp-trajectory-{i}"]["rows"] == [] for i in range(4))
+        assert out["cmp-report"]["visible"] is False
+
+
 # -- traces -----------------------------------------------------------------------------------------
 def test_an_uploaded_trace_replays_and_downloads_in_every_format(server, engine, tmp_path):
     app, url, _ = server
@@ -347,6 +381,8 @@ def test_an_uploaded_trace_replays_and_downloads_in_every_format(server, engine,
                          ("HTML report", lambda p: "<img src=x" not in open(p, encoding="utf-8").read())):
         out = named(app, "download_trace", c.predict(label=label, api_name="/download_trace"))
         assert check(file_path(out["trace-file"])), label
+    again = named(app, "load_traces", c.predict(paths=[handle_file(str(src))], api_name="/load_traces"))
+    assert again["trace-file"]["visible"] is False   # the last download was of the trace loaded before
 
 
 def test_a_bad_trace_is_a_one_line_message(server, tmp_path):
@@ -362,16 +398,50 @@ def test_a_bad_trace_is_a_one_line_message(server, tmp_path):
         read_upload(bad, limit=10)
 
 
+def test_a_new_turn_clears_the_last_turns_inspector_download_and_error(server):
+    app, url, _ = server
+    c = client(url)
+    c.predict(text="bcd", strategy="ar", max_new_tokens=4, api_name="/chat")
+    assert "position 1: final token" in c.predict(pos=1, api_name="/inspect_chat")
+    c.predict(label="JSONL trace", api_name="/download_chat")
+    first = named(app, "chat", next(iter(c.submit(text="efg", strategy="ar", max_new_tokens=4, api_name="/chat"))))
+    assert "Click a cell" in first["chat-inspector"] and first["chat-position"] is None
+    assert first["chat-file"]["visible"] is False and first["chat-status"] == "" and first["chat-form-message"] == ""
+
+
+def test_a_new_conversation_forgets_the_history_even_mid_turn(server):
+    app, url, _ = server
+    c = client(url)
+    c.predict(text="bcd", strategy="ar", max_new_tokens=4, api_name="/chat")
+    job = c.submit(text="efg", strategy="ar", max_new_tokens=80, pace_ms=40, api_name="/chat")
+    for i, _ in enumerate(job):
+        if i == 3:
+            reset = named(app, "reset_chat", c.predict(api_name="/reset_chat"))
+    assert reset["chat-log"] == [] and reset["chat-trajectory"]["rows"] == []
+    frames = [named(app, "chat", out) for out in job.outputs()]
+    assert not any("stop" in str(f.get("chat-status")) for f in frames), "the cancelled turn's end was shown"
+    assert frames[-1]["chat-trajectory"]["rows"] == [] and frames[-1]["chat-log"] == []   # the page shows the last
+    fresh = named(app, "chat", c.predict(text="hij", strategy="ar", max_new_tokens=4, api_name="/chat"))
+    assert len(fresh["chat-log"]) == 2   # the next turn sees no old history
+
+
+def test_chat_markdown_renders_but_markup_stays_text():
+    assert render.markdown_text("**1. Earth** & <b>x</b>") == "**1. Earth** &amp; &lt;b&gt;x&lt;/b&gt;"
+    # inside code the renderer escapes by itself: escaping here too would show "&lt;"
+    assert render.markdown_text("use `a<b` or\n```\n<script>\n```") == "use `a<b` or\n```\n<script>\n```"
+    assert render.markdown_text("![x](http://elsewhere/p.png)") == "!\\[x](http://elsewhere/p.png)"   # never loaded
+
+
 # -- safety -----------------------------------------------------------------------------------------
 def test_a_markup_prompt_is_text_in_every_view(server, engine, tmp_path):
     app, url, _ = server
     c = client(url)
     chat = named(app, "chat", c.predict(text=XSS, strategy="isd", max_new_tokens=12, api_name="/chat"))
-    cmp = named(app, "compare", c.predict(text=XSS, run_names=["isd"], n_tokens=12, api_name="/compare"))
+    cmp = named(app, "compare", c.predict(text=XSS, run_names=["isd"], max_new_tokens=12, api_name="/compare"))
     report = file_path(cmp["cmp-report"])
     views = [json.dumps(chat), json.dumps({k: v for k, v in cmp.items() if k != "cmp-figure"}),
              open(report, encoding="utf-8").read()]
-    assert chat_text(chat["chat-log"])[0] == render.esc(XSS)   # shown as text: the chatbot renders no markup
+    assert chat_text(chat["chat-log"])[0] == render.markdown_text(XSS) == "&lt;img src=x onerror=alert(1)&gt;"
     for view in views:
         assert "<img" not in view
     rows = "".join(chat["chat-trajectory"]["rows"])
@@ -386,3 +456,15 @@ def test_the_engine_queue_serves_one_decoding_request_at_a_time(server):
     for api_name in ("chat", "compare"):
         dep = next(d for d in app.fns.values() if d.api_name == api_name)
         assert dep.concurrency_id == "engine" and dep.concurrency_limit == 1
+
+
+def test_names_shown_are_the_models_own_and_never_a_server_path():
+    from types import SimpleNamespace
+
+    from studio.viz.figures import tpf_figure
+    from studio.web.app import model_title
+    engine = SimpleNamespace(name="default", config=SimpleNamespace(name="SmolLM2-135M"), adapter="/srv/x/isd-lora")
+    assert model_title(engine) == "SmolLM2-135M (default) + isd-lora"
+    header = {"strategy": "isd", "model": {"name": "SmolLM2-135M", "adapter": "/srv/x/isd-lora"}}
+    title = tpf_figure(header, []).layout.title.text
+    assert "isd-lora" in title and "/srv" not in title

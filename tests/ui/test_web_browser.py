@@ -6,6 +6,7 @@ the last ones are copied to /tmp/web-shots/ to be looked at.
 """
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -146,3 +147,132 @@ def test_an_uploaded_trace_replays_with_play_and_pause(page, site, shots, tmp_pa
     pg.wait_for_timeout(500)
     assert rows(pg, "#trace-trajectory") == paused
     pg.screenshot(path=str(shots / "replay.png"), full_page=True)
+
+
+# -- issue 22: input, queue, stale panels, markdown ---------------------------------------------------
+def send_with_enter(pg, text: str) -> None:
+    pg.fill("#chat-message textarea", text)
+    pg.press("#chat-message textarea", "Enter")
+
+
+def status_has(pg, elem: str, text: str, timeout: float = 30_000) -> None:
+    pg.wait_for_function(f"document.querySelector('{elem}').innerText.includes({text!r})", timeout=timeout)
+
+
+def test_enter_sends_shift_enter_adds_a_line_and_markdown_is_rendered_but_markup_is_text(page, shots):
+    pg = page
+    pg.fill("#chat-max_new_tokens input", "6")
+    box = pg.locator("#chat-message textarea")
+    box.fill("**bold** and")
+    box.press("Shift+Enter")
+    box.type(XSS)
+    assert rows(pg, "#chat-trajectory") == 0 and "\n" in box.input_value()   # a new line, nothing sent
+    box.press("Enter")
+    status_has(pg, "#chat-status", "stop max_new_tokens")
+    user = pg.locator("#chat-log [data-testid=user]").first
+    assert user.locator("strong").inner_text() == "bold"              # markdown rendered ...
+    assert XSS in user.inner_text() and pg.locator("#chat-log img[src='x']").count() == 0   # ... markup as text
+    assert box.input_value() == ""
+
+
+def test_max_tokens_zero_or_empty_is_refused_and_the_message_kept(page):
+    pg = page
+    for value, message in (("0", "max new tokens must be >= 1"), ("", "max new tokens: enter a number")):
+        pg.fill("#chat-max_new_tokens input", value)
+        send_with_enter(pg, "bcd")
+        status_has(pg, "#chat-form-message", message)
+        assert pg.locator("#chat-message textarea").input_value() == "bcd" and rows(pg, "#chat-trajectory") == 0
+    pick(pg, "#chat-pick", "r-isd")                              # picking a strategy keeps the settings
+    pg.wait_for_selector("#chat-r_isd_stride")
+    pg.fill("#chat-max_new_tokens input", "16")
+    pick(pg, "#chat-pick", "isd")
+    pg.wait_for_selector("#chat-isd_stride")
+    assert pg.locator("#chat-max_new_tokens input").input_value() == "16"
+
+
+def test_a_queued_second_user_sees_its_place_and_a_second_send_is_answered(browser, site, shots):
+    _, url = site
+    pages = []
+    for _ in range(2):
+        pg = browser.new_context(viewport={"width": 1100, "height": 900}).new_page()
+        pg.goto(url)
+        pg.wait_for_selector("#chat-message textarea")
+        pg.fill("#chat-max_new_tokens input", "60")
+        pages.append(pg)
+    first, second = pages
+    first.fill("#chat-pace input[type=number]", "80")
+    send_with_enter(first, "bcd")
+    first.wait_for_selector("#chat-trajectory .r")
+    send_with_enter(second, "efg")
+    status_has(second, "#chat-status", "queue")
+    place = second.inner_text("#chat-status")
+    send_with_enter(first, "more")                           # during its own run: told why nothing starts
+    status_has(first, "#chat-status", "a turn is being decoded")
+    assert first.locator("#chat-message textarea").input_value() == "more"
+    both = [shots / f"user-{i}.png" for i in (1, 2)]
+    for pg, path in zip(pages, both):
+        pg.screenshot(path=str(path), full_page=True)
+    _side_by_side(both, shots / "two-users.png")
+    first.click("#chat-stop")
+    status_has(second, "#chat-status", "stop max_new_tokens", timeout=60_000)
+    assert "queue" in place, place
+    for pg in pages:
+        pg.context.close()
+
+
+def prefill(pg) -> str:
+    """What the last turn's summary says it prefilled: more tokens (or some reused) when history came along."""
+    return re.search(r"prefill [^s]*s", pg.inner_text("#chat-status")).group(0)
+
+
+def _side_by_side(parts, out) -> None:
+    from PIL import Image
+    images = [Image.open(p) for p in parts]
+    canvas = Image.new("RGB", (sum(i.width for i in images) + 10 * (len(images) - 1), max(i.height for i in images)),
+                       "white")
+    x = 0
+    for im in images:
+        canvas.paste(im, (x, 0))
+        x += im.width + 10
+    canvas.save(out)
+
+
+def test_a_new_turn_clears_the_inspector_and_download_new_conversation_and_clear_reset(page, shots):
+    pg = page
+    pg.fill("#chat-max_new_tokens input", "8")
+    send_with_enter(pg, "bcd")
+    status_has(pg, "#chat-status", "stop max_new_tokens")
+    pg.locator("#chat-trajectory .r").nth(2).locator(".c").first.click()
+    status_has(pg, "#chat-inspector", "position")
+    pg.click("#chat-download")
+    pg.wait_for_selector("#chat-file", state="visible")
+    send_with_enter(pg, "efg")
+    status_has(pg, "#chat-status", "stop max_new_tokens")
+    assert "Click a cell" in pg.inner_text("#chat-inspector") and pg.locator("#chat-file").is_hidden()
+    assert pg.locator("#chat-log [data-testid=user]").count() == 2
+    # New conversation during a run: the run stops and its trajectory does not come back
+    pg.fill("#chat-max_new_tokens input", "80")
+    pg.fill("#chat-pace input[type=number]", "60")
+    send_with_enter(pg, "hij")
+    pg.wait_for_function("document.querySelectorAll('#chat-trajectory .r').length > 3")
+    pg.click("#chat-reset")
+    status_has(pg, "#chat-status", "new conversation")
+    pg.wait_for_timeout(800)
+    assert rows(pg, "#chat-trajectory") == 0 and pg.locator("#chat-log [data-testid=user]").count() == 0
+    assert "new conversation" in pg.inner_text("#chat-status")
+    # the chatbot's own Clear: the next turn sees no history (its summary counts only this turn's prompt)
+    pg.fill("#chat-pace input[type=number]", "0")
+    pg.fill("#chat-max_new_tokens input", "4")
+    send_with_enter(pg, "bcd")
+    status_has(pg, "#chat-status", "stop max_new_tokens")
+    alone = prefill(pg)
+    send_with_enter(pg, "bcd")
+    status_has(pg, "#chat-log", "bcd")
+    pg.wait_for_function("document.querySelectorAll('#chat-log [data-testid=user]').length === 2")
+    status_has(pg, "#chat-status", "stop max_new_tokens")
+    pg.locator("#chat-log button[aria-label='Clear']").click()
+    status_has(pg, "#chat-status", "new conversation")
+    send_with_enter(pg, "bcd")
+    status_has(pg, "#chat-status", "stop max_new_tokens")
+    assert pg.locator("#chat-log [data-testid=user]").count() == 1 and prefill(pg) == alone
+    pg.screenshot(path=str(shots / "chat-after-clear.png"), full_page=True)
