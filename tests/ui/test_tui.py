@@ -22,6 +22,7 @@ from studio.tui.app import StudioApp  # noqa: E402
 from studio.tui.screens.help import HelpScreen  # noqa: E402
 from studio.tui.widgets import MetricsPanel, TokenGrid  # noqa: E402
 from studio.tui.widgets.controls import Controls  # noqa: E402
+from studio.tui.widgets.inspector import _num  # noqa: E402
 
 SIZE = (130, 42)
 BLOCK = ("blockdiff", "s2d2", "simsd")
@@ -277,6 +278,24 @@ class FakeClock:
 
     def perf_counter(self):
         return next(self._t) * 0.01
+
+
+def test_the_inspector_gives_a_resampled_token_the_rejected_drafts_p_and_q_not_its_own():
+    async def go():
+        app = StudioApp(session("isd", n=16))
+        async with app.run_test(size=SIZE) as pilot:
+            await turn(pilot, "bcdefg")
+            reject = next(e for e in app.session.turns[-1].events if e["t"] == "reject")
+            grid = app.screen.query_one(TokenGrid)
+            grid.focus()
+            grid.cursor = reject["pos"]
+            await pilot.pause()
+            text = str(app.screen.query_one("#inspector").render())
+            line = next(x for x in text.splitlines() if "resampled" in x and f"step {reject['step']:>4}" in x)
+            own, draft = line.split("replaced rejected draft")
+            assert "p=" not in own and "q=" not in own      # nothing was computed for the correction itself
+            assert f"p={_num(reject['p'])}" in draft and f"q={_num(reject['q'])}" in draft
+    asyncio.run(go())
 
 
 @pytest.fixture
