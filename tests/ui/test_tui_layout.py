@@ -158,6 +158,7 @@ def test_focus_comes_back_to_the_input_after_another_screen_and_a_command():
             await wait_until(pilot, lambda: app.session.choice.build()[1].sampling.temperature == 0)
             await wait_until(pilot, lambda: "/set: ok" in status(app))
             assert app.focused is app.screen.query_one("#prompt") and app.focused.value == ""
+            assert float(app.screen.query_one("#ctl-temperature").value) == 0   # the run panel follows the command
     asyncio.run(go())
 
 

@@ -153,8 +153,8 @@ class ChatScreen(Screen):
             if not prompt.value:   # a refused command comes back to be mended (unless the user typed on)
                 prompt.value = line
             return
-            self.query_one(Controls).sync(self.session.choice, self.session.engine)
-            self.title = f"dlm-studio · {self.session.engine.name}"
+        self.query_one(Controls).sync(self.session.choice, self.session.engine)
+        self.title = f"dlm-studio · {self.session.engine.name}"
 
     def send(self, text: str) -> bool:
         """Start a turn with `text`; False (and why, in the status and the log) when the session refuses it."""
