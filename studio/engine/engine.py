@@ -138,6 +138,15 @@ class Engine:
         from studio.presets.shipped import shipped_for
         return self.with_adapter(shipped_for(self.name, strategy))
 
+    @property
+    def title(self) -> str:
+        """The model as headers name it: its own name (not the spec it was loaded by, e.g. `default`), then that
+        spec, then its adapter's folder name (never a path)."""
+        name = self.config.name or self.name
+        spec = f" ({self.name})" if self.name not in (name, "") else ""
+        adapter = f" + {Path(self.adapter).name}" if self.adapter else ""
+        return name + spec + adapter
+
     def model_meta(self) -> dict:
         from studio.presets.shipped import shipped_name
         p = self.model.lm_head.weight

@@ -9,7 +9,6 @@ replay, downloads) runs beside it and never touches the model.
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import gradio as gr
 
@@ -29,7 +28,7 @@ def build_app(engine, choice: RunConfig | None = None, chat_template: bool = Tru
     choice.build()
     downloads = Downloads()
     with gr.Blocks(title="dlm-studio", analytics_enabled=False) as app:
-        gr.HTML(f'<div class="studio-head"><b>dlm-studio</b> · {render.esc(model_title(engine))} · '
+        gr.HTML(f'<div class="studio-head"><b>dlm-studio</b> · {render.esc(engine.title)} · '
                 f"{render.esc(engine.config.arch)} · parallel decoding, every step visible</div>")
         with gr.Tabs():
             with gr.Tab("Chat", id="chat", elem_id="tab-chat"):
@@ -41,15 +40,6 @@ def build_app(engine, choice: RunConfig | None = None, chat_template: bool = Tru
     app.downloads = downloads   # keeps the download folder alive as long as the app
     app.queue(default_concurrency_limit=1, max_size=64)
     return app
-
-
-def model_title(engine) -> str:
-    """The model as the header names it: its own name (not the spec it was loaded by, e.g. `default`), the
-    preset it came from, its adapter's folder name (never a server path)."""
-    name = engine.config.name or engine.name
-    preset = f" ({engine.name})" if engine.name not in (name, "") else ""
-    adapter = f" + {Path(engine.adapter).name}" if engine.adapter else ""
-    return name + preset + adapter
 
 
 def serve(app: gr.Blocks, host: str = "127.0.0.1", port: int = 7860, block: bool = True):

@@ -459,12 +459,13 @@ def test_the_engine_queue_serves_one_decoding_request_at_a_time(server):
 
 
 def test_names_shown_are_the_models_own_and_never_a_server_path():
-    from types import SimpleNamespace
+    import dataclasses
 
     from studio.viz.figures import tpf_figure
-    from studio.web.app import model_title
-    engine = SimpleNamespace(name="default", config=SimpleNamespace(name="SmolLM2-135M"), adapter="/srv/x/isd-lora")
-    assert model_title(engine) == "SmolLM2-135M (default) + isd-lora"
+    engine = dataclasses.replace(web_engine(), name="default")
+    engine.config = dataclasses.replace(engine.config, name="SmolLM2-135M")
+    assert dataclasses.replace(engine, adapter="/srv/x/isd-lora").title == "SmolLM2-135M (default) + isd-lora"
+    assert dataclasses.replace(engine, adapter=None).title == "SmolLM2-135M (default)"
     header = {"strategy": "isd", "model": {"name": "SmolLM2-135M", "adapter": "/srv/x/isd-lora"}}
     title = tpf_figure(header, []).layout.title.text
     assert "isd-lora" in title and "/srv" not in title

@@ -91,7 +91,7 @@ class ChatScreen(Screen):
         self.query_one(Controls).sync(self.session.choice, self.session.engine)
         self.query_one(Inspector).show(None, None)
         self.query_one(MetricsPanel).show(None)
-        self.title = f"dlm-studio · {self.session.engine.name}"
+        self.title = f"dlm-studio · {self.session.engine.title}"
         self.query_one("#prompt", Input).focus()
         self.status(f"model {self.session.engine.name} · {self.session.choice.describe()} · /help for commands")
 
@@ -154,7 +154,7 @@ class ChatScreen(Screen):
                 prompt.value = line
             return
         self.query_one(Controls).sync(self.session.choice, self.session.engine)
-        self.title = f"dlm-studio · {self.session.engine.name}"
+        self.title = f"dlm-studio · {self.session.engine.title}"
 
     def send(self, text: str) -> bool:
         """Start a turn with `text`; False (and why, in the status and the log) when the session refuses it."""
