@@ -458,12 +458,15 @@ def models_info(spec: str = typer.Argument("default", help="'default', a model p
     engine = Engine.load(spec)
     cfg = engine.config
     n_params = sum(p.numel() for p in {id(p): p for p in engine.model.parameters()}.values())
-    typer.echo(f"name:          {engine.name}\nsource:        {engine.source}\narch:          {cfg.arch}")
+    typer.echo(f"name:          {engine.name}\nsource:        {engine.source}\n"
+               f"family:        {cfg.family or cfg.arch}{f' ({cfg.arch} block)' if cfg.family else ''}\n"
+               f"attention:     {cfg.attention} (trained with; a forward's mask is the run's)")
     typer.echo(f"parameters:    {n_params / 1e6:.1f} M\nlayers:        {cfg.n_layers}  dim {cfg.dim}  "
                f"heads {cfg.n_heads}/{cfg.n_kv_heads} (q/kv)  head_dim {cfg.head_dim}  ffn {cfg.ffn_dim}")
     typer.echo(f"vocab:         {cfg.vocab_size}\ncontext:       {cfg.max_seq_len}\nrope theta:    {cfg.rope_theta:g}")
     typer.echo(f"tied head:     {cfg.tie_embeddings}\nlogit shift:   {cfg.logit_shift}  "
-               f"(hidden i predicts token i+1)\nmask token:    {cfg.mask_token_id}\nblock size:    {cfg.block_size}")
+               f"({'hidden i predicts token i+1' if cfg.logit_shift else 'position-aligned: a MASK at i predicts token i'})"
+               f"\nmask token:    {cfg.mask_token_id}\nblock size:    {cfg.block_size}")
     typer.echo(f"eos ids:       {engine.eos_ids()}\nload time:     {engine.load_s:.2f}s"
                f"{' (from cache)' if engine.from_cache else ''}")
     from studio.presets.shipped import shipped

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, asdict
 from studio.errors import BadInput
 
 SUPPORTED_ARCHS = {"llama", "qwen2", "qwen3"}
+ATTENTIONS = ("causal", "bidirectional")   # the attention a model was trained with
 # HF `architectures[0]` / `model_type` -> our family name.
 _HF_FAMILY = {
     "LlamaForCausalLM": "llama", "llama": "llama",
@@ -57,11 +58,17 @@ class ModelConfig:
     mask_token_id: int | None = None
     block_size: int | None = None
     adapter_block_size: int | None = None   # the attached adapter's training block size (a block adapter)
+    # attention: what the model was trained with. A forward's mask is the run's choice (studio.engine.masks);
+    # strategies that need token-causal predictions refuse a bidirectional model (LLaDA, Dream).
+    attention: str = "causal"
+    family: str = ""                 # the checkpoint family when it is not `arch`'s own layout (llada, ...)
     name: str = ""
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHS:
             raise BadInput(f"unsupported architecture {self.arch!r} (supported: {', '.join(sorted(SUPPORTED_ARCHS))})")
+        if self.attention not in ATTENTIONS:
+            raise BadInput(f"unsupported attention {self.attention!r} (supported: {', '.join(ATTENTIONS)})")
         if self.n_heads % self.n_kv_heads:
             raise BadInput(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
 
@@ -70,6 +77,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict, name: str = "") -> "ModelConfig":
+        from studio.engine.families import family_of   # (family modules build ModelConfigs themselves)
+        family_module = family_of(cfg)
+        if family_module is not None:
+            return family_module.config(cfg, name)
         archs = cfg.get("architectures") or []
         arch0, model_type = archs[0] if archs else "", cfg.get("model_type", "")
         dlm = _DLM.get(arch0) or (None if arch0 in _HF_FAMILY else _DLM.get(model_type))

@@ -5,7 +5,7 @@ every mask plugs straight into `Transformer.forward(tokens, positions, kv, mask=
 `kv.length == n_past`. Layouts whose RoPE positions are not simply `pos0 + arange(T_new)` (the 2L
 verifier, SimSD) also return those position ids; `pos0` defaults to n_past (slot index = position).
 
-Builders: `causal`, `block_causal` (SDAR / Fast-dLLM v2 drafting and commit), `partially_causal_draft`
+Builders: `causal`, `bidirectional` (LLaDA / Dream over a canvas), `block_causal` (SDAR / Fast-dLLM v2 drafting and commit), `partially_causal_draft`
 (S2D2 Eq. 4), `s2d2_verifier` (S2D2 Eq. 3, the "2L trick"), `simsd_temporal` (SimSD §3.1).
 """
 from __future__ import annotations
@@ -28,6 +28,11 @@ def causal(n_new: int, n_past: int, device="cpu") -> torch.Tensor:
     cols = torch.arange(n_past + n_new, device=device)
     rows = torch.arange(n_new, device=device) + n_past
     return cols[None, :] <= rows[:, None]
+
+
+def bidirectional(n_new: int, n_past: int, device="cpu") -> torch.Tensor:
+    """Every row sees every committed slot and every new row (a bidirectional model's canvas forward)."""
+    return torch.ones(n_new, n_past + n_new, dtype=torch.bool, device=device)
 
 
 def block_causal(n_new: int, n_past: int, block_size: int, offset: int = 0, device="cpu") -> torch.Tensor:

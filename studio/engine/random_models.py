@@ -30,6 +30,11 @@ SHAPES: dict[str, dict] = {
                   "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                   "intermediate_size": 14336, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
                   "tie_word_embeddings": False, "max_position_embeddings": 8192},
+    # GSAI-ML/LLaDA-8B-Instruct's own config.json format (studio.engine.families.llada reads it)
+    "llada-8b": {"architectures": ["LLaDAModelLM"], "model_type": "llada", "d_model": 4096, "n_layers": 32,
+                 "n_heads": 32, "n_kv_heads": 32, "mlp_hidden_size": 12288, "vocab_size": 126464,
+                 "embedding_size": 126464, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+                 "max_sequence_length": 4096, "weight_tying": False, "mask_token_id": 126336},
 }
 INIT_STD = 0.02   # transformers' initializer_range: a deep random stack keeps finite activations in bf16/fp16
 
@@ -40,12 +45,13 @@ def is_random(spec: str) -> bool:
 
 def random_config(spec: str) -> ModelConfig:
     """The ModelConfig of `random:NAME`. No EOS (runs go to --max-new-tokens, as a speed measurement
-    wants); the last id is the MASK, so every strategy can run."""
+    wants); the MASK is the model's own, else the last id, so every strategy can run."""
     name = spec.removeprefix(PREFIX)
     if name not in SHAPES:
         raise BadInput(f"unknown random model {name!r} (available: {', '.join(PREFIX + n for n in SHAPES)})")
     cfg = ModelConfig.from_hf(SHAPES[name], name=PREFIX + name)
-    return dataclasses.replace(cfg, eos_ids=[], bos_id=None, mask_token_id=cfg.vocab_size - 1)
+    mask = cfg.mask_token_id if cfg.mask_token_id is not None else cfg.vocab_size - 1
+    return dataclasses.replace(cfg, eos_ids=[], bos_id=None, mask_token_id=mask)
 
 
 def build_random(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Transformer:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from studio.engine.config import ModelConfig
+from studio.engine.families import family_of
 from studio.engine.model_cache import cache_dir
 from studio.engine.tokenizer import Tokenizer
 from studio.errors import BadInput
@@ -515,6 +516,9 @@ def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor],
     sd: dict[str, torch.Tensor] = {}
     for f in files:
         sd.update(_load_safetensors(f))
+    family = family_of(raw)
+    if family is not None:   # its own tensor names -> the compact model's
+        sd = family.state_dict(sd)
     for k, v in sd.items():
         if v.is_floating_point() and v.dtype != torch.float32:
             sd[k] = v.float()

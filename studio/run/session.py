@@ -97,6 +97,11 @@ def kv_length_needed(engine: Engine, strategy: Strategy, settings: Settings, pro
     if strategy.needs_mask and cfg.mask_token_id is None:
         raise BadInput(f"strategy {strategy.name!r} needs a MASK token and model {engine.name!r} has "
                        "none: give an adapter that adds one or a model preset with mask_token_id")
+    if strategy.needs_causal_model and cfg.attention != "causal":
+        from studio.engine.strategies import STRATEGIES
+        fits = ", ".join(sorted(n for n, s in STRATEGIES.items() if not s.needs_causal_model))
+        raise BadInput(f"strategy {strategy.name!r} needs a causal model and {engine.name!r} was trained with "
+                       f"{cfg.attention} attention; strategies that fit: {fits}")
     if len(prompt_ids) >= cfg.max_seq_len:
         raise BadInput(f"the prompt is {len(prompt_ids)} tokens, longer than the model's context of {cfg.max_seq_len}")
     kv_len = len(prompt_ids) + settings.max_new_tokens + strategy.kv_headroom(cfg)

@@ -257,6 +257,8 @@ class Strategy:
     """One decoding strategy. Subclasses declare their parameters as dataclass fields of `Params`."""
     name: ClassVar[str]
     needs_mask: ClassVar[bool] = False   # proposals come from MASK rows
+    # reads token-causal predictions (AR next-token rows): a model trained bidirectionally has none
+    needs_causal_model: ClassVar[bool] = True
 
     @dataclass
     class Params:

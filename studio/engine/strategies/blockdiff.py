@@ -103,6 +103,7 @@ def select_hierarchical(conf: list[float], slots: list[int], threshold: float, l
 class BlockDiffusion(Strategy):
     name = "blockdiff"
     needs_mask = True
+    needs_causal_model = False   # its masks are its own: block-causal drafts fit a bidirectional model too
 
     @dataclass
     class Params:
@@ -150,8 +151,10 @@ class BlockDiffusion(Strategy):
         return 3 * self.block_size(config)   # a block past the last token + a 2B-row verifier
 
     def causal_kv(self, config) -> bool:
-        """The causal cache (S2D2's "AR-like caching"); block-attention KV depends on where blocks fall."""
-        return self.params.cache == "causal" or (self.params.cache == "auto" and config.block_size is None)
+        """The causal cache (S2D2's "AR-like caching"); block-attention KV depends on where blocks fall. `auto` is
+        causal only for an AR model (no native block size, trained causal): a dLLM gets the block cache."""
+        return self.params.cache == "causal" or (self.params.cache == "auto" and config.block_size is None
+                                                 and config.attention == "causal")
 
     def prefill_gate(self, ctx: DecodeContext) -> bool:
         return self.params.adapter_rows == "all"   # `gate` of a clean token

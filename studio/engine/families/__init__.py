@@ -1,0 +1,20 @@
+"""Checkpoint families whose config.json and tensor names are not Hugging Face Llama/Qwen's: each module says how
+its config maps onto `ModelConfig` and how its tensor names map onto the one compact model's (`model.py`), so
+the core stays one transformer and each family's differences live in a small module of its own. Their remote
+code is never run. A family module has `matches(raw) -> bool`, `config(raw, name) -> ModelConfig` and
+`state_dict(sd) -> sd`.
+
+Design: docs/families.md
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+from studio.engine.families import llada
+
+FAMILIES: tuple[ModuleType, ...] = (llada,)
+
+
+def family_of(raw: dict) -> ModuleType | None:
+    """The family module that reads this config.json, or None for the Hugging Face Llama/Qwen layout."""
+    return next((f for f in FAMILIES if f.matches(raw)), None)

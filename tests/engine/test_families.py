@@ -1,0 +1,182 @@
+"""Checkpoint families read natively: a tiny random instance saved in the published key layout and config.json
+format, loaded by the engine, against `transformers` driven with the attention the family was trained with."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from studio.engine.engine import Engine
+from studio.engine.masks import bidirectional, causal
+from studio.engine.model import Transformer
+from studio.engine.strategies import make_strategy
+from studio.engine.weights import load_hf_dir
+from studio.errors import BadInput
+from studio.run.session import Session, Settings, kv_length_needed
+from tests.support.hf_files import tiny_tokenizer_files
+
+# -- LLaDA dense ------------------------------------------------------------------------------------
+LLADA_CONFIG = {   # GSAI-ML/LLaDA-8B-Instruct's config.json keys, tiny sizes
+    "architectures": ["LLaDAModelLM"], "model_type": "llada", "d_model": 64, "n_layers": 2, "n_heads": 4,
+    "n_kv_heads": 4, "mlp_hidden_size": 96, "mlp_ratio": 4, "vocab_size": 40, "embedding_size": 40,
+    "rope": True, "rope_theta": 500000.0, "rope_full_precision": True, "rms_norm_eps": 1e-5,
+    "max_sequence_length": 128, "weight_tying": False, "block_type": "llama", "activation_type": "silu",
+    "layer_norm_type": "rms", "alibi": False, "include_bias": False, "include_qkv_bias": False,
+    "bias_for_layer_norm": False, "attention_layer_norm": False, "input_emb_norm": False, "scale_logits": False,
+    "flash_attention": False, "mask_token_id": 39, "eos_token_id": 2, "pad_token_id": 2, "use_cache": False}
+# the published tensor names -> transformers' Llama names (the oracle's side)
+LLADA_TO_LLAMA = {"attn_norm": "input_layernorm", "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
+                  "v_proj": "self_attn.v_proj", "attn_out": "self_attn.o_proj",
+                  "ff_norm": "post_attention_layernorm", "ff_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+                  "ff_out": "mlp.down_proj"}
+
+
+def llada_checkpoint(path, dtype=torch.float32, seed=0):
+    """A tiny LLaDA directory as published (config.json, model.safetensors, tokenizer); returns its tensors."""
+    c = LLADA_CONFIG
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: (torch.randn(*shape, generator=g) * 0.2).to(dtype)   # noqa: E731
+    norm = lambda: (torch.rand(c["d_model"], generator=g) + 0.5).to(dtype)     # noqa: E731 (not ones: a mix-up shows)
+    d, f, v = c["d_model"], c["mlp_hidden_size"], c["embedding_size"]
+    sd = {"model.transformer.wte.weight": rand(v, d), "model.transformer.ln_f.weight": norm(),
+          "model.transformer.ff_out.weight": rand(v, d)}
+    for i in range(c["n_layers"]):
+        b = f"model.transformer.blocks.{i}."
+        sd.update({b + "attn_norm.weight": norm(), b + "ff_norm.weight": norm(), b + "q_proj.weight": rand(d, d),
+                   b + "k_proj.weight": rand(d, d), b + "v_proj.weight": rand(d, d), b + "attn_out.weight": rand(d, d),
+                   b + "ff_proj.weight": rand(f, d), b + "up_proj.weight": rand(f, d), b + "ff_out.weight": rand(d, f)})
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(c))
+    save_file(sd, str(path / "model.safetensors"))
+    tiny_tokenizer_files(path)
+    return sd
+
+
+def llama_oracle(sd):
+    """transformers' Llama with LLaDA's weights: the same block, which LLaDA runs without a causal mask."""
+    import transformers as tf
+    c = LLADA_CONFIG
+    cfg = tf.LlamaConfig(vocab_size=c["embedding_size"], hidden_size=c["d_model"], intermediate_size=c["mlp_hidden_size"],
+                         num_hidden_layers=c["n_layers"], num_attention_heads=c["n_heads"],
+                         num_key_value_heads=c["n_kv_heads"], max_position_embeddings=c["max_sequence_length"],
+                         rope_theta=c["rope_theta"], rms_norm_eps=c["rms_norm_eps"], tie_word_embeddings=False)
+    hf = tf.LlamaForCausalLM(cfg).eval()
+    names = {"model.transformer.wte.weight": "model.embed_tokens.weight",
+             "model.transformer.ln_f.weight": "model.norm.weight", "model.transformer.ff_out.weight": "lm_head.weight"}
+    for key in sd:
+        if key.startswith("model.transformer.blocks."):
+            i, part = key.split(".")[3:5]
+            names[key] = f"model.layers.{i}.{LLADA_TO_LLAMA[part]}.weight"
+    hf.load_state_dict({names[k]: v.float() for k, v in sd.items()})
+    return hf
+
+
+def ours(path) -> Transformer:
+    cfg, sd, _ = load_hf_dir(path)
+    model = Transformer(cfg).eval()
+    model.load_state_dict(sd)
+    return model
+
+
+def full_forward(model: Transformer, ids: list[int], mask) -> torch.Tensor:
+    kv = model.new_cache(64)
+    with torch.inference_mode():
+        return model(torch.tensor(ids), torch.arange(len(ids)), kv, mask=mask)[0]
+
+
+IDS = [5, 17, 3, 39, 39, 39, 22, 39]   # a prompt, then a canvas with MASKs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_llada_loads_as_published_and_matches_llama_run_bidirectionally(tmp_path, dtype):
+    sd = llada_checkpoint(tmp_path / "llada", dtype)
+    model = ours(tmp_path / "llada")
+    cfg = model.config
+    assert (cfg.attention, cfg.logit_shift, cfg.mask_token_id, cfg.eos_ids) == ("bidirectional", False, 39, [2])
+    hf = llama_oracle(sd)
+    T = len(IDS)
+    with torch.no_grad():
+        want = hf(torch.tensor([IDS]), attention_mask=torch.ones(1, 1, T, T, dtype=torch.bool)).logits[0]
+        want_causal = hf(torch.tensor([IDS])).logits[0]
+    got = full_forward(model, IDS, bidirectional(T, 0))
+    assert (got - want).abs().max().item() <= 1e-4
+    # the attention is the run's: a causal mask gives the causal forward of the same weights
+    assert (full_forward(model, IDS, causal(T, 0)) - want_causal).abs().max().item() <= 1e-4
+    assert (got - want_causal).abs().max().item() > 1e-2
+
+
+def test_bidirectional_kv_cached_for_a_canvas_state_gives_that_forwards_logits(tmp_path):
+    """K/V of the prompt computed by a full forward over prompt + canvas, then the canvas forwarded again against
+    them (same canvas state): its logits are the full forward's. The ground approximate caches stand on."""
+    llada_checkpoint(tmp_path / "llada")
+    model = ours(tmp_path / "llada")
+    T, P = len(IDS), 3
+    kv = model.new_cache(64)
+    with torch.inference_mode():
+        full = model(torch.tensor(IDS), torch.arange(T), kv, mask=bidirectional(T, 0))[0]
+        kv.commit(P)                                    # keep the prompt's K/V (computed seeing the canvas)
+        canvas = model(torch.tensor(IDS[P:]), torch.arange(P, T), kv, mask=bidirectional(T - P, P))[0]
+    torch.testing.assert_close(canvas, full[P:], atol=1e-5, rtol=0)
+
+
+def test_a_bidirectional_forward_runs_through_the_decode_context_and_causal_strategies_refuse(tmp_path):
+    from studio.engine.sampling import SamplingParams
+    from studio.engine.strategies.base import DecodeContext, Output
+    sd = llada_checkpoint(tmp_path / "llada")
+    engine = Engine.load(str(tmp_path / "llada"), device="cpu")
+    T = len(IDS)
+    ctx = DecodeContext(engine.model, engine.tokenizer, SamplingParams(), 0, Output(engine.tokenizer, 8, frozenset(), ()),
+                        engine.config.mask_token_id, 64)
+    logits = ctx.forward("prefill", IDS, mask=bidirectional(T, 0, ctx.device))
+    with torch.no_grad():
+        want = llama_oracle(sd)(torch.tensor([IDS]), attention_mask=torch.ones(1, 1, T, T, dtype=torch.bool)).logits[0]
+    assert (logits - want).abs().max().item() <= 1e-4
+    assert ctx.drain()[0]["role"] == "prefill"
+    settings = Settings(max_new_tokens=4)
+    for name in ("ar", "isd", "r-isd", "jacobi", "jacobi-mr"):
+        with pytest.raises(BadInput, match=r"needs a causal model .* bidirectional attention; strategies that fit: "
+                                           r"blockdiff, s2d2, simsd"):
+            kv_length_needed(engine, make_strategy(name), settings, IDS[:3])
+    run = Session(engine, make_strategy("blockdiff", {"block_size": 4}), settings).run("", IDS[:3])
+    assert run.footer["n_tokens"] == 4 and make_strategy("blockdiff").causal_kv(engine.config) is False
+
+
+@pytest.mark.parametrize("change,needle", [({"alibi": True}, "alibi = True"),
+                                           ({"attention_layer_norm": True}, "attention_layer_norm"),
+                                           ({"d_model": None}, "missing required key 'd_model'")])
+def test_a_llada_config_the_model_cannot_run_is_one_line(tmp_path, change, needle):
+    llada_checkpoint(tmp_path / "llada")
+    raw = {**LLADA_CONFIG, **change}
+    raw = {k: v for k, v in raw.items() if v is not None}
+    (tmp_path / "llada" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(BadInput, match=needle) as e:
+        load_hf_dir(tmp_path / "llada")
+    assert "\n" not in str(e.value)
+
+
+def test_an_unknown_tensor_in_a_llada_checkpoint_is_one_line(tmp_path):
+    sd = llada_checkpoint(tmp_path / "llada")
+    save_file({**sd, "model.transformer.blocks.0.att_proj.weight": torch.zeros(2)}, str(tmp_path / "llada" / "model.safetensors"))
+    with pytest.raises(BadInput, match="unexpected tensor 'model.transformer.blocks.0.att_proj.weight'"):
+        load_hf_dir(tmp_path / "llada")
+
+
+def test_models_info_names_the_family_attention_and_alignment_and_the_preset_agrees(tmp_path):
+    from typer.testing import CliRunner
+
+    from studio.cli import app
+    from studio.engine.config import ModelConfig
+    from studio.presets import load_model_preset
+    llada_checkpoint(tmp_path / "llada")
+    out = CliRunner().invoke(app, ["models", "info", str(tmp_path / "llada")])
+    assert out.exit_code == 0, out.output
+    lines = {line.split(":", 1)[0]: line.split(":", 1)[1].strip() for line in out.stdout.splitlines() if ":" in line}
+    assert lines["family"] == "llada (llama block)" and lines["attention"].startswith("bidirectional")
+    assert lines["logit shift"].startswith("False") and "position-aligned" in lines["logit shift"]
+    assert lines["mask token"] == "39"
+    published = dict(LLADA_CONFIG, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, mlp_hidden_size=12288,
+                     vocab_size=126464, embedding_size=126464, mask_token_id=126336)
+    cfg, preset = ModelConfig.from_hf(published), load_model_preset("llada-8b-instruct")
+    assert preset.overrides == {"mask_token_id": cfg.mask_token_id, "logit_shift": cfg.logit_shift, "block_size": 32}
