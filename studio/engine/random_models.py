@@ -35,6 +35,11 @@ SHAPES: dict[str, dict] = {
                  "n_heads": 32, "n_kv_heads": 32, "mlp_hidden_size": 12288, "vocab_size": 126464,
                  "embedding_size": 126464, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
                  "max_sequence_length": 4096, "weight_tying": False, "mask_token_id": 126336},
+    # Dream-org/Dream-v0-Instruct-7B: Qwen2.5-7B's shape under DreamModel (studio.engine.families.dream)
+    "dream-7b": {"architectures": ["DreamModel"], "model_type": "Dream", "vocab_size": 152064, "hidden_size": 3584,
+                 "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                 "intermediate_size": 18944, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                 "tie_word_embeddings": False, "max_position_embeddings": 32768, "mask_token_id": 151666},
 }
 INIT_STD = 0.02   # transformers' initializer_range: a deep random stack keeps finite activations in bf16/fp16
 

@@ -180,3 +180,39 @@ def test_models_info_names_the_family_attention_and_alignment_and_the_preset_agr
                      vocab_size=126464, embedding_size=126464, mask_token_id=126336)
     cfg, preset = ModelConfig.from_hf(published), load_model_preset("llada-8b-instruct")
     assert preset.overrides == {"mask_token_id": cfg.mask_token_id, "logit_shift": cfg.logit_shift, "block_size": 32}
+
+
+# -- Dream ------------------------------------------------------------------------------------------
+def dream_checkpoint(path):
+    """A tiny Dream directory as published (Qwen2 keys and tensor names under DreamModel); returns the oracle:
+    transformers' Qwen2 with the same weights."""
+    import transformers as tf
+    torch.manual_seed(0)
+    cfg = tf.Qwen2Config(vocab_size=40, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    hf = tf.Qwen2ForCausalLM(cfg).eval()
+    sd = {k: v.detach().clone().contiguous() for k, v in hf.state_dict().items()}
+    for k in sd:   # random norms (transformers starts them at one, which would hide a mix-up)
+        if k.endswith("norm.weight"):
+            sd[k] = torch.rand_like(sd[k]) + 0.5
+    hf.load_state_dict(sd)
+    raw = dict(cfg.to_dict(), architectures=["DreamModel"], model_type="Dream", mask_token_id=39,
+               use_sliding_window=False, eos_token_id=2)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(raw))
+    save_file(sd, str(path / "model.safetensors"))
+    tiny_tokenizer_files(path)
+    return hf
+
+
+def test_dream_loads_as_published_and_matches_qwen2_run_bidirectionally(tmp_path):
+    hf = dream_checkpoint(tmp_path / "dream")
+    model = ours(tmp_path / "dream")
+    cfg = model.config
+    assert (cfg.family, cfg.arch, cfg.attention, cfg.logit_shift, cfg.mask_token_id) == \
+        ("dream", "qwen2", "bidirectional", True, 39)
+    T = len(IDS)
+    with torch.no_grad():
+        want = hf(torch.tensor([IDS]), attention_mask=torch.ones(1, 1, T, T, dtype=torch.bool)).logits[0]
+    assert (full_forward(model, IDS, bidirectional(T, 0)) - want).abs().max().item() <= 1e-4

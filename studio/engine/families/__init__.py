@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from studio.engine.families import llada
+from studio.engine.families import dream, llada
 
-FAMILIES: tuple[ModuleType, ...] = (llada,)
+FAMILIES: tuple[ModuleType, ...] = (llada, dream)
 
 
 def family_of(raw: dict) -> ModuleType | None:
