@@ -28,7 +28,8 @@ _BLOCK_KEY = re.compile(r"^model\.transformer\.blocks\.(\d+)\.([a-z_]+)\.weight$
 
 
 def matches(raw: dict) -> bool:
-    return raw.get("model_type") == "llada" or "LLaDAModelLM" in (raw.get("architectures") or [])
+    """LLaDA dense; LLaDA-MoE shares the model_type "llada" but has Hugging Face style keys (no `d_model`)."""
+    return "LLaDAModelLM" in (raw.get("architectures") or []) or (raw.get("model_type") == "llada" and "d_model" in raw)
 
 
 def config(raw: dict, name: str = "") -> ModelConfig:
