@@ -61,6 +61,12 @@ class ModelConfig:
     # attention: what the model was trained with. A forward's mask is the run's choice (studio.engine.masks);
     # strategies that need token-causal predictions refuse a bidirectional model (LLaDA, Dream).
     attention: str = "causal"
+    # mixture of experts (studio.engine.moe): n_experts > 0 replaces every layer's MLP by n_experts SwiGLU experts
+    # of width moe_ffn_dim behind a softmax top-k router
+    n_experts: int = 0
+    n_experts_per_tok: int = 0
+    moe_ffn_dim: int = 0
+    moe_renormalize: bool = False    # divide the top-k weights by their sum
     family: str = ""                 # the checkpoint family when it is not `arch`'s own layout (llada, ...)
     name: str = ""
 
@@ -69,6 +75,8 @@ class ModelConfig:
             raise BadInput(f"unsupported architecture {self.arch!r} (supported: {', '.join(sorted(SUPPORTED_ARCHS))})")
         if self.attention not in ATTENTIONS:
             raise BadInput(f"unsupported attention {self.attention!r} (supported: {', '.join(ATTENTIONS)})")
+        if self.n_experts and not 0 < self.n_experts_per_tok <= self.n_experts:
+            raise BadInput(f"experts per token must be in 1..{self.n_experts}, got {self.n_experts_per_tok}")
         if self.n_heads % self.n_kv_heads:
             raise BadInput(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
 

@@ -84,7 +84,8 @@ class Engine:
             from studio.presets.shipped import adapter_path
             from studio.engine.lora import attach_adapter
             attach_adapter(engine, adapter_path(adapter))
-        engine.graphs = graphs and dev.type == "cuda"
+        # an MoE layer sizes its expert groups on the host (moe.py), which a CUDA graph cannot capture
+        engine.graphs = graphs and dev.type == "cuda" and not engine.config.n_experts
         engine.load_s = time.perf_counter() - t0
         return engine
 

@@ -1,7 +1,8 @@
-"""A compact causal transformer for the Llama, Qwen2 and Qwen3 families.
+"""A compact transformer for the Llama, Qwen2 and Qwen3 blocks (and the checkpoint families mapped onto them,
+studio.engine.families), with a dense or mixture-of-experts feed-forward (studio.engine.moe).
 
-Parameter names follow Hugging Face exactly, so checkpoints and PEFT adapters load without a
-rename table. The forward takes explicit position ids (RoPE) separately from KV slots, an optional
+Parameter names follow Hugging Face Llama/Qwen exactly, so those checkpoints and PEFT adapters load without a
+rename table (other families' names are mapped onto them). The forward takes explicit position ids (RoPE) separately from KV slots, an optional
 attention mask over [committed KV | new tokens], a per-row LoRA gate, and the rows whose logits
 are wanted: the vocab projection dominates a small model, so we never compute rows nobody reads.
 """
@@ -16,6 +17,7 @@ from torch import nn
 from studio.engine.config import ModelConfig
 from studio.engine.kv_cache import KVCache
 from studio.engine.masks import causal
+from studio.engine.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -140,7 +142,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.dim, cfg.rms_eps)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.rms_eps)
 

@@ -35,6 +35,13 @@ SHAPES: dict[str, dict] = {
                  "n_heads": 32, "n_kv_heads": 32, "mlp_hidden_size": 12288, "vocab_size": 126464,
                  "embedding_size": 126464, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
                  "max_sequence_length": 4096, "weight_tying": False, "mask_token_id": 126336},
+    # inclusionAI/LLaDA-MoE-7B-A1B: every layer 64 experts, top 8 (studio.engine.families.llada_moe). The sizes
+    # are those its code and an independent loader agree on; the vocabulary (Ling's) is not confirmed
+    "llada-moe-7b": {"architectures": ["LLaDAMoEModelLM"], "model_type": "llada", "hidden_size": 2048,
+                     "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
+                     "num_experts": 64, "num_experts_per_tok": 8, "expert_intermediate_size": 1024,
+                     "dense_intermediate_size": 8192, "vocab_size": 157184, "rope_theta": 50000.0,
+                     "rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "qk_layernorm": True},
     # Dream-org/Dream-v0-Instruct-7B: Qwen2.5-7B's shape under DreamModel (studio.engine.families.dream)
     "dream-7b": {"architectures": ["DreamModel"], "model_type": "Dream", "vocab_size": 152064, "hidden_size": 3584,
                  "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
@@ -70,7 +77,7 @@ def build_random(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, see
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:   # matrices, and the stacked expert matrices of an MoE
                 p.normal_(0.0, INIT_STD, generator=gen)
             elif name.endswith(".bias"):
                 p.zero_()

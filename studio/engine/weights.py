@@ -438,12 +438,16 @@ def _expected_shapes(cfg: ModelConfig):
             p + "self_attn.k_proj.weight": (cfg.n_kv_heads * cfg.head_dim, cfg.dim),
             p + "self_attn.v_proj.weight": (cfg.n_kv_heads * cfg.head_dim, cfg.dim),
             p + "self_attn.o_proj.weight": (cfg.dim, cfg.n_heads * cfg.head_dim),
-            p + "mlp.gate_proj.weight": (cfg.ffn_dim, cfg.dim),
-            p + "mlp.up_proj.weight": (cfg.ffn_dim, cfg.dim),
-            p + "mlp.down_proj.weight": (cfg.dim, cfg.ffn_dim),
             p + "input_layernorm.weight": (cfg.dim,),
             p + "post_attention_layernorm.weight": (cfg.dim,),
         }.items()
+        if cfg.n_experts:
+            E, I = cfg.n_experts, cfg.moe_ffn_dim
+            yield from {p + "mlp.gate.weight": (E, cfg.dim), p + "mlp.experts.gate_proj": (E, I, cfg.dim),
+                        p + "mlp.experts.up_proj": (E, I, cfg.dim), p + "mlp.experts.down_proj": (E, cfg.dim, I)}.items()
+        else:
+            yield from {p + "mlp.gate_proj.weight": (cfg.ffn_dim, cfg.dim), p + "mlp.up_proj.weight": (cfg.ffn_dim, cfg.dim),
+                        p + "mlp.down_proj.weight": (cfg.dim, cfg.ffn_dim)}.items()
 
 
 def _check_shapes(cfg: ModelConfig, sd: dict[str, torch.Tensor], where: str) -> None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from studio.engine.families import dream, llada
+from studio.engine.families import dream, llada, llada_moe
 
-FAMILIES: tuple[ModuleType, ...] = (llada, dream)
+FAMILIES: tuple[ModuleType, ...] = (llada, llada_moe, dream)
 
 
 def family_of(raw: dict) -> ModuleType | None:

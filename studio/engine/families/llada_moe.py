@@ -1,0 +1,89 @@
+"""LLaDA-MoE (inclusionAI/LLaDA-MoE-7B-A1B-Base, -Instruct, -Instruct-TD): OLMoE-style, Hugging Face style config
+keys, every layer a softmax top-k mixture of SwiGLU experts without renormalisation, per-head QK RMSNorm before
+RoPE, full bidirectional attention, position-aligned logits. Facts: docs/families.md#llada-moe.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from studio.engine.config import ModelConfig
+from studio.errors import BadInput
+
+MASK_ID, EOS_ID = 156895, 156892   # the Ling vocabulary's MASK and EOS, when config.json does not say
+
+_EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_PLAIN_KEY = re.compile(r"^(model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight|model\.layers\.\d+\."
+                        r"(input_layernorm|post_attention_layernorm|mlp\.gate|self_attn\.[qkvo]_proj|"
+                        r"self_attn\.[qk]_norm)\.weight)$")
+
+
+def matches(raw: dict) -> bool:
+    return "LLaDAMoEModelLM" in (raw.get("architectures") or [])
+
+
+def _refuse(raw: dict) -> None:
+    """What the compact model does not run of LLaDA-MoE's config: one line naming it."""
+    if any(f == 0 for f in raw.get("moe_layer_freq") or []):
+        raise BadInput("unsupported LLaDA-MoE variant: dense layers (moe_layer_freq has 0s)")
+    if raw.get("shared_expert_intermediate_size"):
+        raise BadInput("unsupported LLaDA-MoE variant: a shared expert (shared_expert_intermediate_size)")
+    if raw.get("moe_router_enable_expert_bias"):
+        raise BadInput("unsupported LLaDA-MoE variant: a router expert bias (moe_router_enable_expert_bias)")
+    if raw.get("partial_rotary_factor", 1.0) != 1.0:
+        raise BadInput(f"unsupported LLaDA-MoE variant: partial_rotary_factor = {raw['partial_rotary_factor']}")
+
+
+def config(raw: dict, name: str = "") -> ModelConfig:
+    _refuse(raw)
+    try:
+        n_heads = raw["num_attention_heads"]
+        eos = raw.get("eos_token_id", EOS_ID)
+        return ModelConfig(
+            arch="llama",
+            vocab_size=raw["vocab_size"],
+            dim=raw["hidden_size"],
+            n_layers=raw["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=raw.get("num_key_value_heads") or n_heads,
+            head_dim=raw["hidden_size"] // n_heads,
+            ffn_dim=raw.get("dense_intermediate_size") or raw["expert_intermediate_size"],
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rms_eps=raw.get("rms_norm_eps", 1e-5),
+            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attn_bias=bool(raw.get("attention_bias", False)),
+            qk_norm=bool(raw.get("qk_layernorm", True)),
+            max_seq_len=int(raw.get("max_position_embeddings", 8192)),
+            eos_ids=list(eos) if isinstance(eos, list) else [eos],
+            logit_shift=False,
+            mask_token_id=raw.get("mask_token_id", MASK_ID),
+            attention="bidirectional",
+            n_experts=raw["num_experts"],
+            n_experts_per_tok=raw["num_experts_per_tok"],
+            moe_ffn_dim=raw["expert_intermediate_size"],
+            moe_renormalize=False,   # the published modeling code hard-codes it, whatever the config says
+            family="llada-moe",
+            name=name,
+        )
+    except KeyError as e:
+        raise BadInput(f"LLaDA-MoE config.json is missing required key {e.args[0]!r}") from None
+
+
+def state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert tensors (`mlp.experts.{e}.gate_proj.weight`, ...) stacked into one [E, ...] tensor per layer."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for key, tensor in sd.items():
+        expert = _EXPERT_KEY.match(key)
+        if expert:
+            experts.setdefault((expert.group(1), expert.group(3)), {})[int(expert.group(2))] = tensor
+        elif _PLAIN_KEY.match(key):
+            out[key] = tensor
+        else:
+            raise BadInput(f"unexpected tensor {key!r} in a LLaDA-MoE checkpoint")
+    for (prefix, proj), by_index in experts.items():
+        if sorted(by_index) != list(range(len(by_index))):
+            raise BadInput(f"{prefix}: experts {sorted(set(range(max(by_index) + 1)) - set(by_index))} of {proj} missing")
+        out[f"{prefix}.{proj}"] = torch.stack([by_index[e] for e in range(len(by_index))])
+    return out
