@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, asdict
 from studio.errors import BadInput
 
 SUPPORTED_ARCHS = {"llama", "qwen2", "qwen3"}
-ATTENTIONS = ("causal", "bidirectional")   # the attention a model was trained with
+ATTENTIONS = ("causal", "bidirectional", "block")   # the attention a model was trained with (block: block-causal)
 # HF `architectures[0]` / `model_type` -> our family name.
 _HF_FAMILY = {
     "LlamaForCausalLM": "llama", "llama": "llama",
@@ -59,7 +59,7 @@ class ModelConfig:
     block_size: int | None = None
     adapter_block_size: int | None = None   # the attached adapter's training block size (a block adapter)
     # attention: what the model was trained with. A forward's mask is the run's choice (studio.engine.masks);
-    # strategies that need token-causal predictions refuse a bidirectional model (LLaDA, Dream).
+    # strategies that need token-causal predictions refuse a bidirectional (LLaDA, Dream) or block-causal (LLaDA2) one.
     attention: str = "causal"
     # mixture of experts (studio.engine.moe): n_experts > 0 replaces every layer's MLP by n_experts SwiGLU experts
     # of width moe_ffn_dim behind a softmax top-k router
@@ -67,6 +67,14 @@ class ModelConfig:
     n_experts_per_tok: int = 0
     moe_ffn_dim: int = 0
     moe_renormalize: bool = False    # divide the top-k weights by their sum
+    moe_router: str = "softmax"      # softmax (OLMoE) | sigmoid (Ling/Bailing v2, DeepSeek-V3: group-limited top-k)
+    moe_groups: int = 1              # sigmoid router: expert groups, and how many of them a token may use
+    moe_topk_groups: int = 1
+    moe_expert_bias: bool = False    # sigmoid router: a per-expert bias added to the selection scores only
+    moe_scale: float = 1.0           # the routed output's scaling factor
+    moe_shared_ffn_dim: int = 0      # a shared expert beside the routed ones (its width; 0 = none)
+    first_dense_layers: int = 0      # an MoE model's first layers keep a dense MLP of ffn_dim
+    rotary_dim: int = 0              # RoPE on the first rotary_dim dims of each head (0 = all of head_dim)
     family: str = ""                 # the checkpoint family when it is not `arch`'s own layout (llada, ...)
     name: str = ""
 
@@ -75,6 +83,10 @@ class ModelConfig:
             raise BadInput(f"unsupported architecture {self.arch!r} (supported: {', '.join(sorted(SUPPORTED_ARCHS))})")
         if self.attention not in ATTENTIONS:
             raise BadInput(f"unsupported attention {self.attention!r} (supported: {', '.join(ATTENTIONS)})")
+        if self.moe_router not in ("softmax", "sigmoid"):
+            raise BadInput(f"unsupported MoE router {self.moe_router!r} (supported: softmax, sigmoid)")
+        if not 0 <= self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise BadInput(f"rotary_dim must be an even number of dims within head_dim {self.head_dim}, got {self.rotary_dim}")
         if self.n_experts and not 0 < self.n_experts_per_tok <= self.n_experts:
             raise BadInput(f"experts per token must be in 1..{self.n_experts}, got {self.n_experts_per_tok}")
         if self.n_heads % self.n_kv_heads:

@@ -78,7 +78,8 @@ class Linear(nn.Linear):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+    rd = cfg.rotary_dim or cfg.head_dim   # partial rotary: the first rd dims of a head turn, the rest pass through
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.int64).float() / rd))
     rs = cfg.rope_scaling
     if rs is None:
         return inv
@@ -98,6 +99,15 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first cos.shape[-1] dims of each head (all of them unless the rotary is partial)."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    turned = x[..., :rd]
+    return torch.cat((turned * cos + rotate_half(turned) * sin, x[..., rd:]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -120,8 +130,7 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
         keys, values = kv.write(layer, k, v)
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1), gate)
@@ -139,10 +148,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.n_experts and layer >= cfg.first_dense_layers else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.dim, cfg.rms_eps)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.rms_eps)
 
@@ -157,7 +166,7 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.rms_eps)
 
 

@@ -42,6 +42,14 @@ SHAPES: dict[str, dict] = {
                      "num_experts": 64, "num_experts_per_tok": 8, "expert_intermediate_size": 1024,
                      "dense_intermediate_size": 8192, "vocab_size": 157184, "rope_theta": 50000.0,
                      "rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "qk_layernorm": True},
+    # inclusionAI/LLaDA2.0-mini (studio.engine.families.llada2): dFactory's training config
+    "llada2-mini": {"architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe", "hidden_size": 2048,
+                    "num_hidden_layers": 20, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
+                    "intermediate_size": 5120, "first_k_dense_replace": 1, "num_experts": 256,
+                    "num_experts_per_tok": 8, "num_shared_experts": 1, "moe_intermediate_size": 512, "n_group": 8,
+                    "topk_group": 4, "routed_scaling_factor": 2.5, "moe_router_enable_expert_bias": True,
+                    "rope_theta": 600000.0, "partial_rotary_factor": 0.5, "max_position_embeddings": 16384,
+                    "rms_norm_eps": 1e-6, "vocab_size": 157184, "tie_word_embeddings": False},
     # Dream-org/Dream-v0-Instruct-7B: Qwen2.5-7B's shape under DreamModel (studio.engine.families.dream)
     "dream-7b": {"architectures": ["DreamModel"], "model_type": "Dream", "vocab_size": 152064, "hidden_size": 3584,
                  "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
@@ -79,7 +87,7 @@ def build_random(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, see
         for name, p in model.named_parameters():
             if p.dim() >= 2:   # matrices, and the stacked expert matrices of an MoE
                 p.normal_(0.0, INIT_STD, generator=gen)
-            elif name.endswith(".bias"):
+            elif name.endswith("bias"):   # biases, and an MoE router's expert_bias
                 p.zero_()
             else:
                 p.fill_(1.0)

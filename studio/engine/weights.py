@@ -441,10 +441,16 @@ def _expected_shapes(cfg: ModelConfig):
             p + "input_layernorm.weight": (cfg.dim,),
             p + "post_attention_layernorm.weight": (cfg.dim,),
         }.items()
-        if cfg.n_experts:
-            E, I = cfg.n_experts, cfg.moe_ffn_dim
+        if cfg.n_experts and i >= cfg.first_dense_layers:
+            E, I, S = cfg.n_experts, cfg.moe_ffn_dim, cfg.moe_shared_ffn_dim
             yield from {p + "mlp.gate.weight": (E, cfg.dim), p + "mlp.experts.gate_proj": (E, I, cfg.dim),
                         p + "mlp.experts.up_proj": (E, I, cfg.dim), p + "mlp.experts.down_proj": (E, cfg.dim, I)}.items()
+            if cfg.moe_expert_bias:
+                yield p + "mlp.gate.expert_bias", (E,)
+            if S:
+                yield from {p + "mlp.shared_experts.gate_proj.weight": (S, cfg.dim),
+                            p + "mlp.shared_experts.up_proj.weight": (S, cfg.dim),
+                            p + "mlp.shared_experts.down_proj.weight": (cfg.dim, S)}.items()
         else:
             yield from {p + "mlp.gate_proj.weight": (cfg.ffn_dim, cfg.dim), p + "mlp.up_proj.weight": (cfg.ffn_dim, cfg.dim),
                         p + "mlp.down_proj.weight": (cfg.dim, cfg.ffn_dim)}.items()
@@ -522,7 +528,7 @@ def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor],
         sd.update(_load_safetensors(f))
     family = family_of(raw)
     if family is not None:   # its own tensor names -> the compact model's
-        sd = family.state_dict(sd)
+        sd = family.state_dict(sd, cfg)
     for k, v in sd.items():
         if v.is_floating_point() and v.dtype != torch.float32:
             sd[k] = v.float()

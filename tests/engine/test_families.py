@@ -313,3 +313,147 @@ def test_a_llada_moe_variant_the_model_cannot_run_is_one_line(tmp_path, change, 
     (tmp_path / "moe" / "config.json").write_text(json.dumps({**LLADA_MOE_CONFIG, **change}))
     with pytest.raises(BadInput, match=needle):
         load_hf_dir(tmp_path / "moe")
+
+
+# -- LLaDA2 -----------------------------------------------------------------------------------------
+LLADA2_CONFIG = {   # inclusionAI/LLaDA2.0-mini's config.json keys, tiny sizes
+    "architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe", "hidden_size": 32, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 48,
+    "first_k_dense_replace": 1, "num_experts": 8, "num_experts_per_tok": 2, "num_shared_experts": 1,
+    "moe_intermediate_size": 16, "score_function": "sigmoid", "router_dtype": "fp32", "n_group": 4, "topk_group": 2,
+    "routed_scaling_factor": 2.5, "norm_topk_prob": True, "moe_router_enable_expert_bias": True,
+    "rope_theta": 600000.0, "partial_rotary_factor": 0.5, "rotary_dim": 4, "rope_scaling": None,
+    "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "use_qkv_bias": False, "use_bias": False,
+    "use_qk_norm": True, "vocab_size": 40, "tie_word_embeddings": False, "norm_softmax": False, "norm_head": False,
+    "mask_token_id": 39, "eos_token_id": 2, "pad_token_id": 2}
+
+
+def llada2_checkpoint(path, seed=0):
+    """A tiny LLaDA2 directory in its published names: fused QKV, per-expert tensors, an expert bias buffer."""
+    c = LLADA2_CONFIG
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g) * 0.3            # noqa: E731
+    norm = lambda n: torch.rand(n, generator=g) + 0.5                       # noqa: E731
+    d, hd, H, KV, f = c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"], c["moe_intermediate_size"]
+    sd = {"model.word_embeddings.weight": rand(c["vocab_size"], d), "model.norm.weight": norm(d),
+          "lm_head.weight": rand(c["vocab_size"], d)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        sd.update({p + "input_layernorm.weight": norm(d), p + "post_attention_layernorm.weight": norm(d),
+                   p + "attention.query_key_value.weight": rand((H + 2 * KV) * hd, d),
+                   p + "attention.query_layernorm.weight": norm(hd), p + "attention.key_layernorm.weight": norm(hd),
+                   p + "attention.dense.weight": rand(d, H * hd)})
+        if i < c["first_k_dense_replace"]:
+            sd.update({p + "mlp.gate_proj.weight": rand(c["intermediate_size"], d),
+                       p + "mlp.up_proj.weight": rand(c["intermediate_size"], d),
+                       p + "mlp.down_proj.weight": rand(d, c["intermediate_size"])})
+            continue
+        sd.update({p + "mlp.gate.weight": rand(c["num_experts"], d), p + "mlp.gate.expert_bias": rand(c["num_experts"]),
+                   p + "mlp.shared_experts.gate_proj.weight": rand(f, d), p + "mlp.shared_experts.up_proj.weight": rand(f, d),
+                   p + "mlp.shared_experts.down_proj.weight": rand(d, f)})
+        for e in range(c["num_experts"]):
+            sd.update({p + f"mlp.experts.{e}.gate_proj.weight": rand(f, d), p + f"mlp.experts.{e}.up_proj.weight": rand(f, d),
+                       p + f"mlp.experts.{e}.down_proj.weight": rand(d, f)})
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(c))
+    save_file(sd, str(path / "model.safetensors"))
+    tiny_tokenizer_files(path)
+    return sd
+
+
+def llada2_reference(sd, ids: list[int], block: int) -> torch.Tensor:
+    """LLaDA2's forward written plainly from its description: fused QKV split by heads, per-head QK norm, RoPE on
+    the first rotary_dim dims only, block-causal attention on a grid from position 0, layer 0 dense, then for each
+    token separately: sigmoid scores, +bias for the choice, the best groups by their top-2 sum, top k, the unbiased
+    scores normalised and scaled, plus the shared expert."""
+    c = LLADA2_CONFIG
+    H, KV, hd, rd, T = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["rotary_dim"], len(ids)
+    silu = torch.nn.functional.silu
+
+    def rms(x, w):
+        return w * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + c["rms_norm_eps"]))
+
+    def swiglu(h, prefix):
+        return (silu(h @ sd[prefix + "gate_proj.weight"].T) * (h @ sd[prefix + "up_proj.weight"].T)) @ sd[prefix + "down_proj.weight"].T
+
+    inv = 1.0 / c["rope_theta"] ** (torch.arange(0, rd, 2).float() / rd)
+    ang = torch.arange(T).float()[:, None] * inv[None]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
+
+    def rope(x):   # x [T, heads, hd]: the first rd dims turn
+        r, rest = x[..., :rd], x[..., rd:]
+        half = torch.cat([-r[..., rd // 2:], r[..., :rd // 2]], -1)
+        return torch.cat([r * cos + half * sin, rest], -1)
+
+    blk = torch.arange(T) // block
+    allowed = blk[None, :] <= blk[:, None]
+    x = sd["model.word_embeddings.weight"][ids]
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        h = rms(x, sd[p + "input_layernorm.weight"])
+        qkv = (h @ sd[p + "attention.query_key_value.weight"].T).view(T, H + 2 * KV, hd)
+        q, k, v = qkv[:, :H], qkv[:, H:H + KV], qkv[:, H + KV:]
+        q = rope(rms(q, sd[p + "attention.query_layernorm.weight"]))
+        k = rope(rms(k, sd[p + "attention.key_layernorm.weight"]))
+        k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
+        scores = torch.einsum("thd,shd->hts", q, k) / hd ** 0.5
+        att = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)
+        x = x + torch.einsum("hts,shd->thd", att, v).reshape(T, H * hd) @ sd[p + "attention.dense.weight"].T
+        h = rms(x, sd[p + "post_attention_layernorm.weight"])
+        if i < c["first_k_dense_replace"]:
+            x = x + swiglu(h, p + "mlp.")
+            continue
+        out = swiglu(h, p + "mlp.shared_experts.")
+        for t in range(T):
+            s = torch.sigmoid(h[t] @ sd[p + "mlp.gate.weight"].T)
+            choice = (s + sd[p + "mlp.gate.expert_bias"]).view(c["n_group"], -1)
+            groups = choice.topk(2, dim=-1).values.sum(-1).topk(c["topk_group"]).indices.tolist()
+            candidates = [(choice[g, j].item(), g * choice.shape[1] + j) for g in groups for j in range(choice.shape[1])]
+            chosen = [e for _, e in sorted(candidates, reverse=True)[:c["num_experts_per_tok"]]]
+            w = s[chosen] / (s[chosen].sum() + 1e-20) * c["routed_scaling_factor"]
+            for wt, e in zip(w, chosen):
+                out[t] = out[t] + wt * swiglu(h[t], f"{p}mlp.experts.{e}.")
+        x = x + out
+    return rms(x, sd["model.norm.weight"]) @ sd["lm_head.weight"].T
+
+
+LLADA2_IDS = [5, 17, 3, 8, 21, 30, 11, 4, 39, 39, 39, 39]   # three blocks of 4: prompt, prompt, canvas
+
+
+def test_llada2_loads_as_published_and_matches_a_plain_reference_forward_block_causal_from_position_0(tmp_path):
+    from studio.engine.masks import block_causal
+    sd = llada2_checkpoint(tmp_path / "l2")
+    model = ours(tmp_path / "l2")
+    cfg = model.config
+    assert (cfg.family, cfg.attention, cfg.logit_shift, cfg.rotary_dim, cfg.first_dense_layers, cfg.moe_router) == \
+        ("llada2", "block", False, 4, 1, "sigmoid")
+    T = len(LLADA2_IDS)
+    got = full_forward(model, LLADA2_IDS, block_causal(T, 0, 4))
+    assert (got - llada2_reference(sd, LLADA2_IDS, block=4)).abs().max().item() <= 1e-4
+    # the block-causal prefix cached, the last block recomputed against it: the same logits
+    kv = model.new_cache(64)
+    with torch.inference_mode():
+        model(torch.tensor(LLADA2_IDS[:8]), torch.arange(8), kv, mask=block_causal(8, 0, 4))
+        kv.commit(8)
+        last = model(torch.tensor(LLADA2_IDS[8:]), torch.arange(8, T), kv, mask=block_causal(4, 8, 4))[0]
+    torch.testing.assert_close(last, got[8:], atol=1e-5, rtol=0)
+
+
+def test_blockdiff_decodes_a_tiny_llada2_end_to_end_with_block_attention(tmp_path):
+    llada2_checkpoint(tmp_path / "l2")
+    engine = Engine.load(str(tmp_path / "l2"), device="cpu")
+    strategy = make_strategy("blockdiff", {"block_size": 4})
+    assert strategy.causal_kv(engine.config) is False           # auto: the block cache on a block-trained model
+    result = Session(engine, strategy, Settings(max_new_tokens=8)).run("", LLADA2_IDS[:6])
+    assert result.footer["n_tokens"] == 8 and result.footer["forwards"] >= 2
+    assert {e["role"] for e in result.events if e["t"] == "forward"} >= {"prefill", "draft", "commit"}
+    with pytest.raises(BadInput, match="block attention; strategies that fit"):
+        kv_length_needed(engine, make_strategy("isd"), Settings(max_new_tokens=4), LLADA2_IDS[:3])
+
+
+def test_a_llada2_checkpoint_whose_fused_qkv_disagrees_with_its_config_is_one_line(tmp_path):
+    sd = llada2_checkpoint(tmp_path / "l2")
+    sd["model.layers.0.attention.query_key_value.weight"] = torch.zeros(10, 32)
+    save_file(sd, str(tmp_path / "l2" / "model.safetensors"))
+    with pytest.raises(BadInput, match="query_key_value has 10 rows, the config implies 64"):
+        load_hf_dir(tmp_path / "l2")

@@ -93,7 +93,7 @@ def test_embedded_model_with_a_random_adapter(tmp_path, default_engine):
 
 
 @pytest.mark.parametrize("preset", ["sdar-1.7b-chat", "sdar-8b-chat", "fast-dllm-v2-7b", "llada-8b-instruct",
-                                    "dream-v0-instruct-7b", "llada-moe-7b-a1b-instruct"])
+                                    "dream-v0-instruct-7b", "llada-moe-7b-a1b-instruct", "llada2-mini"])
 def test_paper_model_presets_say_how_to_get_the_weights(preset, monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))          # ~/models/... is certainly absent
     info = CliRunner().invoke(app, ["models", "info", preset])

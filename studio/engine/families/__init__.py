@@ -2,7 +2,7 @@
 its config maps onto `ModelConfig` and how its tensor names map onto the one compact model's (`model.py`), so
 the core stays one transformer and each family's differences live in a small module of its own. Their remote
 code is never run. A family module has `matches(raw) -> bool`, `config(raw, name) -> ModelConfig` and
-`state_dict(sd) -> sd`.
+`state_dict(sd, cfg) -> sd`.
 
 Design: docs/families.md
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from studio.engine.families import dream, llada, llada_moe
+from studio.engine.families import dream, llada, llada2, llada_moe
 
-FAMILIES: tuple[ModuleType, ...] = (llada, llada_moe, dream)
+FAMILIES: tuple[ModuleType, ...] = (llada, llada_moe, llada2, dream)
 
 
 def family_of(raw: dict) -> ModuleType | None:

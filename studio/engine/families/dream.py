@@ -25,5 +25,5 @@ def config(raw: dict, name: str = "") -> ModelConfig:
                                mask_token_id=raw.get("mask_token_id", MASK_ID))
 
 
-def state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return sd   # Qwen2's names already

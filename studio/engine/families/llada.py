@@ -64,7 +64,7 @@ def config(raw: dict, name: str = "") -> ModelConfig:
         raise BadInput(f"LLaDA config.json is missing required key {e.args[0]!r}") from None
 
 
-def state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """LLaDA's tensor names -> the compact model's (Hugging Face Llama's)."""
     out = {}
     for key, tensor in sd.items():

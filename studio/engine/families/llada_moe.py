@@ -9,11 +9,11 @@ import re
 import torch
 
 from studio.engine.config import ModelConfig
+from studio.engine.families.experts import EXPERT_KEY, stack_experts
 from studio.errors import BadInput
 
 MASK_ID, EOS_ID = 156895, 156892   # the Ling vocabulary's MASK and EOS, when config.json does not say
 
-_EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _PLAIN_KEY = re.compile(r"^(model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight|model\.layers\.\d+\."
                         r"(input_layernorm|post_attention_layernorm|mlp\.gate|self_attn\.[qkvo]_proj|"
                         r"self_attn\.[qk]_norm)\.weight)$")
@@ -70,20 +70,9 @@ def config(raw: dict, name: str = "") -> ModelConfig:
         raise BadInput(f"LLaDA-MoE config.json is missing required key {e.args[0]!r}") from None
 
 
-def state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert tensors (`mlp.experts.{e}.gate_proj.weight`, ...) stacked into one [E, ...] tensor per layer."""
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-    for key, tensor in sd.items():
-        expert = _EXPERT_KEY.match(key)
-        if expert:
-            experts.setdefault((expert.group(1), expert.group(3)), {})[int(expert.group(2))] = tensor
-        elif _PLAIN_KEY.match(key):
-            out[key] = tensor
-        else:
+def state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Checked names; the per-expert tensors stacked into one [E, ...] tensor per layer and projection."""
+    for key in sd:
+        if not (EXPERT_KEY.match(key) or _PLAIN_KEY.match(key)):
             raise BadInput(f"unexpected tensor {key!r} in a LLaDA-MoE checkpoint")
-    for (prefix, proj), by_index in experts.items():
-        if sorted(by_index) != list(range(len(by_index))):
-            raise BadInput(f"{prefix}: experts {sorted(set(range(max(by_index) + 1)) - set(by_index))} of {proj} missing")
-        out[f"{prefix}.{proj}"] = torch.stack([by_index[e] for e in range(len(by_index))])
-    return out
+    return stack_experts(sd)

@@ -1,0 +1,110 @@
+"""LLaDA2.0 / 2.1 (inclusionAI/LLaDA2.0-mini, -flash, LLaDA2.1-mini, -flash; Ling/Bailing-MoE-v2 derived): one fused
+QKV projection split per head, per-head QK RMSNorm, partial rotary (the first half of each head), a dense first
+layer then sigmoid-routed mixtures with group-limited top-k, an expert bias, a shared expert and a scaling factor.
+Trained with block-causal attention on a block grid from position 0; logits position-aligned.
+Facts: docs/families.md#llada2.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from studio.engine.config import ModelConfig
+from studio.engine.families.experts import EXPERT_KEY, stack_experts
+from studio.errors import BadInput
+
+MASK_ID, EOS_ID = 156895, 156892
+
+_RENAMES = {"model.word_embeddings.weight": "model.embed_tokens.weight"}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_IN_LAYER = {"attention.query_layernorm.weight": "self_attn.q_norm.weight",
+             "attention.key_layernorm.weight": "self_attn.k_norm.weight",
+             "attention.dense.weight": "self_attn.o_proj.weight",
+             **{k: k for k in ("input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate.weight",
+                               "mlp.gate.expert_bias", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                               "mlp.down_proj.weight", "mlp.shared_experts.gate_proj.weight",
+                               "mlp.shared_experts.up_proj.weight", "mlp.shared_experts.down_proj.weight")}}
+
+
+def matches(raw: dict) -> bool:
+    return raw.get("model_type") == "llada2_moe" or "LLaDA2MoeModelLM" in (raw.get("architectures") or [])
+
+
+def _refuse(raw: dict) -> None:
+    for key, want in (("score_function", "sigmoid"), ("use_qkv_bias", False), ("use_bias", False),
+                      ("norm_head", False), ("norm_softmax", False), ("use_qk_norm", True)):
+        if key in raw and raw[key] != want:
+            raise BadInput(f"unsupported LLaDA2 variant: {key} = {raw[key]!r} (supported: {want!r})")
+    if raw.get("rope_scaling"):
+        raise BadInput("unsupported LLaDA2 variant: rope_scaling")
+
+
+def config(raw: dict, name: str = "") -> ModelConfig:
+    _refuse(raw)
+    try:
+        n_heads = raw["num_attention_heads"]
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // n_heads
+        rotary = raw.get("rotary_dim") or int(head_dim * raw.get("partial_rotary_factor", 1.0))
+        eos = raw.get("eos_token_id", EOS_ID)
+        return ModelConfig(
+            arch="llama",
+            vocab_size=raw["vocab_size"],
+            dim=raw["hidden_size"],
+            n_layers=raw["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=raw.get("num_key_value_heads") or n_heads,
+            head_dim=head_dim,
+            ffn_dim=raw["intermediate_size"],
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rms_eps=raw.get("rms_norm_eps", 1e-6),
+            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qk_norm=True,
+            max_seq_len=int(raw.get("max_position_embeddings", 16384)),
+            eos_ids=list(eos) if isinstance(eos, list) else [eos],
+            logit_shift=False,
+            mask_token_id=raw.get("mask_token_id", MASK_ID),
+            attention="block",
+            n_experts=raw["num_experts"],
+            n_experts_per_tok=raw["num_experts_per_tok"],
+            moe_ffn_dim=raw["moe_intermediate_size"],
+            moe_renormalize=True,   # its gate normalises whenever k > 1, whatever norm_topk_prob says
+            moe_router="sigmoid",
+            moe_groups=raw.get("n_group", 1),
+            moe_topk_groups=raw.get("topk_group", 1),
+            moe_expert_bias=bool(raw.get("moe_router_enable_expert_bias", True)),
+            moe_scale=float(raw.get("routed_scaling_factor", 1.0)),
+            moe_shared_ffn_dim=raw["moe_intermediate_size"] * raw.get("num_shared_experts", 0),
+            first_dense_layers=raw.get("first_k_dense_replace", 0),
+            rotary_dim=rotary,
+            family="llada2",
+            name=name,
+        )
+    except KeyError as e:
+        raise BadInput(f"LLaDA2 config.json is missing required key {e.args[0]!r}") from None
+
+
+def state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """LLaDA2's names -> the compact model's: the fused QKV split by heads (q heads, then k, then v), the attention
+    and embedding renamed, the per-expert tensors stacked."""
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in sd.items():
+        layer = _LAYER.match(key)
+        if key in _RENAMES:
+            out[_RENAMES[key]] = tensor
+        elif key in ("model.norm.weight", "lm_head.weight") or EXPERT_KEY.match(key):
+            out[key] = tensor
+        elif layer and layer.group(2) == "attention.query_key_value.weight":
+            out.update(_split_qkv(f"model.layers.{layer.group(1)}.self_attn.", tensor, cfg))
+        elif layer and layer.group(2) in _IN_LAYER:
+            out[f"model.layers.{layer.group(1)}.{_IN_LAYER[layer.group(2)]}"] = tensor
+        else:
+            raise BadInput(f"unexpected tensor {key!r} in a LLaDA2 checkpoint")
+    return stack_experts(out)
+
+
+def _split_qkv(prefix: str, w: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    if w.shape[0] != q + 2 * kv:
+        raise BadInput(f"{prefix}query_key_value has {w.shape[0]} rows, the config implies {q + 2 * kv}")
+    return {prefix + "q_proj.weight": w[:q], prefix + "k_proj.weight": w[q:q + kv], prefix + "v_proj.weight": w[q + kv:]}
