@@ -314,20 +314,22 @@ def _bench_forwards(engine, repeats: int, warmup: int, as_json: bool) -> None:
     import torch
     from rich.console import Console
     from rich.table import Table
-    from studio.engine.forward_cost import (copy_bandwidth, lora_overhead, measure_forwards, verify_time,
-                                            weight_bytes)
+    from studio.engine.forward_cost import (copy_bandwidth, lora_overhead, measure_forwards, moe_vs_dense,
+                                            verify_time, weight_bytes)
 
     engine = engine.for_strategy("r-isd")   # its adapter for the gated shape (none: that shape is left out)
     device = engine.model.lm_head.weight.device
     with Console(stderr=True).status("timing forwards"):
         costs = measure_forwards(engine, repeats=10 * repeats, warmup=max(warmup, 1))
         copy_gbps, verify_s, verify_path = copy_bandwidth(device), *verify_time(engine)
+        moe_ratio = moe_vs_dense(engine)
     weights = weight_bytes(engine)
     stream_gbps = weights / (costs[0].ms / 1e3) / 1e9   # the 1-token step reads every weight once
     head = {**engine.model_meta(), "threads": torch.get_num_threads(), "weight_bytes": weights,
             "copy_gbps": round(copy_gbps, 2), "step_stream_gbps": round(stream_gbps, 2),
             "step_share_of_copy": round(stream_gbps / copy_gbps, 3), "lora_overhead": lora_overhead(costs),
-            "verify_7_rows_us": round(verify_s * 1e6, 1), "verify_path": verify_path}
+            "verify_7_rows_us": round(verify_s * 1e6, 1), "verify_path": verify_path,
+            "moe_layer_vs_dense": None if moe_ratio is None else round(moe_ratio, 3)}
     if as_json:
         print(json.dumps({**head, "forwards": [c.to_dict() for c in costs]}))
         return
@@ -343,6 +345,8 @@ def _bench_forwards(engine, repeats: int, warmup: int, as_json: bool) -> None:
              f"verifying 7 sampled drafts over the vocabulary: {head['verify_7_rows_us']:.0f} µs ({verify_path})"]
     if head["lora_overhead"] is not None:
         lines.insert(0, f"the LoRA on 3 MASK rows costs {head['lora_overhead']:.2f}x the plain 7-token extend")
+    if moe_ratio is not None:
+        lines.append(f"one token through an MoE layer costs {moe_ratio:.2f}x a dense layer of the same active width")
     t.caption = "\n".join(lines)
     Console().print(t)
 

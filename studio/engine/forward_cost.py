@@ -119,6 +119,21 @@ def _median_s(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def moe_vs_dense(engine: Engine, repeats: int = 50) -> float | None:
+    """For a mixture-of-experts model: one token through its first MoE layer, over one token through a dense SwiGLU
+    with the same active width (k experts + the shared one), same device and dtype. None for a dense model. The
+    price of routing and grouping: a 1-token step should cost about what its active parameters cost."""
+    from studio.engine.moe import MoE, SwiGLU
+    layer = next((m for m in engine.model.modules() if isinstance(m, MoE)), None)
+    if layer is None:
+        return None
+    cfg, p = engine.config, layer.gate.weight
+    dense = SwiGLU(cfg.dim, cfg.n_experts_per_tok * cfg.moe_ffn_dim + cfg.moe_shared_ffn_dim).to(p.device, p.dtype)
+    x = torch.randn(1, 1, cfg.dim, device=p.device, dtype=p.dtype)
+    with torch.inference_mode():
+        return _median_s(lambda: layer(x), p.device, repeats) / _median_s(lambda: dense(x), p.device, repeats)
+
+
 def copy_bandwidth(device: torch.device, n_bytes: int = 512 * 2**20, repeats: int = 10) -> float:
     """The device's copy bandwidth in GB/s: bytes read plus bytes written by one large copy, per second --
     the ceiling a 1-token step, which reads every weight once, is measured against."""
@@ -128,9 +143,15 @@ def copy_bandwidth(device: torch.device, n_bytes: int = 512 * 2**20, repeats: in
 
 
 def weight_bytes(engine: Engine) -> int:
-    """Bytes a forward streams: every weight once. Counted by storage: a tied head is a second Parameter
-    viewing the embedding table's storage (after an adapter's MASK row has grown the table)."""
+    """Bytes a 1-token step streams: every weight once, but of a mixture only the k experts the token goes to
+    (the rest stay in memory unread). Counted by storage: a tied head is a second Parameter viewing the embedding
+    table's storage (after an adapter's MASK row has grown the table)."""
+    from studio.engine.moe import Experts
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in engine.model.parameters()}
+    cfg = engine.config
+    for experts in (m for m in engine.model.modules() if isinstance(m, Experts)):
+        for p in experts.parameters():   # unread: all but k of the E stacked experts
+            storages[p.untyped_storage().data_ptr()] = p.nbytes * cfg.n_experts_per_tok // cfg.n_experts
     return sum(storages.values())
 
 

@@ -64,12 +64,17 @@ def is_random(spec: str) -> bool:
 
 
 def random_config(spec: str) -> ModelConfig:
-    """The ModelConfig of `random:NAME`. No EOS (runs go to --max-new-tokens, as a speed measurement
-    wants); the MASK is the model's own, else the last id, so every strategy can run."""
-    name = spec.removeprefix(PREFIX)
+    """The ModelConfig of `random:NAME` or `random:NAME@L` (the first L layers only, so a large shape fits the
+    memory: its per-layer costs are those of the whole model). No EOS (runs go to --max-new-tokens, as a speed
+    measurement wants); the MASK is the model's own, else the last id, so every strategy can run."""
+    name, _, layers = spec.removeprefix(PREFIX).partition("@")
     if name not in SHAPES:
         raise BadInput(f"unknown random model {name!r} (available: {', '.join(PREFIX + n for n in SHAPES)})")
-    cfg = ModelConfig.from_hf(SHAPES[name], name=PREFIX + name)
+    cfg = ModelConfig.from_hf(SHAPES[name], name=spec)
+    if layers:
+        if not layers.isdigit() or not 1 <= int(layers) <= cfg.n_layers:
+            raise BadInput(f"{spec}: the layer count after @ must be 1..{cfg.n_layers}, got {layers!r}")
+        cfg = dataclasses.replace(cfg, n_layers=int(layers))
     mask = cfg.mask_token_id if cfg.mask_token_id is not None else cfg.vocab_size - 1
     return dataclasses.replace(cfg, eos_ids=[], bos_id=None, mask_token_id=mask)
 

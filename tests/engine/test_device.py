@@ -102,11 +102,20 @@ def test_trace_header_records_device_and_dtype_of_a_greedy_ar_run(tiny_random, t
 
 # -- random: models ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name, n_params", [("smollm2-135m", 134_515_008), ("qwen3-0.6b", 596_049_920),
-                                            ("qwen3-8b", 8_190_735_360), ("llama3-8b", 8_030_261_248)])
+                                            ("qwen3-8b", 8_190_735_360), ("llama3-8b", 8_030_261_248),
+                                            ("llada-8b", 16_031_162_368 // 2),   # its index's bf16 total_size
+                                            ("dream-7b", 7_615_616_512)])         # Qwen2.5-7B's
 def test_random_shapes_have_the_published_parameter_counts(name, n_params):
     with torch.device("meta"):   # shapes only: nothing is allocated
         model = Transformer(random_config(f"random:{name}"))
     assert sum(p.numel() for p in _unique_params(model)) == n_params
+
+
+def test_a_random_shape_may_keep_only_its_first_layers():
+    c = random_config("random:llada2-mini@2")
+    assert (c.n_layers, c.n_experts, c.first_dense_layers, c.name) == (2, 256, 1, "random:llada2-mini@2")
+    with pytest.raises(BadInput, match="the layer count after @ must be 1..20"):
+        random_config("random:llada2-mini@0")
 
 
 def test_random_smollm2_is_the_embedded_models_shape():

@@ -457,3 +457,15 @@ def test_a_llada2_checkpoint_whose_fused_qkv_disagrees_with_its_config_is_one_li
     save_file(sd, str(tmp_path / "l2" / "model.safetensors"))
     with pytest.raises(BadInput, match="query_key_value has 10 rows, the config implies 64"):
         load_hf_dir(tmp_path / "l2")
+
+
+def test_an_moe_step_streams_only_its_active_experts_and_is_timed_against_a_dense_twin(tmp_path):
+    from studio.engine.forward_cost import moe_vs_dense, weight_bytes
+    llada2_checkpoint(tmp_path / "l2")
+    engine = Engine.load(str(tmp_path / "l2"), device="cpu")
+    c = LLADA2_CONFIG
+    every = sum(p.numel() * 4 for p in engine.model.parameters())
+    n_moe = c["num_hidden_layers"] - c["first_k_dense_replace"]
+    unread = n_moe * 3 * c["moe_intermediate_size"] * c["hidden_size"] * (c["num_experts"] - c["num_experts_per_tok"]) * 4
+    assert weight_bytes(engine) == every - unread
+    assert moe_vs_dense(engine, repeats=3) > 0

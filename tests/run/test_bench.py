@@ -195,6 +195,7 @@ def test_bench_forwards_json_and_table(engine, monkeypatch, tmp_path):
     step_s = report["forwards"][0]["ms"] / 1e3
     assert report["step_stream_gbps"] == pytest.approx(report["weight_bytes"] / 1e9 / step_s, rel=0.01, abs=0.01)
     assert report["copy_gbps"] > 0 and report["verify_7_rows_us"] > 0 and report["verify_path"] in ("torch", "fused")
+    assert report["moe_layer_vs_dense"] is None     # a dense model
     res = CliRunner().invoke(app, ["bench", "--forwards", "--repeats", "1"])
     assert res.exit_code == 0 and "x 1-token step" in res.stdout and "batch-8 1-token step" in res.stdout
     assert "copy bandwidth" in res.stdout and "verifying 7 sampled drafts" in res.stdout
