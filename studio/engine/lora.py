@@ -86,8 +86,10 @@ class Adapter:
 # ---------------------------------------------------------------------------------------------
 # reading
 # ---------------------------------------------------------------------------------------------
-def read_adapter(path: str | Path) -> Adapter:
-    """Read and validate an adapter directory (or its adapter_model.safetensors) on its own."""
+def read_adapter(path: str | Path, family: str = "") -> Adapter:
+    """Read and validate an adapter directory (or its adapter_model.safetensors) on its own. `family`: the base
+    model's checkpoint family (`ModelConfig.family`), whose module names an adapter trained on it uses
+    (`studio.engine.families`): they are renamed onto the compact model's."""
     root = Path(path)
     if root.is_file():
         root = root.parent
@@ -102,8 +104,12 @@ def read_adapter(path: str | Path) -> Adapter:
                            f"{WEIGHTS_FILE} only and never unpickles -- save the adapter with safe_serialization")
         raise BadInput(f"{root} has no {WEIGHTS_FILE}")
     tensors = {k.removeprefix(_PREFIX): v for k, v in _load_safetensors(weights).items()}
+    targets = cfg.get("target_modules")
+    if family:
+        from studio.engine.families import adapter_names
+        tensors, targets = adapter_names(family, tensors, targets)
     lora, extra = _split_lora(tensors, r)
-    _check_targets(cfg.get("target_modules"), lora)
+    _check_targets(targets, lora)
     mask_id = cfg.get("mask_token_id")
     if mask_id is not None and (isinstance(mask_id, bool) or not isinstance(mask_id, int) or mask_id < 0):
         raise BadInput(f"{CONFIG_FILE}: mask_token_id must be a non-negative integer, got {mask_id!r}")
@@ -247,7 +253,7 @@ class LoadedAdapter:
 
 def load_adapter(model: nn.Module, path: str | Path) -> LoadedAdapter:
     """Read `path` and check it against `model` (BadInput, and the model untouched, when it does not fit)."""
-    adapter = read_adapter(path)
+    adapter = read_adapter(path, getattr(model.config, "family", ""))
     modules = _fitting_modules(model, adapter)
     rows = _new_embedding_rows(model, adapter)
     w = model.lm_head.weight

@@ -469,3 +469,33 @@ def test_an_moe_step_streams_only_its_active_experts_and_is_timed_against_a_dens
     unread = n_moe * 3 * c["moe_intermediate_size"] * c["hidden_size"] * (c["num_experts"] - c["num_experts_per_tok"]) * 4
     assert weight_bytes(engine) == every - unread
     assert moe_vs_dense(engine, repeats=3) > 0
+
+
+def test_a_peft_adapter_trained_on_llada_loads_under_its_module_names(tmp_path):
+    """An adapter for LLaDA names LLaDA's modules (`model.transformer.blocks.{i}.attn_out`, target `ff_proj`...): it
+    attaches, and the adapted forward equals the base forward of merged weights W + scale·B·A."""
+    sd = llada_checkpoint(tmp_path / "llada")
+    g = torch.Generator().manual_seed(3)
+    r, alpha, targets = 4, 8, ["q_proj", "attn_out", "ff_proj", "ff_out"]
+    lora = {}
+    for i in range(LLADA_CONFIG["n_layers"]):
+        for t in targets:
+            w = sd[f"model.transformer.blocks.{i}.{t}.weight"]
+            lora[f"base_model.model.model.transformer.blocks.{i}.{t}.lora_A.weight"] = torch.randn(r, w.shape[1], generator=g) * 0.1
+            lora[f"base_model.model.model.transformer.blocks.{i}.{t}.lora_B.weight"] = torch.randn(w.shape[0], r, generator=g) * 0.1
+    (tmp_path / "ad").mkdir()
+    (tmp_path / "ad" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": alpha,
+                                                                     "target_modules": targets}))
+    save_file(lora, str(tmp_path / "ad" / "adapter_model.safetensors"))
+    engine = Engine.load(str(tmp_path / "llada"), adapter=str(tmp_path / "ad"), device="cpu")
+    merged = dict(sd)
+    for key in list(lora):
+        if key.endswith("lora_A.weight"):
+            base = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+            merged[base] = sd[base] + alpha / r * lora[key.replace("lora_A", "lora_B")] @ lora[key]
+    T = len(IDS)
+    with torch.inference_mode():
+        got = engine.model(torch.tensor(IDS), torch.arange(T), engine.model.new_cache(64), mask=bidirectional(T, 0),
+                           lora_gate=torch.ones(T, dtype=torch.bool))[0]
+        want = llama_oracle(merged)(torch.tensor([IDS]), attention_mask=torch.ones(1, 1, T, T, dtype=torch.bool)).logits[0]
+    assert (got - want).abs().max().item() <= 1e-4

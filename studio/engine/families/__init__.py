@@ -1,8 +1,8 @@
 """Checkpoint families whose config.json and tensor names are not Hugging Face Llama/Qwen's: each module says how
 its config maps onto `ModelConfig` and how its tensor names map onto the one compact model's (`model.py`), so
 the core stays one transformer and each family's differences live in a small module of its own. Their remote
-code is never run. A family module has `matches(raw) -> bool`, `config(raw, name) -> ModelConfig` and
-`state_dict(sd, cfg) -> sd`.
+code is never run. A family module has `matches(raw) -> bool`, `config(raw, name) -> ModelConfig`,
+`state_dict(sd, cfg) -> sd` and, where adapters trained on it name modules its own way, `adapter_names`.
 
 Design: docs/families.md
 """
@@ -18,3 +18,11 @@ FAMILIES: tuple[ModuleType, ...] = (llada, llada_moe, llada2, dream)
 def family_of(raw: dict) -> ModuleType | None:
     """The family module that reads this config.json, or None for the Hugging Face Llama/Qwen layout."""
     return next((f for f in FAMILIES if f.matches(raw)), None)
+
+
+def adapter_names(family: str, tensors: dict, targets):
+    """A PEFT adapter trained on a `family` model, its tensor keys and target_modules renamed onto the compact model's
+    (unchanged for a family that keeps Hugging Face names)."""
+    module = next((f for f in FAMILIES if f.NAME == family), None)
+    rename = getattr(module, "adapter_names", None)
+    return rename(tensors, targets) if rename else (tensors, targets)

@@ -11,6 +11,7 @@ import torch
 from studio.engine.config import ModelConfig
 from studio.errors import BadInput
 
+NAME = "llada"   # ModelConfig.family
 MASK_ID = 126336   # <|mdm_mask|>, when config.json does not say
 
 # what the one compact model supports of LLaDA's config switches: anything else is another model
@@ -57,7 +58,7 @@ def config(raw: dict, name: str = "") -> ModelConfig:
             logit_shift=False,
             mask_token_id=raw.get("mask_token_id", MASK_ID),
             attention="bidirectional",
-            family="llada",
+            family=NAME,
             name=name,
         )
     except KeyError as e:
@@ -76,3 +77,18 @@ def state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch
         else:
             raise BadInput(f"unexpected tensor {key!r} in a LLaDA checkpoint")
     return out
+
+
+_LORA_KEY = re.compile(r"^model\.transformer\.blocks\.(\d+)\.([a-z_]+)\.(lora_[AB]\.weight)$")
+
+
+def adapter_names(tensors: dict[str, torch.Tensor], targets):
+    """A PEFT adapter trained on LLaDA (its LoRA on `model.transformer.blocks.{i}.attn_out`, target_modules
+    `attn_out`, `ff_proj`, ...): keys and targets renamed onto the compact model's; other keys pass through."""
+    out = {}
+    for key, tensor in tensors.items():
+        m = _LORA_KEY.match(key)
+        out[f"model.layers.{m.group(1)}.{_BLOCK.get(m.group(2), m.group(2))}.{m.group(3)}" if m else key] = tensor
+    if isinstance(targets, list):
+        targets = [_BLOCK.get(t.rsplit(".", 1)[-1], t).rsplit(".", 1)[-1] for t in targets]
+    return out, targets

@@ -14,6 +14,7 @@ from studio.engine.config import ModelConfig
 from studio.engine.families.experts import EXPERT_KEY, stack_experts
 from studio.errors import BadInput
 
+NAME = "llada2"   # ModelConfig.family
 MASK_ID, EOS_ID = 156895, 156892
 
 _RENAMES = {"model.word_embeddings.weight": "model.embed_tokens.weight"}
@@ -77,7 +78,7 @@ def config(raw: dict, name: str = "") -> ModelConfig:
             moe_shared_ffn_dim=raw["moe_intermediate_size"] * raw.get("num_shared_experts", 0),
             first_dense_layers=raw.get("first_k_dense_replace", 0),
             rotary_dim=rotary,
-            family="llada2",
+            family=NAME,
             name=name,
         )
     except KeyError as e:

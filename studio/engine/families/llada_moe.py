@@ -12,6 +12,7 @@ from studio.engine.config import ModelConfig
 from studio.engine.families.experts import EXPERT_KEY, stack_experts
 from studio.errors import BadInput
 
+NAME = "llada-moe"   # ModelConfig.family
 MASK_ID, EOS_ID = 156895, 156892   # the Ling vocabulary's MASK and EOS, when config.json does not say
 
 _PLAIN_KEY = re.compile(r"^(model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight|model\.layers\.\d+\."
@@ -63,7 +64,7 @@ def config(raw: dict, name: str = "") -> ModelConfig:
             n_experts_per_tok=raw["num_experts_per_tok"],
             moe_ffn_dim=raw["expert_intermediate_size"],
             moe_renormalize=False,   # the published modeling code hard-codes it, whatever the config says
-            family="llada-moe",
+            family=NAME,
             name=name,
         )
     except KeyError as e:
