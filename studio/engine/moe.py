@@ -81,6 +81,7 @@ class MoE(nn.Module):
         self.gate = Router(cfg)
         self.experts = Experts(cfg.n_experts, cfg.dim, cfg.moe_ffn_dim)
         self.shared_experts = SwiGLU(cfg.dim, cfg.moe_shared_ffn_dim) if cfg.moe_shared_ffn_dim else None
+        self.experts_run = 0   # distinct experts the last forward ran
 
     def forward(self, x: torch.Tensor, gate=None) -> torch.Tensor:
         """`gate` (the LoRA row gate) is accepted for the Block's sake: adapters do not reach the experts."""
@@ -89,6 +90,7 @@ class MoE(nn.Module):
         order = experts.flatten().argsort(stable=True)       # assignments grouped by expert
         token = order // self.k
         counts = torch.bincount(experts.flatten(), minlength=self.experts.gate_proj.shape[0]).tolist()
+        self.experts_run = sum(1 for n in counts if n)   # read by DecodeContext for the forward event
         grouped = flat[token]
         out = torch.empty_like(grouped)
         start = 0

@@ -49,7 +49,9 @@ EVENT_FIELDS: dict[str, dict[str, Any]] = {
 }
 # Optional fields (added in 1.x, so readers must not require them). emit.pieces: the text of each
 # token on its own, for per-token displays (`text` alone cannot always be split back into tokens).
-OPTIONAL_FIELDS: dict[str, dict[str, Any]] = {"emit": {"pieces": list[str]}}
+# forward.experts: on a mixture-of-experts model, how many distinct experts each MoE layer ran (what a wide
+# forward pays for: every expert it touches is read).
+OPTIONAL_FIELDS: dict[str, dict[str, Any]] = {"emit": {"pieces": list[str]}, "forward": {"experts": list[int]}}
 ROLES: tuple[str, ...] = get_args(EVENT_FIELDS["forward"]["role"])
 SOURCES: tuple[str, ...] = get_args(EVENT_FIELDS["propose"]["src"])
 

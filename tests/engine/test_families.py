@@ -499,3 +499,21 @@ def test_a_peft_adapter_trained_on_llada_loads_under_its_module_names(tmp_path):
                            lora_gate=torch.ones(T, dtype=torch.bool))[0]
         want = llama_oracle(merged)(torch.tensor([IDS]), attention_mask=torch.ones(1, 1, T, T, dtype=torch.bool)).logits[0]
     assert (got - want).abs().max().item() <= 1e-4
+
+
+def test_forward_events_of_an_moe_model_say_how_many_experts_each_layer_ran(tmp_path):
+    from studio.engine.sampling import SamplingParams
+    from studio.engine.strategies.base import DecodeContext, Output
+    from studio.events import validate_event
+    llada_moe_checkpoint(tmp_path / "moe")
+    engine = Engine.load(str(tmp_path / "moe"), device="cpu")
+    ctx = DecodeContext(engine.model, engine.tokenizer, SamplingParams(), 0, Output(engine.tokenizer, 8, frozenset(), ()),
+                        engine.config.mask_token_id, 64)
+    ctx.forward("prefill", IDS, mask=bidirectional(len(IDS), 0))
+    ctx.commit(len(IDS))
+    ctx.forward("draft", [39], mask=bidirectional(1, len(IDS)))
+    wide, one = [e for e in ctx.drain() if e["t"] == "forward"]
+    c = LLADA_MOE_CONFIG
+    assert len(one["experts"]) == c["num_hidden_layers"] and all(n == c["num_experts_per_tok"] for n in one["experts"])
+    assert all(c["num_experts_per_tok"] <= n <= c["num_experts"] for n in wide["experts"]) and sum(wide["experts"]) > sum(one["experts"])
+    validate_event(wide)

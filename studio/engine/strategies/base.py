@@ -99,6 +99,7 @@ class DecodeContext:
         self._reusable: int | None = self.kv.length
         self._skipped = 0      # prompt tokens the prefill did not recompute; the next commit counts them
         self._adapters: dict[int, bool] = {}   # id(model) -> has a LoRA adapter attached
+        self._moe: dict[int, list] = {}         # id(model) -> its MoE layers (their expert counts go in the events)
         self.step = 0          # index of the last forward (0 = prefill)
         self._elapsed_s = 0.0  # the run's own clock: it runs only while the run is advancing, so a run
         self._since: float | None = None   # stepped in lock-step with others stamps only its own time
@@ -152,8 +153,9 @@ class DecodeContext:
                          logits_rows=logits_rows)[0]
         if torch.isnan(logits).any():
             raise BadInput(f"model produced NaN logits at forward {self.step} ({role})")
+        moe = self._moe_layers(model)
         self.event("forward", role=role, n_tokens=len(tokens), lora_rows=0 if gate is None else int(gate.sum()),
-                   wall_ms=(time.perf_counter() - t) * 1000.0)
+                   wall_ms=(time.perf_counter() - t) * 1000.0, **({"experts": [m.experts_run for m in moe]} if moe else {}))
         return logits
 
     def _skip_reused(self, role, tokens, positions, mask, lora_gate, logits_rows):
@@ -183,6 +185,12 @@ class DecodeContext:
         self.forward("prefill", tokens, lora_gate=[lora_gate] * len(tokens), logits_rows=[len(tokens) - 1])
         self.commit(len(tokens))
         self._reusable = self.kv.length
+
+    def _moe_layers(self, model) -> list:
+        if id(model) not in self._moe:
+            from studio.engine.moe import MoE
+            self._moe[id(model)] = [m for m in model.modules() if isinstance(m, MoE)]
+        return self._moe[id(model)]
 
     def _has_adapter(self, model) -> bool:
         if id(model) not in self._adapters:
