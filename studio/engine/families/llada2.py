@@ -12,6 +12,7 @@ import torch
 
 from studio.engine.config import ModelConfig
 from studio.engine.families.experts import EXPERT_KEY, stack_experts
+from studio.engine.families.hf_keys import shape_fields
 from studio.errors import BadInput
 
 NAME = "llada2"   # ModelConfig.family
@@ -44,25 +45,13 @@ def _refuse(raw: dict) -> None:
 def config(raw: dict, name: str = "") -> ModelConfig:
     _refuse(raw)
     try:
-        n_heads = raw["num_attention_heads"]
-        head_dim = raw.get("head_dim") or raw["hidden_size"] // n_heads
-        rotary = raw.get("rotary_dim") or int(head_dim * raw.get("partial_rotary_factor", 1.0))
-        eos = raw.get("eos_token_id", EOS_ID)
+        shape = shape_fields({"eos_token_id": EOS_ID, **raw}, default_eps=1e-6)
+        rotary = raw.get("rotary_dim") or int(shape["head_dim"] * raw.get("partial_rotary_factor", 1.0))
         return ModelConfig(
-            arch="llama",
-            vocab_size=raw["vocab_size"],
-            dim=raw["hidden_size"],
-            n_layers=raw["num_hidden_layers"],
-            n_heads=n_heads,
-            n_kv_heads=raw.get("num_key_value_heads") or n_heads,
-            head_dim=head_dim,
+            **shape,
             ffn_dim=raw["intermediate_size"],
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            rms_eps=raw.get("rms_norm_eps", 1e-6),
-            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qk_norm=True,
             max_seq_len=int(raw.get("max_position_embeddings", 16384)),
-            eos_ids=list(eos) if isinstance(eos, list) else [eos],
             logit_shift=False,
             mask_token_id=raw.get("mask_token_id", MASK_ID),
             attention="block",

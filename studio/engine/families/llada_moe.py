@@ -10,6 +10,7 @@ import torch
 
 from studio.engine.config import ModelConfig
 from studio.engine.families.experts import EXPERT_KEY, stack_experts
+from studio.engine.families.hf_keys import shape_fields
 from studio.errors import BadInput
 
 NAME = "llada-moe"   # ModelConfig.family
@@ -39,24 +40,12 @@ def _refuse(raw: dict) -> None:
 def config(raw: dict, name: str = "") -> ModelConfig:
     _refuse(raw)
     try:
-        n_heads = raw["num_attention_heads"]
-        eos = raw.get("eos_token_id", EOS_ID)
         return ModelConfig(
-            arch="llama",
-            vocab_size=raw["vocab_size"],
-            dim=raw["hidden_size"],
-            n_layers=raw["num_hidden_layers"],
-            n_heads=n_heads,
-            n_kv_heads=raw.get("num_key_value_heads") or n_heads,
-            head_dim=raw["hidden_size"] // n_heads,
+            **shape_fields({"eos_token_id": EOS_ID, **raw, "head_dim": None}, default_eps=1e-5),   # head_dim: D / H
             ffn_dim=raw.get("dense_intermediate_size") or raw["expert_intermediate_size"],
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            rms_eps=raw.get("rms_norm_eps", 1e-5),
-            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attn_bias=bool(raw.get("attention_bias", False)),
             qk_norm=bool(raw.get("qk_layernorm", True)),
             max_seq_len=int(raw.get("max_position_embeddings", 8192)),
-            eos_ids=list(eos) if isinstance(eos, list) else [eos],
             logit_shift=False,
             mask_token_id=raw.get("mask_token_id", MASK_ID),
             attention="bidirectional",
