@@ -50,20 +50,16 @@ SHAPES: dict[str, dict] = {
                     "topk_group": 4, "routed_scaling_factor": 2.5, "moe_router_enable_expert_bias": True,
                     "rope_theta": 600000.0, "partial_rotary_factor": 0.5, "max_position_embeddings": 16384,
                     "rms_norm_eps": 1e-6, "vocab_size": 157184, "tie_word_embeddings": False},
-    # inclusionAI/LLaDA2.0-flash (100B total): dFactory's training config; use random:llada2-flash@L to fit memory
-    "llada2-flash": {"architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe", "hidden_size": 4096,
-                     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-                     "intermediate_size": 9216, "first_k_dense_replace": 1, "num_experts": 256,
-                     "num_experts_per_tok": 8, "num_shared_experts": 1, "moe_intermediate_size": 1024, "n_group": 8,
-                     "topk_group": 4, "routed_scaling_factor": 2.5, "moe_router_enable_expert_bias": True,
-                     "rope_theta": 600000.0, "partial_rotary_factor": 0.5, "max_position_embeddings": 16384,
-                     "rms_norm_eps": 1e-6, "vocab_size": 157184, "tie_word_embeddings": False},
     # Dream-org/Dream-v0-Instruct-7B: Qwen2.5-7B's shape under DreamModel (studio.engine.families.dream)
     "dream-7b": {"architectures": ["DreamModel"], "model_type": "Dream", "vocab_size": 152064, "hidden_size": 3584,
                  "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
                  "intermediate_size": 18944, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
                  "tie_word_embeddings": False, "max_position_embeddings": 32768, "mask_token_id": 151666},
 }
+# inclusionAI/LLaDA2.0-flash (102.9B): LLaDA2.0-mini's config at flash's sizes (dFactory's training configs);
+# random:llada2-flash@L keeps L layers, to fit a machine
+SHAPES["llada2-flash"] = dict(SHAPES["llada2-mini"], hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                              intermediate_size=9216, moe_intermediate_size=1024)
 INIT_STD = 0.02   # transformers' initializer_range: a deep random stack keeps finite activations in bf16/fp16
 
 
