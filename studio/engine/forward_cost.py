@@ -128,7 +128,8 @@ def moe_vs_dense(engine: Engine, repeats: int = 50) -> float | None:
     if layer is None:
         return None
     cfg, p = engine.config, layer.gate.weight
-    dense = SwiGLU(cfg.dim, cfg.n_experts_per_tok * cfg.moe_ffn_dim + cfg.moe_shared_ffn_dim).to(p.device, p.dtype)
+    dense = SwiGLU(cfg.dim, cfg.n_experts_per_tok * cfg.moe_ffn_dim + cfg.moe_shared_ffn_dim,
+                   cfg.hidden_act).to(p.device, p.dtype)
     x = torch.randn(1, 1, cfg.dim, device=p.device, dtype=p.dtype)
     with torch.inference_mode():
         return _median_s(lambda: layer(x), p.device, repeats) / _median_s(lambda: dense(x), p.device, repeats)

@@ -4,11 +4,13 @@ expert every token goes through.
 Routers: `softmax` (OLMoE, LLaDA-MoE): softmax over every expert, the top k. `sigmoid` (Ling/Bailing v2, LLaDA2,
 DeepSeek-V3): sigmoid scores; the selection adds a per-expert bias and keeps only the best groups (a group's score is
 the sum of its two best experts), the weights are the unbiased scores of the chosen experts, normalised, times a
-scaling factor.
+scaling factor. `gemma` (Gemma-4, DiffusionGemma): the input RMS-normalised without a gain, times a learned `scale`
+and 1/sqrt(D), softmax, the top k renormalised, each times its expert's learned `per_expert_scale`.
 
-Tokens are grouped by expert (one stable sort of the token→expert assignments), so each expert that received
-tokens runs one SwiGLU over all of them: a Python loop over experts, never over tokens. The weighted outputs
-are scattered back with one `index_add_`.
+Experts are SwiGLU (silu) or GeGLU (tanh-approximated gelu: Gemma) by `ModelConfig.hidden_act`. Tokens are grouped by expert (one stable sort of the token→expert assignments), so each expert that received
+tokens runs once over all of them: a Python loop over experts, never over tokens -- or, on CUDA in bf16, three
+grouped GEMMs over all experts at once (`F.grouped_mm`), the loop being its oracle. The weighted outputs are
+scattered back with one `index_add_`.
 """
 from __future__ import annotations
 
@@ -18,31 +20,72 @@ from torch import nn
 
 from studio.engine.config import ModelConfig
 
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)): a shared expert (Hugging Face names gate_proj, up_proj, down_proj)."""
+    """down(act(gate(x)) * up(x)), act silu unless told: a shared expert (Hugging Face names gate_proj, up_proj,
+    down_proj)."""
 
-    def __init__(self, dim: int, ffn: int):
+    def __init__(self, dim: int, ffn: int, act: str = "silu"):
         super().__init__()
         self.gate_proj = nn.Linear(dim, ffn, bias=False)
         self.up_proj = nn.Linear(dim, ffn, bias=False)
         self.down_proj = nn.Linear(ffn, dim, bias=False)
+        self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts as stacked tensors: gate_proj, up_proj [E, I, D], down_proj [E, D, I]."""
+    """E gated experts as stacked tensors: gate_proj, up_proj [E, I, D], down_proj [E, D, I]."""
+    path = "auto"   # auto: grouped GEMMs on CUDA in bf16, else the loop (their oracle); or force "grouped" | "loop"
 
-    def __init__(self, n: int, dim: int, ffn: int):
+    def __init__(self, n: int, dim: int, ffn: int, act: str = "silu"):
         super().__init__()
         self.gate_proj = nn.Parameter(torch.empty(n, ffn, dim))
         self.up_proj = nn.Parameter(torch.empty(n, ffn, dim))
         self.down_proj = nn.Parameter(torch.empty(n, dim, ffn))
+        self.act = ACTIVATIONS[act]
 
     def run(self, e: int, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.silu(F.linear(h, self.gate_proj[e])) * F.linear(h, self.up_proj[e]), self.down_proj[e])
+        return F.linear(self.act(F.linear(h, self.gate_proj[e])) * F.linear(h, self.up_proj[e]), self.down_proj[e])
+
+    def mix(self, flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """sum_k weights[:, k] * expert_{experts[:, k]}(flat) for flat [N, D], weights and experts [N, k]; and the
+        number of distinct experts that ran (a 0-d tensor: reading it is the caller's sync)."""
+        k = experts.shape[1]
+        order = experts.flatten().argsort(stable=True)       # assignments grouped by expert
+        token = order // k
+        counts = torch.bincount(experts.flatten(), minlength=self.gate_proj.shape[0])
+        grouped = flat[token]
+        out = self._grouped(grouped, counts) if self.uses_grouped_mm(flat) else self._looped(grouped, counts)
+        y = torch.zeros_like(flat).index_add_(0, token, out * weights.flatten()[order, None])
+        return y, (counts > 0).sum()
+
+    def uses_grouped_mm(self, x: torch.Tensor) -> bool:
+        if self.path != "auto":
+            return self.path == "grouped"
+        return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
+
+    def _looped(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """One GEMM per expert that received tokens: the group sizes are read on the host."""
+        out = torch.empty_like(grouped)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                out[start:start + n] = self.run(e, grouped[start:start + n])
+                start += n
+        return out
+
+    def _grouped(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The same three projections as grouped GEMMs over every expert at once (PyTorch's grouped_mm: the group
+        boundaries stay on the device, no per-expert launch)."""
+        ends = counts.cumsum(0).to(torch.int32)
+        gate = F.grouped_mm(grouped, self.gate_proj.transpose(1, 2), offs=ends)
+        up = F.grouped_mm(grouped, self.up_proj.transpose(1, 2), offs=ends)
+        return F.grouped_mm(self.act(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
 
 
 class Router(nn.Module):
@@ -52,13 +95,19 @@ class Router(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim))
         self.expert_bias = nn.Parameter(torch.zeros(cfg.n_experts)) if cfg.moe_expert_bias else None
+        if cfg.moe_router == "gemma":
+            self.scale = nn.Parameter(torch.ones(cfg.dim))
+            self.per_expert_scale = nn.Parameter(torch.ones(cfg.n_experts))
         self.kind, self.k, self.renormalize = cfg.moe_router, cfg.n_experts_per_tok, cfg.moe_renormalize
-        self.groups, self.topk_groups, self.scale = cfg.moe_groups, cfg.moe_topk_groups, cfg.moe_scale
+        self.groups, self.topk_groups, self.routed_scale = cfg.moe_groups, cfg.moe_topk_groups, cfg.moe_scale
+        self.eps = cfg.rms_eps
 
     def forward(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, experts) [N, k]; the scores are computed in fp32."""
+        if self.kind == "gemma":
+            flat = F.rms_norm(flat.float(), flat.shape[-1:], eps=self.eps) * self.scale.float() * flat.shape[-1] ** -0.5
         logits = F.linear(flat.float(), self.weight.float())
-        if self.kind == "softmax":
+        if self.kind in ("softmax", "gemma"):
             weights, experts = torch.softmax(logits, dim=-1).topk(self.k, dim=-1)
         else:
             scores = torch.sigmoid(logits)
@@ -71,34 +120,26 @@ class Router(nn.Module):
             weights = scores.gather(1, experts)
         if self.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return (weights * self.scale).to(flat.dtype), experts
+        if self.kind == "gemma":
+            weights = weights * self.per_expert_scale.float()[experts]
+        return (weights * self.routed_scale).to(flat.dtype), experts
 
 
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.k = cfg.n_experts_per_tok
         self.gate = Router(cfg)
-        self.experts = Experts(cfg.n_experts, cfg.dim, cfg.moe_ffn_dim)
-        self.shared_experts = SwiGLU(cfg.dim, cfg.moe_shared_ffn_dim) if cfg.moe_shared_ffn_dim else None
-        self.experts_run = 0   # distinct experts the last forward ran
+        self.experts = Experts(cfg.n_experts, cfg.dim, cfg.moe_ffn_dim, cfg.hidden_act)
+        self.shared_experts = SwiGLU(cfg.dim, cfg.moe_shared_ffn_dim, cfg.hidden_act) if cfg.moe_shared_ffn_dim else None
+        self.experts_run = torch.tensor(0)   # distinct experts the last forward ran
 
-    def forward(self, x: torch.Tensor, gate=None) -> torch.Tensor:
-        """`gate` (the LoRA row gate) is accepted for the Block's sake: adapters do not reach the experts."""
+    def forward(self, x: torch.Tensor, gate=None, expert_input: torch.Tensor | None = None) -> torch.Tensor:
+        """The router reads x; the experts read `expert_input` (Gemma normalises it apart), else x too. `gate` (the
+        LoRA row gate) is accepted for the Block's sake: adapters do not reach the experts."""
         flat = x.reshape(-1, x.shape[-1])
         weights, experts = self.gate(flat)
-        order = experts.flatten().argsort(stable=True)       # assignments grouped by expert
-        token = order // self.k
-        counts = torch.bincount(experts.flatten(), minlength=self.experts.gate_proj.shape[0]).tolist()
-        self.experts_run = sum(1 for n in counts if n)   # read by DecodeContext for the forward event
-        grouped = flat[token]
-        out = torch.empty_like(grouped)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                out[start:start + n] = self.experts.run(e, grouped[start:start + n])
-                start += n
-        y = torch.zeros_like(flat).index_add_(0, token, out * weights.flatten()[order, None])
+        expert_flat = flat if expert_input is None else expert_input.reshape(flat.shape)
+        y, self.experts_run = self.experts.mix(expert_flat, weights, experts)   # read for the forward event
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
         return y.view_as(x)

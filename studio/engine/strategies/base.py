@@ -155,7 +155,7 @@ class DecodeContext:
             raise BadInput(f"model produced NaN logits at forward {self.step} ({role})")
         moe = self._moe_layers(model)
         self.event("forward", role=role, n_tokens=len(tokens), lora_rows=0 if gate is None else int(gate.sum()),
-                   wall_ms=(time.perf_counter() - t) * 1000.0, **({"experts": [m.experts_run for m in moe]} if moe else {}))
+                   wall_ms=(time.perf_counter() - t) * 1000.0, **({"experts": [int(m.experts_run) for m in moe]} if moe else {}))
         return logits
 
     def _skip_reused(self, role, tokens, positions, mask, lora_gate, logits_rows):

@@ -1,0 +1,52 @@
+"""The mixture-of-experts layer's two expert paths: the per-expert loop (the oracle) and the grouped GEMMs CUDA runs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from studio.engine.config import ModelConfig
+from studio.engine.moe import MoE
+
+CFG = dict(arch="llama", vocab_size=32, dim=64, n_layers=1, n_heads=4, n_kv_heads=4, head_dim=16, ffn_dim=96,
+           n_experts=8, n_experts_per_tok=2, moe_ffn_dim=32, moe_renormalize=True)
+
+
+def layer(router: str, act: str, device="cpu", dtype=torch.float32) -> MoE:
+    torch.manual_seed(0)
+    moe = MoE(ModelConfig(**CFG, moe_router=router, hidden_act=act))
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 if p.dim() > 1 else 1 + 0.3 * torch.randn_like(p))
+    return moe.to(device, dtype)
+
+
+def both_paths(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    outs = []
+    for path in ("loop", "grouped"):
+        moe.experts.path = path
+        with torch.no_grad():
+            outs.append(moe(x))
+    moe.experts.path = "auto"
+    return outs[0], outs[1]
+
+
+@pytest.mark.parametrize("router, act", [("softmax", "silu"), ("gemma", "gelu_tanh")])
+@pytest.mark.parametrize("tokens", [1, 3, 40])   # most experts idle, some, every one
+def test_the_grouped_gemm_path_equals_the_expert_loop(router, act, tokens):
+    moe = layer(router, act)
+    x = torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(tokens))
+    loop, grouped = both_paths(moe, x)
+    ran = int(moe.experts_run)
+    assert 1 <= ran <= 8 and (ran < 8 or tokens == 40)
+    torch.testing.assert_close(grouped, loop, atol=1e-5, rtol=1e-5)
+    assert moe.experts.uses_grouped_mm(x) is False   # on the CPU, auto keeps the loop (faster there)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_in_bf16_the_grouped_gemms_run_and_agree_with_the_loop():
+    moe = layer("gemma", "gelu_tanh", "cuda", torch.bfloat16)
+    x = torch.randn(1, 256, 64, device="cuda", dtype=torch.bfloat16)
+    assert moe.experts.uses_grouped_mm(x)
+    loop, grouped = both_paths(moe, x)
+    torch.testing.assert_close(grouped.float(), loop.float(), atol=2e-2, rtol=2e-2)
