@@ -9,8 +9,11 @@ from dataclasses import dataclass, field, asdict
 
 from studio.errors import BadInput
 
-SUPPORTED_ARCHS = {"llama", "qwen2", "qwen3"}
-ATTENTIONS = ("causal", "bidirectional", "block")   # the attention a model was trained with (block: block-causal)
+SUPPORTED_ARCHS = {"llama", "qwen2", "qwen3", "gemma4"}   # gemma4: studio.engine.gemma (DiffusionGemma's backbone)
+# the attention a model was trained with. block: block-causal; canvas: a causal encoder pass commits the prompt and
+# each finished canvas, a bidirectional decoder pass over the canvas reads them (DiffusionGemma)
+ATTENTIONS = ("causal", "bidirectional", "block", "canvas")
+LAYER_TYPES = ("full", "sliding")
 # HF `architectures[0]` / `model_type` -> our family name.
 _HF_FAMILY = {
     "LlamaForCausalLM": "llama", "llama": "llama",
@@ -75,6 +78,17 @@ class ModelConfig:
     moe_shared_ffn_dim: int = 0      # a shared expert beside the routed ones (its width; 0 = none)
     first_dense_layers: int = 0      # an MoE model's first layers keep a dense MLP of ffn_dim
     rotary_dim: int = 0              # RoPE on the first rotary_dim dims of each head (0 = all of head_dim)
+    hidden_act: str = "silu"         # the gated MLPs' and experts' activation: silu (SwiGLU) | gelu_tanh (GeGLU)
+    # Gemma-4 layer geometry (studio.engine.gemma): sliding-window layers use head_dim, n_kv_heads, rope_theta and see
+    # the last sliding_window - 1 keys; full-attention layers have their own head size, K/V heads and RoPE, which
+    # turns only the first full_rotary_fraction of the frequency pairs (Gemma's "proportional" RoPE)
+    layer_types: list[str] = field(default_factory=list)   # per layer "full" | "sliding"; empty = every layer full
+    sliding_window: int = 0
+    full_head_dim: int = 0
+    full_kv_heads: int = 0
+    full_rope_theta: float = 0.0
+    full_rotary_fraction: float = 1.0
+    logit_softcap: float = 0.0       # logits = cap * tanh(logits / cap) (0 = none)
     family: str = ""                 # the checkpoint family when it is not `arch`'s own layout (llada, ...)
     name: str = ""
 
@@ -83,8 +97,12 @@ class ModelConfig:
             raise BadInput(f"unsupported architecture {self.arch!r} (supported: {', '.join(sorted(SUPPORTED_ARCHS))})")
         if self.attention not in ATTENTIONS:
             raise BadInput(f"unsupported attention {self.attention!r} (supported: {', '.join(ATTENTIONS)})")
-        if self.moe_router not in ("softmax", "sigmoid"):
-            raise BadInput(f"unsupported MoE router {self.moe_router!r} (supported: softmax, sigmoid)")
+        if self.moe_router not in ("softmax", "sigmoid", "gemma"):
+            raise BadInput(f"unsupported MoE router {self.moe_router!r} (supported: softmax, sigmoid, gemma)")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise BadInput(f"unsupported activation {self.hidden_act!r} (supported: silu, gelu_tanh)")
+        if self.layer_types and (len(self.layer_types) != self.n_layers or set(self.layer_types) - set(LAYER_TYPES)):
+            raise BadInput(f"layer_types must name {self.n_layers} layers, each one of {', '.join(LAYER_TYPES)}")
         if not 0 <= self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
             raise BadInput(f"rotary_dim must be an even number of dims within head_dim {self.head_dim}, got {self.rotary_dim}")
         if self.n_experts and not 0 < self.n_experts_per_tok <= self.n_experts:
@@ -94,6 +112,15 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding"
+
+    def kv_geometry(self, layer: int) -> tuple[int, int]:
+        """(K/V heads, head size) of `layer`'s attention: Gemma's full-attention layers have their own."""
+        if self.layer_types and not self.is_sliding(layer) and self.full_head_dim:
+            return self.full_kv_heads or self.n_kv_heads, self.full_head_dim
+        return self.n_kv_heads, self.head_dim
 
     @classmethod
     def from_hf(cls, cfg: dict, name: str = "") -> "ModelConfig":

@@ -12,7 +12,7 @@ import torch
 from studio.engine.config import ModelConfig
 from studio.engine.device import resolve_device, resolve_dtype
 from studio.engine.graphs import CachePool
-from studio.engine.model import Transformer
+from studio.engine.model import Transformer, model_class
 from studio.engine.random_models import build_random, is_random, random_config
 from studio.engine.tokenizer import ByteIdTokenizer
 from studio.engine.weights import load_model_files
@@ -34,9 +34,10 @@ def _init_torch() -> None:
 def to_device(model: Transformer, device: torch.device, dtype: torch.dtype) -> None:
     """Move and cast the weights in place. The RoPE frequencies stay fp32: rounded to bf16 they would
     shift every position's angle."""
-    inv_freq = model.inv_freq
+    tables = model.rotary_buffers(model.config)
     model.to(device=device, dtype=dtype)
-    model.inv_freq = inv_freq.to(device)
+    for name, table in tables.items():
+        setattr(model, name, table.to(device))
 
 
 @dataclass
@@ -99,7 +100,7 @@ class Engine:
         cfg = files.config
         if preset:
             cfg = dataclasses.replace(cfg, **preset.overrides)
-        model = Transformer(cfg)
+        model = model_class(cfg)(cfg)
         missing, unexpected = model.load_state_dict(files.state_dict, strict=False)
         missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_embeddings)]
         if missing or unexpected:

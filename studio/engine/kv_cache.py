@@ -100,3 +100,47 @@ class SlotView:
             keys.scatter_(2, at, k)
             values.scatter_(2, at, v)
         return keys[:, :, :self.n_visible], values[:, :, :self.n_visible]
+
+
+class LayeredKVCache:
+    """Layers whose K/V differ in shape (Gemma's sliding layers: 8 heads of 256; its full layers: 2 of 512): one
+    KVCache per geometry, whose lengths move together -- the same begin/write/commit/keep/rollback as a KVCache."""
+
+    def __init__(self, geometry: list[tuple[int, int]], max_len: int, dtype=torch.float32, device="cpu",
+                 batch: int = 1):
+        kinds = sorted(set(geometry))
+        self.at = [(kinds.index(g), geometry[:i].count(g)) for i, g in enumerate(geometry)]   # layer -> (group, index)
+        self.groups = [KVCache(geometry.count(g), g[0], g[1], max_len, dtype, device, batch) for g in kinds]
+        self.geometry = geometry
+        self.runner = None
+
+    max_len = property(lambda self: self.groups[0].max_len)
+    length = property(lambda self: self.groups[0].length)
+    written = property(lambda self: self.groups[0].written)
+
+    def grown(self, max_len: int) -> "LayeredKVCache":
+        new = LayeredKVCache.__new__(LayeredKVCache)
+        new.at, new.geometry, new.runner = self.at, self.geometry, None
+        new.groups = [g.grown(max_len) for g in self.groups]
+        return new
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        group, index = self.at[layer]
+        return self.groups[group].write(index, k, v)
+
+    def _all(self, op: str, *args):
+        return [getattr(g, op)(*args) for g in self.groups][0]
+
+    def select_batch(self, rows): self._all("select_batch", rows)
+    def begin(self, n_new): self._all("begin", n_new)
+    def commit(self, n): return self._all("commit", n)
+    def keep(self, rows): return self._all("keep", rows)
+    def rollback(self, to_len): return self._all("rollback", to_len)
+
+
+def new_cache(geometry: list[tuple[int, int]], max_len: int, dtype=torch.float32, device="cpu",
+              batch: int = 1) -> KVCache | LayeredKVCache:
+    """The cache for layers of (K/V heads, head size) `geometry`: one KVCache when every layer has the same."""
+    if len(set(geometry)) == 1:
+        return KVCache(len(geometry), *geometry[0], max_len, dtype=dtype, device=device, batch=batch)
+    return LayeredKVCache(geometry, max_len, dtype, device, batch)

@@ -5,7 +5,7 @@ every mask plugs straight into `Transformer.forward(tokens, positions, kv, mask=
 `kv.length == n_past`. Layouts whose RoPE positions are not simply `pos0 + arange(T_new)` (the 2L
 verifier, SimSD) also return those position ids; `pos0` defaults to n_past (slot index = position).
 
-Builders: `causal`, `bidirectional` (LLaDA / Dream over a canvas), `block_causal` (SDAR / Fast-dLLM v2 drafting and commit), `partially_causal_draft`
+Builders: `causal` (optionally sliding-window), `bidirectional` (LLaDA / Dream / DiffusionGemma over a canvas), `block_causal` (SDAR / Fast-dLLM v2 drafting and commit), `partially_causal_draft`
 (S2D2 Eq. 4), `s2d2_verifier` (S2D2 Eq. 3, the "2L trick"), `simsd_temporal` (SimSD §3.1).
 """
 from __future__ import annotations
@@ -23,16 +23,23 @@ def _with_past(new: torch.Tensor, n_past: int, past_rows: torch.Tensor | None = 
     return torch.cat([past, new], dim=1)
 
 
-def causal(n_new: int, n_past: int, device="cpu") -> torch.Tensor:
-    """Row i sees all committed slots and new rows 0..i (plain causal attention)."""
+def causal(n_new: int, n_past: int, device="cpu", window: int = 0) -> torch.Tensor:
+    """Row i sees all committed slots and new rows 0..i (plain causal attention); with a `window`, only the last
+    `window` slots up to itself (a sliding-window layer: slot > own slot - window)."""
     cols = torch.arange(n_past + n_new, device=device)
     rows = torch.arange(n_new, device=device) + n_past
-    return cols[None, :] <= rows[:, None]
+    mask = cols[None, :] <= rows[:, None]
+    return mask & (cols[None, :] > rows[:, None] - window) if window else mask
 
 
-def bidirectional(n_new: int, n_past: int, device="cpu") -> torch.Tensor:
-    """Every row sees every committed slot and every new row (a bidirectional model's canvas forward)."""
-    return torch.ones(n_new, n_past + n_new, dtype=torch.bool, device=device)
+def bidirectional(n_new: int, n_past: int, device="cpu", window: int = 0) -> torch.Tensor:
+    """Every row sees every committed slot and every new row (a bidirectional model's canvas forward); with a
+    `window`, only the last `window - 1` committed slots (DiffusionGemma's sliding layers over a canvas: every canvas
+    row sees the same recent prefix, what its encoder's sliding cache keeps)."""
+    mask = torch.ones(n_new, n_past + n_new, dtype=torch.bool, device=device)
+    if window:
+        mask[:, :max(0, n_past - (window - 1))] = False
+    return mask
 
 
 def block_causal(n_new: int, n_past: int, block_size: int, offset: int = 0, device="cpu") -> torch.Tensor:

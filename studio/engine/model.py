@@ -1,5 +1,6 @@
 """A compact transformer for the Llama, Qwen2 and Qwen3 blocks (and the checkpoint families mapped onto them,
-studio.engine.families), with a dense or mixture-of-experts feed-forward (studio.engine.moe).
+studio.engine.families), with a dense or mixture-of-experts feed-forward (studio.engine.moe). Its parts also build
+DiffusionGemma's Gemma-4 layers (studio.engine.gemma); `model_class` says which model a config builds.
 
 Parameter names follow Hugging Face Llama/Qwen exactly, so those checkpoints and PEFT adapters load without a
 rename table (other families' names are mapped onto them). The forward takes explicit position ids (RoPE) separately from KV slots, an optional
@@ -15,9 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from studio.engine.config import ModelConfig
-from studio.engine.kv_cache import KVCache
+from studio.engine.kv_cache import KVCache, new_cache
 from studio.engine.masks import causal
-from studio.engine.moe import MoE
+from studio.engine.moe import ACTIVATIONS, MoE
+
+
+def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x), computed in fp32, without a gain."""
+    return F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -96,6 +102,13 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """cos, sin [B, 1, T, rotary dims] for positions [B, T], computed in fp32 and cast to the activations' dtype."""
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -111,46 +124,60 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Multi-head attention over [committed K/V | new rows], grouped-query when `layer` has fewer K/V heads. Gemma's
+    layers ask for three variations: `k_as_v` (no v_proj: V is the raw key projection), `v_norm` (V RMS-normalised
+    without a gain) and `scale` (its softmax scale is 1, not 1/sqrt(head size))."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0, k_as_v: bool = False, v_norm: bool = False,
+                 scale: float | None = None):
         super().__init__()
-        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.attn_bias)
-        self.k_proj = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.attn_bias)
-        self.v_proj = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.attn_bias)
-        self.o_proj = Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.n_heads = cfg.n_heads
+        self.n_kv, self.hd = cfg.kv_geometry(layer)
+        self.q_proj = Linear(cfg.dim, cfg.n_heads * self.hd, bias=cfg.attn_bias)
+        self.k_proj = Linear(cfg.dim, self.n_kv * self.hd, bias=cfg.attn_bias)
+        self.v_proj = None if k_as_v else Linear(cfg.dim, self.n_kv * self.hd, bias=cfg.attn_bias)
+        self.o_proj = Linear(cfg.n_heads * self.hd, cfg.dim, bias=False)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+            self.q_norm = RMSNorm(self.hd, cfg.rms_eps)
+            self.k_norm = RMSNorm(self.hd, cfg.rms_eps)
+        self.v_eps = cfg.rms_eps if v_norm else None
+        self.scale = scale
 
     def forward(self, x, cos, sin, kv: KVCache, layer: int, mask, gate):
         B, T, _ = x.shape
         q = self.q_proj(x, gate).view(B, T, self.n_heads, self.hd)
         k = self.k_proj(x, gate).view(B, T, self.n_kv, self.hd)
-        v = self.v_proj(x, gate).view(B, T, self.n_kv, self.hd)
+        v = k if self.v_proj is None else self.v_proj(x, gate).view(B, T, self.n_kv, self.hd)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.v_eps is not None:
+            v = rms_norm(v, self.v_eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         keys, values = kv.write(layer, k, v)
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
+                                           enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1), gate)
 
 
 class MLP(nn.Module):
+    """The gated feed-forward: SwiGLU, or GeGLU where the config says gelu_tanh (Gemma)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.up_proj = Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.down_proj = Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.act = ACTIVATIONS[cfg.hidden_act]
 
-    def forward(self, x, gate):
-        return self.down_proj(F.silu(self.gate_proj(x, gate)) * self.up_proj(x, gate), gate)
+    def forward(self, x, gate=None):
+        return self.down_proj(self.act(self.gate_proj(x, gate)) * self.up_proj(x, gate), gate)
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.mlp = MoE(cfg) if cfg.n_experts and layer >= cfg.first_dense_layers else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.dim, cfg.rms_eps)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.rms_eps)
@@ -171,6 +198,8 @@ class Backbone(nn.Module):
 
 
 class Transformer(nn.Module):
+    block = Block   # what one layer builds (studio.engine.weights checks shapes layer by layer)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -178,13 +207,17 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        for name, table in self.rotary_buffers(cfg).items():
+            self.register_buffer(name, table, persistent=False)
+
+    @staticmethod
+    def rotary_buffers(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+        return {"inv_freq": rope_inv_freq(cfg)}
 
     def new_cache(self, max_len: int | None = None, batch: int = 1) -> KVCache:
-        cfg = self.config
-        p = self.lm_head.weight
-        return KVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_len or cfg.max_seq_len,
-                       dtype=p.dtype, device=p.device, batch=batch)
+        cfg, p = self.config, self.lm_head.weight
+        return new_cache([cfg.kv_geometry(i) for i in range(cfg.n_layers)], max_len or cfg.max_seq_len,
+                         dtype=p.dtype, device=p.device, batch=batch)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv: KVCache,
                 mask: torch.Tensor | None = None, lora_gate: torch.Tensor | None = None,
@@ -209,20 +242,27 @@ class Transformer(nn.Module):
         """The forward proper, on prepared inputs: tokens, positions [B, T]; `kv` anything whose
         write(layer, k, v) stores the new K/V and returns what to attend over -- the KVCache, or a
         fixed-shape `SlotView` of it (studio.engine.graphs captures this call on one)."""
-        freqs = positions[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
-        cos, sin = emb.cos().to(self.lm_head.weight.dtype), emb.sin().to(self.lm_head.weight.dtype)
-
+        cos, sin = rotary_tables(positions, self.inv_freq, self.lm_head.weight.dtype)
         x = self.model.embed_tokens(tokens)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, kv, i, mask, gate)
         if rows is not None:
             x = x[:, rows]
-        return self.logits(self.model.norm(x))
+        return vocab_logits(self.lm_head.weight, self.model.norm(x))
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The vocab projection as W @ x.T: BLAS streams the [V, D] head once for any row count, where
-        F.linear's small-M GEMM is ~3x slower at 7 rows on CPU (the head is a fifth of the model)."""
-        flat = x.reshape(-1, x.shape[-1])
-        out = torch.mm(self.lm_head.weight, flat.t()).t()
-        return out.reshape(*x.shape[:-1], -1).float().contiguous()
+
+def vocab_logits(head: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """float logits of x [..., D] through the head [V, D], as W @ x.T: BLAS streams the head once for any row count,
+    where F.linear's small-M GEMM is ~3x slower at 7 rows on CPU (the head is a fifth of a small model)."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.mm(head, flat.t()).t()
+    return out.reshape(*x.shape[:-1], -1).float().contiguous()
+
+
+def model_class(cfg: ModelConfig) -> type[nn.Module]:
+    """The module a config builds: the compact Transformer, or DiffusionGemma's encoder/decoder (studio.engine.gemma),
+    which share its parts and its forward's contract."""
+    if cfg.arch == "gemma4":
+        from studio.engine.gemma import DiffusionGemma
+        return DiffusionGemma
+    return Transformer

@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from studio.engine.config import ModelConfig
-from studio.engine.model import Transformer, rope_inv_freq
+from studio.engine.model import Transformer, model_class
 from studio.errors import BadInput
 
 PREFIX = "random:"
@@ -56,6 +56,20 @@ SHAPES: dict[str, dict] = {
                  "intermediate_size": 18944, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
                  "tie_word_embeddings": False, "max_position_embeddings": 32768, "mask_token_id": 151666},
 }
+# google/diffusiongemma-26B-A4B-it's text model (studio.engine.families.diffusion_gemma; the vision tower has no
+# part in a text step): the sizes its config.json carries, as copies of it and its GGUF metadata agree
+SHAPES["diffusiongemma-26b-a4b"] = {
+    "architectures": ["DiffusionGemmaForBlockDiffusion"], "model_type": "diffusion_gemma", "canvas_length": 256,
+    "eos_token_id": [1, 106, 50],
+    "text_config": {"model_type": "diffusion_gemma_text", "vocab_size": 262144, "hidden_size": 2816,
+                    "intermediate_size": 2112, "num_hidden_layers": 30, "num_attention_heads": 16,
+                    "num_key_value_heads": 8, "head_dim": 256, "global_head_dim": 512,
+                    "num_global_key_value_heads": 2, "sliding_window": 1024, "max_position_embeddings": 262144,
+                    "num_experts": 128, "top_k_experts": 8, "moe_intermediate_size": 704,
+                    "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6, "final_logit_softcapping": 30.0,
+                    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                        "full_attention": {"rope_type": "proportional", "rope_theta": 1000000.0,
+                                                           "partial_rotary_factor": 0.25}}}}
 # inclusionAI/LLaDA2.0-flash (102.9B): LLaDA2.0-mini's config at flash's sizes (dFactory's training configs);
 # random:llada2-flash@L keeps L layers, to fit a machine
 SHAPES["llada2-flash"] = dict(SHAPES["llada2-mini"], hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
@@ -78,17 +92,22 @@ def random_config(spec: str) -> ModelConfig:
     if layers:
         if not layers.isdigit() or not 1 <= int(layers) <= cfg.n_layers:
             raise BadInput(f"{spec}: the layer count after @ must be 1..{cfg.n_layers}, got {layers!r}")
-        cfg = dataclasses.replace(cfg, n_layers=int(layers))
+        # a model of sliding and full layers keeps its last one full, as DiffusionGemma's own config does
+        kinds = cfg.layer_types[:int(layers) - 1] + ["full"] if cfg.layer_types else []
+        cfg = dataclasses.replace(cfg, n_layers=int(layers), layer_types=kinds)
     mask = cfg.mask_token_id if cfg.mask_token_id is not None else cfg.vocab_size - 1
+    if cfg.attention == "canvas":   # DiffusionGemma has no MASK: its canvas starts as noise
+        mask = None
     return dataclasses.replace(cfg, eos_ids=[], bos_id=None, mask_token_id=mask)
 
 
 def build_random(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Transformer:
     """A Transformer of shape `cfg` with N(0, INIT_STD) matrices, unit norm gains and zero biases."""
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = model_class(cfg)(cfg)
     model = model.to(dtype).to_empty(device=device)
-    model.inv_freq = rope_inv_freq(cfg).to(device)   # a computed buffer, fp32 as on a loaded model
+    for name, table in model.rotary_buffers(cfg).items():   # computed, fp32 as on a loaded model
+        setattr(model, name, table.to(device))
     if cfg.tie_embeddings:   # to_empty gives shared parameters separate storage
         model.lm_head.weight = model.model.embed_tokens.weight
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -100,4 +119,7 @@ def build_random(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, see
                 p.zero_()
             else:
                 p.fill_(1.0)
+        for name, b in model.named_buffers():   # the layers' own (Gemma's layer scalars)
+            if "." in name:
+                b.fill_(1.0)
     return model.eval().requires_grad_(False)

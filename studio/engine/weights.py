@@ -36,6 +36,7 @@ import torch
 
 from studio.engine.config import ModelConfig
 from studio.engine.families import family_of
+from studio.engine.model import model_class
 from studio.engine.model_cache import cache_dir
 from studio.engine.tokenizer import Tokenizer
 from studio.errors import BadInput
@@ -425,35 +426,18 @@ def read_gguf(path: str | Path, progress: Progress | None = None) -> tuple[Model
 
 
 def _expected_shapes(cfg: ModelConfig):
-    """(name, shape) of every weight `cfg` implies, lazily: a damaged n_layers of 2**60 fails at the first
-    missing layer instead of building 2**60 entries."""
-    yield "model.embed_tokens.weight", (cfg.vocab_size, cfg.dim)
-    yield "model.norm.weight", (cfg.dim,)
-    if not cfg.tie_embeddings:
-        yield "lm_head.weight", (cfg.vocab_size, cfg.dim)
-    for i in range(cfg.n_layers):
-        p = f"model.layers.{i}."
-        yield from {
-            p + "self_attn.q_proj.weight": (cfg.n_heads * cfg.head_dim, cfg.dim),
-            p + "self_attn.k_proj.weight": (cfg.n_kv_heads * cfg.head_dim, cfg.dim),
-            p + "self_attn.v_proj.weight": (cfg.n_kv_heads * cfg.head_dim, cfg.dim),
-            p + "self_attn.o_proj.weight": (cfg.dim, cfg.n_heads * cfg.head_dim),
-            p + "input_layernorm.weight": (cfg.dim,),
-            p + "post_attention_layernorm.weight": (cfg.dim,),
-        }.items()
-        if cfg.n_experts and i >= cfg.first_dense_layers:
-            E, I, S = cfg.n_experts, cfg.moe_ffn_dim, cfg.moe_shared_ffn_dim
-            yield from {p + "mlp.gate.weight": (E, cfg.dim), p + "mlp.experts.gate_proj": (E, I, cfg.dim),
-                        p + "mlp.experts.up_proj": (E, I, cfg.dim), p + "mlp.experts.down_proj": (E, cfg.dim, I)}.items()
-            if cfg.moe_expert_bias:
-                yield p + "mlp.gate.expert_bias", (E,)
-            if S:
-                yield from {p + "mlp.shared_experts.gate_proj.weight": (S, cfg.dim),
-                            p + "mlp.shared_experts.up_proj.weight": (S, cfg.dim),
-                            p + "mlp.shared_experts.down_proj.weight": (cfg.dim, S)}.items()
-        else:
-            yield from {p + "mlp.gate_proj.weight": (cfg.ffn_dim, cfg.dim), p + "mlp.up_proj.weight": (cfg.ffn_dim, cfg.dim),
-                        p + "mlp.down_proj.weight": (cfg.dim, cfg.ffn_dim)}.items()
+    """(name, shape) of every weight `cfg` implies, read off the model built on the meta device (no memory), one
+    layer at a time and lazily: a damaged n_layers of 2**60 fails at the first missing layer instead of building
+    2**60 of them."""
+    cls = model_class(cfg)
+    with torch.device("meta"):
+        top = cls(replace(cfg, n_layers=0, layer_types=[]))
+        for name, t in top.state_dict().items():
+            if not (name == "lm_head.weight" and cfg.tie_embeddings):
+                yield name, tuple(t.shape)
+        for i in range(cfg.n_layers):
+            for name, t in cls.block(cfg, i).state_dict().items():
+                yield f"model.layers.{i}.{name}", tuple(t.shape)
 
 
 def _check_shapes(cfg: ModelConfig, sd: dict[str, torch.Tensor], where: str) -> None:

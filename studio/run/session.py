@@ -94,6 +94,9 @@ def kv_length_needed(engine: Engine, strategy: Strategy, settings: Settings, pro
     cfg = engine.config
     if not prompt_ids:
         raise BadInput("the prompt is empty")
+    if cfg.attention == "canvas":
+        raise BadInput(f"{engine.name!r} is a DiffusionGemma model: it denoises whole canvases with its own encoder/"
+                       "decoder loop, which no strategy here runs yet (`models info` and `bench --forwards` work on it)")
     if strategy.needs_mask and cfg.mask_token_id is None:
         raise BadInput(f"strategy {strategy.name!r} needs a MASK token and model {engine.name!r} has "
                        "none: give an adapter that adds one or a model preset with mask_token_id")

@@ -1,0 +1,175 @@
+"""DiffusionGemma read natively: a tiny random instance saved by transformers' own DiffusionGemmaForBlockDiffusion
+(its key layout and config.json), loaded by the engine, against that class's encoder and canvas passes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from studio.engine.engine import Engine
+from studio.engine.random_models import SHAPES, random_config
+from studio.engine.strategies import STRATEGIES, make_strategy
+from studio.engine.weights import load_hf_dir
+from studio.errors import BadInput
+from studio.run.session import Settings, kv_length_needed
+from tests.support.hf_files import tiny_tokenizer_files
+
+tf = pytest.importorskip("transformers")
+
+TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+            top_k_experts=2, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            global_head_dim=32, num_global_key_value_heads=1, sliding_window=8, max_position_embeddings=512,
+            use_bidirectional_attention="vision")   # 5 sliding layers, then a full one
+VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+              head_dim=8, position_embedding_size=64, patch_size=4, pooling_kernel_size=1)
+CANVAS = 6
+
+
+def oracle(seed=0):
+    """transformers' DiffusionGemma, every gain, scale and layer scalar away from 1 (a `1 + w` or a missing scalar
+    shows), matrices scaled up so the logits reach into the soft cap; one scalar set per pass."""
+    torch.manual_seed(seed)
+    cfg = tf.DiffusionGemmaConfig(text_config=TEXT, vision_config=VISION, canvas_length=CANVAS)
+    cfg._attn_implementation = cfg.text_config._attn_implementation = "sdpa"
+    model = tf.DiffusionGemmaForBlockDiffusion(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if p.dim() == 1 else p * (10 if "embed_tokens" in name else 2))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(0.5 + torch.rand_like(b))
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("diffusiongemma")
+    model = oracle()
+    model.save_pretrained(path)
+    tiny_tokenizer_files(path)
+    return path, model
+
+
+def ours(path):
+    cfg, sd, _ = load_hf_dir(path)
+    from studio.engine.gemma import DiffusionGemma
+    model = DiffusionGemma(cfg).eval()
+    model.load_state_dict(sd, strict=False)   # the head is the embedding
+    return model
+
+
+def positions(start, n, batch=2):
+    return torch.arange(start, start + n).repeat(batch, 1)
+
+
+@pytest.mark.parametrize("prompt_len", [5, 19])   # inside the sliding window of 8, and far past it
+def test_the_encoder_and_canvas_passes_match_transformers(checkpoint, prompt_len):
+    path, hf = checkpoint
+    model = ours(path)
+    g = torch.Generator().manual_seed(prompt_len)
+    prompt, canvas, canvas2 = (torch.randint(0, 128, (2, n), generator=g) for n in (prompt_len, CANVAS, CANVAS))
+    with torch.no_grad():
+        cache = tf.DynamicCache(config=hf.config.text_config)
+        want_hidden = hf.model.encoder(input_ids=prompt, past_key_values=cache).last_hidden_state
+        want = hf(past_key_values=cache, decoder_input_ids=canvas).logits
+        conditioned = want / 0.7   # the previous step's temperature-scaled logits
+        want_sc = hf(past_key_values=cache, decoder_input_ids=canvas, self_conditioning_logits=conditioned).logits
+        hf.model.encoder(input_ids=canvas, past_key_values=cache)   # commit the canvas, then the next one
+        want_next = hf(past_key_values=cache, decoder_input_ids=canvas2).logits
+
+        kv = model.new_cache(64, batch=2)
+        hidden = model.encode(prompt, positions(0, prompt_len), kv)
+        kv.commit(prompt_len)
+        got = model(canvas, positions(prompt_len, CANVAS), kv)
+        got_sc = model(canvas, positions(prompt_len, CANVAS), kv, self_conditioning=conditioned)
+        assert kv.length == prompt_len   # the decoder pass only reads the cache
+        model.encode(canvas, positions(prompt_len, CANVAS), kv)
+        kv.commit(CANVAS)
+        got_next = model(canvas2, positions(prompt_len + CANVAS, CANVAS), kv)
+    assert want.abs().max() > 5   # far enough into the soft cap of 30 that a missing cap would show
+    for mine, theirs in ((hidden, want_hidden), (got, want), (got_sc, want_sc), (got_next, want_next)):
+        assert (mine - theirs).abs().max().item() <= 1e-4
+    assert (got_sc - got).abs().max() > 1e-2   # the self-conditioning signal matters
+
+
+def test_a_prompt_encoded_in_pieces_gives_the_cache_of_one_pass_and_a_canvas_reads_it_unchanged(checkpoint):
+    """Causal prefix reuse (across the sliding window too): K/V committed piece by piece are those of one encoder
+    pass, so a canvas over them gets the same logits; and the decoder never changes what it reads."""
+    model = ours(checkpoint[0])
+    g = torch.Generator().manual_seed(1)
+    prompt, canvas = torch.randint(0, 128, (2, 19), generator=g), torch.randint(0, 128, (2, CANVAS), generator=g)
+    with torch.no_grad():
+        whole = model.new_cache(64, batch=2)
+        model.encode(prompt, positions(0, 19), whole)
+        whole.commit(19)
+        pieces = model.new_cache(64, batch=2)
+        for start, end in ((0, 3), (3, 12), (12, 19)):
+            model.encode(prompt[:, start:end], positions(start, end - start), pieces)
+            pieces.commit(end - start)
+        first = model(canvas, positions(19, CANVAS), whole)
+        again = model(canvas, positions(19, CANVAS), whole)
+        from_pieces = model(canvas, positions(19, CANVAS), pieces)
+    assert torch.equal(first, again)
+    assert (from_pieces - first).abs().max().item() <= 1e-4   # fp32 rounding of other GEMM shapes only
+
+
+def test_the_text_model_loads_without_the_vision_tower_and_every_strategy_refuses_in_one_line(checkpoint, tmp_path):
+    path, _ = checkpoint
+    sd = load_file(path / "model.safetensors")
+    assert any(k.startswith("model.encoder.vision_tower.") for k in sd)   # transformers saved one; it is skipped
+    engine = Engine.load(str(path), device="cpu")
+    cfg = engine.config
+    assert (cfg.family, cfg.attention, cfg.logit_shift, cfg.mask_token_id, cfg.block_size) == \
+        ("diffusion_gemma", "canvas", False, None, CANVAS)
+    assert cfg.layer_types == ["sliding"] * 5 + ["full"] and cfg.kv_geometry(5) == (1, 32)
+    for name in STRATEGIES:
+        with pytest.raises(BadInput, match="DiffusionGemma model: it denoises whole canvases") as e:
+            kv_length_needed(engine, make_strategy(name), Settings(max_new_tokens=4), [3, 4, 5])
+        assert "\n" not in str(e.value)
+    # an unknown tensor, and a variant the engine does not run: one line each
+    save_file({**sd, "model.decoder.layers.0.mystery.weight": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    tiny_tokenizer_files(tmp_path)
+    with pytest.raises(BadInput, match="unexpected tensor 'model.layers.0.mystery.weight'"):
+        Engine.load(str(tmp_path), device="cpu")
+    raw = json.loads((path / "config.json").read_text())
+    raw["text_config"]["use_bidirectional_attention"] = "all"
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(BadInput, match="use_bidirectional_attention 'all'"):
+        load_hf_dir(tmp_path)
+
+
+def test_models_info_shows_the_layer_kinds_the_experts_and_the_canvas(checkpoint):
+    from typer.testing import CliRunner
+
+    from studio.cli import app
+    out = CliRunner().invoke(app, ["models", "info", str(checkpoint[0])])
+    assert out.exit_code == 0, out.output
+    lines = {line.split(":", 1)[0]: line.split(":", 1)[1].strip() for line in out.stdout.splitlines() if ":" in line}
+    assert lines["family"] == "diffusion_gemma (gemma4 block)" and lines["attention"].startswith("canvas")
+    assert lines["layer kinds"].startswith("5 sliding-window (window 8), 1 full (heads 4/1, head_dim 32")
+    assert lines["experts"].startswith("8 x ffn 32, top 2 (gemma router)")
+    assert lines["mask token"].startswith("None (none: a canvas starts as uniform noise)")
+    assert lines["block size"] == "6 (the canvas length)" and lines["logit softcap"] == "30"
+
+
+def test_the_random_shape_is_transformers_text_model_at_the_published_sizes():
+    """random:diffusiongemma-26b-a4b counts as many parameters as transformers' own class built from the same
+    config.json (its text part: the vision tower has no part in a text step) -- 25.25B."""
+    raw = SHAPES["diffusiongemma-26b-a4b"]
+    with torch.device("meta"):
+        theirs = tf.DiffusionGemmaForBlockDiffusion(tf.DiffusionGemmaConfig(
+            text_config={k: v for k, v in raw["text_config"].items() if k != "model_type"}, vision_config=VISION))
+        from studio.engine.gemma import DiffusionGemma
+        mine = DiffusionGemma(random_config("random:diffusiongemma-26b-a4b"))
+    count = lambda m: sum(p.numel() for n, p in m.named_parameters() if "vision" not in n)   # noqa: E731 (tied once)
+    assert count(mine) == count(theirs) and 25.2e9 < count(mine) < 25.3e9
+    cut = random_config("random:diffusiongemma-26b-a4b@2")
+    assert cut.layer_types == ["sliding", "full"] and cut.mask_token_id is None   # @L keeps a full layer last
+    from studio.engine.config import ModelConfig
+    from studio.presets import load_model_preset
+    preset, published = load_model_preset("diffusiongemma-26b-a4b-it"), ModelConfig.from_hf(raw)
+    assert preset.overrides == {"block_size": published.block_size, "logit_shift": published.logit_shift}
+    assert (preset.strategy, preset.max_new_tokens, published.block_size) == (None, 256, 256)
