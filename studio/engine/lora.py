@@ -50,6 +50,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
+from studio.engine.config import ModelConfig
 from studio.engine.model import Linear
 from studio.engine.weights import _load_safetensors, _one_line, _short
 from studio.errors import BadInput
@@ -86,9 +87,9 @@ class Adapter:
 # ---------------------------------------------------------------------------------------------
 # reading
 # ---------------------------------------------------------------------------------------------
-def read_adapter(path: str | Path, family: str = "") -> Adapter:
-    """Read and validate an adapter directory (or its adapter_model.safetensors) on its own. `family`: the base
-    model's checkpoint family (`ModelConfig.family`), whose module names an adapter trained on it uses
+def read_adapter(path: str | Path, base: ModelConfig | None = None) -> Adapter:
+    """Read and validate an adapter directory (or its adapter_model.safetensors) on its own. `base`: the config of
+    the model it is for, whose checkpoint family's module names an adapter trained on it uses
     (`studio.engine.families`): they are renamed onto the compact model's."""
     root = Path(path)
     if root.is_file():
@@ -105,9 +106,9 @@ def read_adapter(path: str | Path, family: str = "") -> Adapter:
         raise BadInput(f"{root} has no {WEIGHTS_FILE}")
     tensors = {k.removeprefix(_PREFIX): v for k, v in _load_safetensors(weights).items()}
     targets = cfg.get("target_modules")
-    if family:
+    if base is not None and base.family:
         from studio.engine.families import adapter_names
-        tensors, targets = adapter_names(family, tensors, targets)
+        tensors, targets = adapter_names(base, tensors, targets)
     lora, extra = _split_lora(tensors, r)
     _check_targets(targets, lora)
     mask_id = cfg.get("mask_token_id")
@@ -253,7 +254,7 @@ class LoadedAdapter:
 
 def load_adapter(model: nn.Module, path: str | Path) -> LoadedAdapter:
     """Read `path` and check it against `model` (BadInput, and the model untouched, when it does not fit)."""
-    adapter = read_adapter(path, getattr(model.config, "family", ""))
+    adapter = read_adapter(path, model.config)
     modules = _fitting_modules(model, adapter)
     rows = _new_embedding_rows(model, adapter)
     w = model.lm_head.weight

@@ -501,6 +501,34 @@ def test_a_peft_adapter_trained_on_llada_loads_under_its_module_names(tmp_path):
     assert (got - want).abs().max().item() <= 1e-4
 
 
+def test_a_peft_adapter_on_llada2s_fused_qkv_attaches_as_q_k_v_loras(tmp_path):
+    """LLaDA2's LoRA on `attention.query_key_value` (one A, B over the fused q|k|v rows), on `attention.dense` and on
+    the dense layer's MLP: the adapted forward equals the reference forward of the merged weights W + scale·B·A."""
+    from studio.engine.masks import block_causal
+    sd = llada2_checkpoint(tmp_path / "l2")
+    g = torch.Generator().manual_seed(5)
+    r, alpha, targets = 2, 4, ["query_key_value", "dense", "gate_proj"]
+    lora, merged = {}, dict(sd)
+    for key, w in sd.items():
+        if key.endswith(("query_key_value.weight", "dense.weight")) or key == "model.layers.0.mlp.gate_proj.weight":
+            A, B = torch.randn(r, w.shape[1], generator=g) * 0.2, torch.randn(w.shape[0], r, generator=g) * 0.2
+            lora[f"base_model.model.{key.removesuffix('.weight')}.lora_A.weight"] = A
+            lora[f"base_model.model.{key.removesuffix('.weight')}.lora_B.weight"] = B
+            merged[key] = w + alpha / r * B @ A
+    (tmp_path / "ad").mkdir()
+    (tmp_path / "ad" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": alpha,
+                                                                     "target_modules": targets}))
+    save_file(lora, str(tmp_path / "ad" / "adapter_model.safetensors"))
+    engine = Engine.load(str(tmp_path / "l2"), adapter=str(tmp_path / "ad"), device="cpu")
+    T = len(LLADA2_IDS)
+    with torch.inference_mode():
+        got = engine.model(torch.tensor(LLADA2_IDS), torch.arange(T), engine.model.new_cache(64),
+                           mask=block_causal(T, 0, 4), lora_gate=torch.ones(T, dtype=torch.bool))[0]
+    want = llada2_reference(merged, LLADA2_IDS, block=4)
+    assert (got - want).abs().max().item() <= 1e-4
+    assert (got - llada2_reference(sd, LLADA2_IDS, block=4)).abs().max().item() > 1e-2   # the adapter matters
+
+
 def test_forward_events_of_an_moe_model_say_how_many_experts_each_layer_ran(tmp_path):
     from studio.engine.sampling import SamplingParams
     from studio.engine.strategies.base import DecodeContext, Output

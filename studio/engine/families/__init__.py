@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from studio.engine.families import dream, llada, llada2, llada_moe
+from studio.engine.families import diffusion_gemma, dream, llada, llada2, llada_moe
 
-FAMILIES: tuple[ModuleType, ...] = (llada, llada_moe, llada2, dream)
+FAMILIES: tuple[ModuleType, ...] = (llada, llada_moe, llada2, dream, diffusion_gemma)
 
 
 def family_of(raw: dict) -> ModuleType | None:
@@ -20,9 +20,9 @@ def family_of(raw: dict) -> ModuleType | None:
     return next((f for f in FAMILIES if f.matches(raw)), None)
 
 
-def adapter_names(family: str, tensors: dict, targets):
-    """A PEFT adapter trained on a `family` model, its tensor keys and target_modules renamed onto the compact model's
-    (unchanged for a family that keeps Hugging Face names)."""
-    module = next((f for f in FAMILIES if f.NAME == family), None)
+def adapter_names(base, tensors: dict, targets):
+    """A PEFT adapter trained on a model of config `base` (its family's module names), its tensor keys and
+    target_modules renamed onto the compact model's (unchanged for a family that keeps Hugging Face names)."""
+    module = next((f for f in FAMILIES if f.NAME == base.family), None)
     rename = getattr(module, "adapter_names", None)
-    return rename(tensors, targets) if rename else (tensors, targets)
+    return rename(tensors, targets, base) if rename else (tensors, targets)

@@ -82,7 +82,7 @@ def state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch
 _LORA_KEY = re.compile(r"^model\.transformer\.blocks\.(\d+)\.([a-z_]+)\.(lora_[AB]\.weight)$")
 
 
-def adapter_names(tensors: dict[str, torch.Tensor], targets):
+def adapter_names(tensors: dict[str, torch.Tensor], targets, cfg: ModelConfig):
     """A PEFT adapter trained on LLaDA (its LoRA on `model.transformer.blocks.{i}.attn_out`, target_modules
     `attn_out`, `ff_proj`, ...): keys and targets renamed onto the compact model's; other keys pass through."""
     out = {}

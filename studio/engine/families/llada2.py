@@ -98,3 +98,33 @@ def _split_qkv(prefix: str, w: torch.Tensor, cfg: ModelConfig) -> dict[str, torc
     if w.shape[0] != q + 2 * kv:
         raise BadInput(f"{prefix}query_key_value has {w.shape[0]} rows, the config implies {q + 2 * kv}")
     return {prefix + "q_proj.weight": w[:q], prefix + "k_proj.weight": w[q:q + kv], prefix + "v_proj.weight": w[q + kv:]}
+
+
+_LORA_KEY = re.compile(r"^model\.layers\.(\d+)\.attention\.(query_key_value|dense)\.(lora_[AB])\.weight$")
+
+
+def adapter_names(tensors: dict[str, torch.Tensor], targets, cfg: ModelConfig):
+    """A PEFT adapter trained on LLaDA2 (LoRA on `attention.query_key_value`, `attention.dense`, the dense and shared
+    MLPs): the fused QKV's LoRA becomes q/k/v LoRAs -- the same A, B's rows split by heads as the weight is, which is
+    exact (B·A·x split by rows) -- and `dense` is o_proj; the MLP names are the compact model's already."""
+    out: dict[str, torch.Tensor] = {}
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    for key, tensor in tensors.items():
+        m = _LORA_KEY.match(key)
+        if not m:
+            out[key] = tensor
+            continue
+        prefix, module, part = f"model.layers.{m.group(1)}.self_attn.", m.group(2), m.group(3)
+        if module == "dense":
+            out[f"{prefix}o_proj.{part}.weight"] = tensor
+        elif part == "lora_A":
+            out.update({f"{prefix}{p}_proj.lora_A.weight": tensor for p in "qkv"})
+        elif tensor.shape[0] != q + 2 * kv:
+            raise BadInput(f"adapter tensor {key} has {tensor.shape[0]} rows, the model's fused QKV has {q + 2 * kv}")
+        else:
+            out.update({f"{prefix}q_proj.lora_B.weight": tensor[:q], f"{prefix}k_proj.lora_B.weight": tensor[q:q + kv],
+                        f"{prefix}v_proj.lora_B.weight": tensor[q + kv:]})
+    if isinstance(targets, list):
+        names = {"query_key_value": ["q_proj", "k_proj", "v_proj"], "dense": ["o_proj"]}
+        targets = [n for t in targets for n in names.get(t.rsplit(".", 1)[-1], [t])]
+    return out, targets
