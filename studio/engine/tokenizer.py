@@ -238,7 +238,7 @@ class Tokenizer:
         path = Path(path)
         tj = path / "tokenizer.json"
         if not tj.is_file():
-            raise BadInput(f"no tokenizer.json in {path} (dlm-studio needs a fast-tokenizer file)")
+            raise BadInput(f"no tokenizer.json in {path} (dlm-studio needs a fast-tokenizer file){_why_none(path)}")
         try:
             tok = tokenizers.Tokenizer.from_file(str(tj))
         except Exception as e:  # tokenizers raises a bare Exception on bad files
@@ -381,3 +381,20 @@ class ByteIdTokenizer:
 
     def token_text(self, token_id: int) -> str:
         return f"<{int(token_id)}>"
+
+
+def _why_none(path: Path) -> str:
+    """What a directory without tokenizer.json has instead, as the tail of the one-line error."""
+    tc_path = path / "tokenizer_config.json"
+    try:
+        tc = json.loads(tc_path.read_text(encoding="utf-8")) if tc_path.is_file() else {}
+    except (OSError, ValueError):
+        tc = {}
+    remote = (tc.get("auto_map") or {}).get("AutoTokenizer") if isinstance(tc, dict) else None
+    if remote:
+        code = remote[0] if isinstance(remote, list) else remote
+        return (f": its tokenizer is remote code ({code}), which dlm-studio never runs -- save its fast tokenizer as "
+                "tokenizer.json with transformers yourself, if it has one")
+    if (path / "tokenizer.model").is_file():
+        return ": it has only a SentencePiece tokenizer.model -- convert it to tokenizer.json with transformers first"
+    return ""

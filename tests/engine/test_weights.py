@@ -122,6 +122,20 @@ def test_missing_shard(tmp_path):
     assert "missing shard" in _one_line_bad_input(e)
 
 
+@pytest.mark.parametrize("instead, needle", [
+    ({"tokenizer_config.json": '{"auto_map": {"AutoTokenizer": ["tokenization_x.XTokenizer", null]}}'},
+     "its tokenizer is remote code (tokenization_x.XTokenizer), which dlm-studio never runs"),
+    ({"tokenizer.model": "sentencepiece bytes"}, "only a SentencePiece tokenizer.model")])
+def test_a_model_without_tokenizer_json_says_what_it_has_instead(tmp_path, instead, needle):
+    write_hf_dir(tmp_path / "m")
+    (tmp_path / "m" / "tokenizer.json").unlink()
+    for name, text in instead.items():
+        (tmp_path / "m" / name).write_text(text)
+    with pytest.raises(BadInput) as e:
+        W.load_model_files(tmp_path / "m")
+    assert "no tokenizer.json" in _one_line_bad_input(e) and needle in str(e.value)
+
+
 def test_pickle_only_dir_is_refused(tmp_path):
     write_hf_dir(tmp_path / "m")
     (tmp_path / "m" / "model.safetensors").unlink()
