@@ -457,6 +457,8 @@ def models_info(spec: str = typer.Argument("default", help="'default', a model p
         typer.echo(f"name:          {preset.name}\nabout:         {preset.description}\n"
                    f"source:        {preset.source} (not found: the weights are not installed)")
         typer.echo(f"overrides:     {', '.join(f'{k}={v}' for k, v in preset.overrides.items()) or 'none'}")
+        if preset.strategy:
+            typer.echo(f"default run:   {_preset_run(preset)}")
         typer.echo(f"how to get it: {preset.note}")
         return
     engine = Engine.load(spec)
@@ -467,16 +469,41 @@ def models_info(spec: str = typer.Argument("default", help="'default', a model p
                f"attention:     {cfg.attention} (trained with; a forward's mask is the run's)")
     typer.echo(f"parameters:    {n_params / 1e6:.1f} M\nlayers:        {cfg.n_layers}  dim {cfg.dim}  "
                f"heads {cfg.n_heads}/{cfg.n_kv_heads} (q/kv)  head_dim {cfg.head_dim}  ffn {cfg.ffn_dim}")
+    if cfg.layer_types:
+        sliding = cfg.layer_types.count("sliding")
+        typer.echo(f"layer kinds:   {sliding} sliding-window (window {cfg.sliding_window}), {cfg.n_layers - sliding} full "
+                   f"(heads {cfg.n_heads}/{cfg.kv_geometry(cfg.layer_types.index('full'))[0]}, "
+                   f"head_dim {cfg.full_head_dim or cfg.head_dim}, rope theta {cfg.full_rope_theta:g} on "
+                   f"{cfg.full_rotary_fraction:g} of the pairs)")
+    if cfg.n_experts:
+        shared = f" + a shared expert of {cfg.moe_shared_ffn_dim}" if cfg.moe_shared_ffn_dim else ""
+        dense = f"; the first {cfg.first_dense_layers} layer(s) dense" if cfg.first_dense_layers else ""
+        beside = "; a dense MLP beside it in every layer" if cfg.arch == "gemma4" else ""
+        typer.echo(f"experts:       {cfg.n_experts} x ffn {cfg.moe_ffn_dim}, top {cfg.n_experts_per_tok} "
+                   f"({cfg.moe_router} router){shared}{dense}{beside}")
+    if cfg.logit_softcap:
+        typer.echo(f"logit softcap: {cfg.logit_softcap:g}")
+    if cfg.arch == "gemma4":
+        typer.echo("modalities:    text (the vision tower's tensors are not loaded)")
     typer.echo(f"vocab:         {cfg.vocab_size}\ncontext:       {cfg.max_seq_len}\nrope theta:    {cfg.rope_theta:g}")
     typer.echo(f"tied head:     {cfg.tie_embeddings}\nlogit shift:   {cfg.logit_shift}  "
-               f"({'hidden i predicts token i+1' if cfg.logit_shift else 'position-aligned: a MASK at i predicts token i'})"
-               f"\nmask token:    {cfg.mask_token_id}\nblock size:    {cfg.block_size}")
+               f"({'hidden i predicts token i+1' if cfg.logit_shift else 'position-aligned: row i predicts token i'})"
+               f"\nmask token:    {cfg.mask_token_id}{' (none: a canvas starts as uniform noise)' if cfg.attention == 'canvas' else ''}"
+               f"\nblock size:    {cfg.block_size}{' (the canvas length)' if cfg.attention == 'canvas' else ''}")
     typer.echo(f"eos ids:       {engine.eos_ids()}\nload time:     {engine.load_s:.2f}s"
                f"{' (from cache)' if engine.from_cache else ''}")
+    if preset and preset.strategy:
+        typer.echo(f"default run:   {_preset_run(preset)}")
     from studio.presets.shipped import shipped
     for name, entry in shipped().items():
         if entry["model"] == engine.name:
             typer.echo(f"adapter:       {name} (used by {', '.join(entry['strategies'])}): {entry['description']}")
+
+
+def _preset_run(preset) -> str:
+    """What `run --model PRESET` does without -s and --max-new-tokens."""
+    limit = f" --max-new-tokens {preset.max_new_tokens}" if preset.max_new_tokens else ""
+    return f"-s {preset.strategy}{limit}"
 
 
 _HOLD_S = 0.05

@@ -1,6 +1,7 @@
 """Presets: TOML files under studio/presets/ (package data) that name a model or a strategy configuration.
 
-    studio/presets/models/NAME.toml      source = "default" | a path; optional capability overrides
+    studio/presets/models/NAME.toml      source = "default" | a path; optional capability overrides; the strategy
+                                         (or strategy preset) and max_new_tokens a run takes when none is given
     studio/presets/strategies/NAME.toml  strategy = "isd"; [params] ...; [sampling] temperature/top_k/top_p; max_new_tokens
 
 CLI flags override preset values; presets override built-in defaults.
@@ -15,7 +16,8 @@ from pathlib import Path
 from studio.errors import BadInput
 
 PRESETS_DIR = Path(__file__).resolve().parent   # the TOML files and shipped adapters are package data
-_MODEL_KEYS = {"description", "source", "mask_token_id", "block_size", "logit_shift", "note"}
+_MODEL_KEYS = {"description", "source", "mask_token_id", "block_size", "logit_shift", "note", "strategy",
+               "max_new_tokens"}
 _STRATEGY_KEYS = {"description", "strategy", "params", "sampling", "max_new_tokens", "paper"}
 _SAMPLING_KEYS = {"temperature", "top_k", "top_p"}
 
@@ -37,6 +39,8 @@ class ModelPreset:
     overrides: dict = field(default_factory=dict)   # ModelConfig fields: mask_token_id, block_size, logit_shift
     description: str = ""
     note: str = ""
+    strategy: str | None = None         # the strategy or strategy preset a run of this model takes by default
+    max_new_tokens: int | None = None   # the generation length its own pipeline uses by default
 
 
 def _read(path: Path) -> dict:
@@ -142,4 +146,5 @@ def load_model_preset(name_or_file: str) -> ModelPreset | None:
     _check_types(path, data)
     overrides = {k: data[k] for k in ("mask_token_id", "block_size", "logit_shift") if k in data}
     return ModelPreset(name=path.stem, source=data["source"], overrides=overrides,
-                       description=data.get("description", ""), note=data.get("note", ""))
+                       description=data.get("description", ""), note=data.get("note", ""),
+                       strategy=data.get("strategy"), max_new_tokens=data.get("max_new_tokens"))

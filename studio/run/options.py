@@ -43,7 +43,8 @@ MODEL_OPTIONS = {
 # name -> (annotation, Typer option): the RunConfig fields besides the strategy
 RUN_OPTIONS = {
     "preset": (Optional[str], typer.Option(None, "--preset", help="A strategy preset name or TOML file.")),
-    "max_new_tokens": (Optional[int], typer.Option(None, "--max-new-tokens", help="Default: the preset's, else 128.")),
+    "max_new_tokens": (Optional[int], typer.Option(None, "--max-new-tokens", help="Default: the strategy preset's, "
+                       "else the model preset's, else 128.")),
     "temperature": (Optional[float], typer.Option(None, "--temperature", help="0 = greedy (the default).")),
     "top_k": (Optional[int], typer.Option(None, "--top-k", help="Sample from the k most likely tokens (0: off).")),
     "top_p": (Optional[float], typer.Option(None, "--top-p", help="Nucleus sampling mass (1.0: off).")),
@@ -60,16 +61,23 @@ def model_choice(values: dict) -> ModelChoice:
 
 def run_config(strategy: str | None, values: dict) -> RunConfig:
     """The run the options describe: `-s` names a strategy or a strategy preset (as in compare); None with no
-    --preset is `ar`."""
-    preset = values["preset"]
+    --preset is the model preset's recommendation (a LLaDA preset: blockdiff), else `ar`. A model preset's
+    max_new_tokens applies when neither the command line nor a strategy preset gives one."""
+    from studio.presets import load_model_preset
+    preset, model = values["preset"], load_model_preset(values.get("model", "default"))
+    limit = values["max_new_tokens"]
+    if strategy is None and preset is None and model and model.strategy:
+        strategy = model.strategy
     if strategy is not None:
         named_strategy, named_preset = strategy_or_preset(strategy)
         if named_preset and preset:
             raise BadInput(f"-s {strategy} is a preset: give it or --preset {preset}, not both")
         strategy, preset = named_strategy, named_preset or preset
+    if limit is None and preset is None and model:
+        limit = model.max_new_tokens
     return RunConfig(strategy if strategy or preset else "ar", preset,
                      dict(parse_param(p) for p in values["param"]), values["temperature"], values["top_k"],
-                     values["top_p"], values["max_new_tokens"], values["seed"], tuple(values["stop"]))
+                     values["top_p"], limit, values["seed"], tuple(values["stop"]))
 
 
 def generation_options(exclude: tuple[str, ...] = ()):
