@@ -32,7 +32,7 @@ fuzz: venv
 
 # the engine issue's GPU numbers in one go (needs CUDA; JSON in gpu-numbers/): forward costs with copy bandwidth
 # and verify time, AR with and without graphs beside transformers, ISD at a controlled acceptance, throughput at
-# concurrency 1/4/16/64, then the CUDA-marked tests
+# concurrency 1/4/16/64, the MoE shapes' forwards (their experts as grouped GEMMs), then the CUDA-marked tests
 GPU_MODEL ?= random:qwen3-8b
 GPU_BENCH  = $(BIN)/dlm-studio bench --model $(GPU_MODEL) --device cuda --json
 gpu-numbers: venv
@@ -47,7 +47,12 @@ gpu-numbers: venv
 		$(GPU_BENCH) -s ar,isd --concurrency $$c --prompts gpu-numbers/prompts.txt --max-new-tokens 128 \
 			--repeats 1 --no-transformers > gpu-numbers/concurrency-$$c.json || exit 1; \
 	done
-	$(BIN)/python -m pytest -q -m cuda tests/engine/test_verify_kernel.py tests/engine/test_graphs.py tests/engine/test_device.py
+	for m in llada2-mini diffusiongemma-26b-a4b; do \
+		$(BIN)/dlm-studio bench --model random:$$m --device cuda --json --forwards > gpu-numbers/forwards-$$m.json \
+			|| exit 1; \
+	done
+	$(BIN)/python -m pytest -q -m cuda tests/engine/test_verify_kernel.py tests/engine/test_graphs.py tests/engine/test_device.py \
+		tests/engine/test_moe.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
