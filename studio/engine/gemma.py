@@ -21,9 +21,10 @@ import torch
 from torch import nn
 
 from studio.engine.config import ModelConfig
-from studio.engine.kv_cache import KVCache, new_cache
+from studio.engine.kv_cache import KVCache
 from studio.engine.masks import bidirectional, causal
-from studio.engine.model import MLP, Attention, RMSNorm, RowGate, rms_norm, rope_inv_freq, rotary_tables, vocab_logits
+from studio.engine.model import (MLP, Attention, Backbone, LanguageModel, RMSNorm, RowGate, rms_norm, rope_inv_freq,
+                                 rotary_tables, vocab_logits)
 from studio.engine.moe import MoE
 
 
@@ -75,35 +76,18 @@ class SelfConditioning(MLP):
         return rms_norm(embedded, self.eps)
 
 
-class GemmaBackbone(nn.Module):
+class GemmaBackbone(Backbone):
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(GemmaBlock(cfg, i) for i in range(cfg.n_layers))
-        self.norm = _norm(cfg)
+        super().__init__(cfg, GemmaBlock, GemmaRMSNorm)
         self.self_conditioning = SelfConditioning(cfg)
 
 
-class DiffusionGemma(nn.Module):
-    block = GemmaBlock   # what one layer builds (studio.engine.weights checks shapes layer by layer)
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = GemmaBackbone(cfg)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.model.embed_tokens.weight   # always tied
-        for name, table in self.rotary_buffers(cfg).items():
-            self.register_buffer(name, table, persistent=False)
+class DiffusionGemma(LanguageModel):
+    backbone, block = GemmaBackbone, GemmaBlock   # its config always ties the head to the embedding
 
     @staticmethod
     def rotary_buffers(cfg: ModelConfig) -> dict[str, torch.Tensor]:
         return {"inv_freq": rope_inv_freq(cfg), "inv_freq_full": full_inv_freq(cfg)}
-
-    def new_cache(self, max_len: int | None = None, batch: int = 1):
-        cfg, p = self.config, self.lm_head.weight
-        return new_cache([cfg.kv_geometry(i) for i in range(cfg.n_layers)], max_len or cfg.max_seq_len,
-                         dtype=p.dtype, device=p.device, batch=batch)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         w = self.model.embed_tokens.weight

@@ -188,22 +188,26 @@ class Block(nn.Module):
 
 
 class Backbone(nn.Module):
-    """Holds the `model.*` parameters (HF naming)."""
+    """Holds the `model.*` parameters (HF naming): the embedding, the layers (`block` each), the final norm."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, block=Block, norm=RMSNorm):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.rms_eps)
+        self.layers = nn.ModuleList(block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = norm(cfg.dim, cfg.rms_eps)
 
 
-class Transformer(nn.Module):
+class LanguageModel(nn.Module):
+    """What every model class has: its config, the `model.*` backbone, the (maybe tied) head, its RoPE tables as
+    fp32 buffers, and a KV cache of its layers' geometry. Subclasses name their `backbone` and `block` classes and
+    write the forward."""
+    backbone = Backbone
     block = Block   # what one layer builds (studio.engine.weights checks shapes layer by layer)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg)
+        self.model = self.backbone(cfg)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -219,6 +223,8 @@ class Transformer(nn.Module):
         return new_cache([cfg.kv_geometry(i) for i in range(cfg.n_layers)], max_len or cfg.max_seq_len,
                          dtype=p.dtype, device=p.device, batch=batch)
 
+
+class Transformer(LanguageModel):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv: KVCache,
                 mask: torch.Tensor | None = None, lora_gate: torch.Tensor | None = None,
                 logits_rows: torch.Tensor | list[int] | None = None) -> torch.Tensor:

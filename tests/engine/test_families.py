@@ -471,28 +471,31 @@ def test_an_moe_step_streams_only_its_active_experts_and_is_timed_against_a_dens
     assert moe_vs_dense(engine, repeats=3) > 0
 
 
+def peft_adapter(path, sd, keys, r, alpha, targets, g):
+    """A PEFT LoRA directory on the checkpoint weights `keys` of `sd` (their published names); returns it and the
+    merged weights W + alpha/r·B·A the adapted forward must equal."""
+    lora, merged = {}, dict(sd)
+    for key in keys:
+        A, B = torch.randn(r, sd[key].shape[1], generator=g) * 0.1, torch.randn(sd[key].shape[0], r, generator=g) * 0.1
+        lora[f"base_model.model.{key.removesuffix('.weight')}.lora_A.weight"] = A
+        lora[f"base_model.model.{key.removesuffix('.weight')}.lora_B.weight"] = B
+        merged[key] = sd[key] + alpha / r * B @ A
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": alpha,
+                                                         "target_modules": targets}))
+    save_file(lora, str(path / "adapter_model.safetensors"))
+    return str(path), merged
+
+
 def test_a_peft_adapter_trained_on_llada_loads_under_its_module_names(tmp_path):
     """An adapter for LLaDA names LLaDA's modules (`model.transformer.blocks.{i}.attn_out`, target `ff_proj`...): it
     attaches, and the adapted forward equals the base forward of merged weights W + scale·B·A."""
     sd = llada_checkpoint(tmp_path / "llada")
     g = torch.Generator().manual_seed(3)
     r, alpha, targets = 4, 8, ["q_proj", "attn_out", "ff_proj", "ff_out"]
-    lora = {}
-    for i in range(LLADA_CONFIG["n_layers"]):
-        for t in targets:
-            w = sd[f"model.transformer.blocks.{i}.{t}.weight"]
-            lora[f"base_model.model.model.transformer.blocks.{i}.{t}.lora_A.weight"] = torch.randn(r, w.shape[1], generator=g) * 0.1
-            lora[f"base_model.model.model.transformer.blocks.{i}.{t}.lora_B.weight"] = torch.randn(w.shape[0], r, generator=g) * 0.1
-    (tmp_path / "ad").mkdir()
-    (tmp_path / "ad" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": alpha,
-                                                                     "target_modules": targets}))
-    save_file(lora, str(tmp_path / "ad" / "adapter_model.safetensors"))
-    engine = Engine.load(str(tmp_path / "llada"), adapter=str(tmp_path / "ad"), device="cpu")
-    merged = dict(sd)
-    for key in list(lora):
-        if key.endswith("lora_A.weight"):
-            base = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
-            merged[base] = sd[base] + alpha / r * lora[key.replace("lora_A", "lora_B")] @ lora[key]
+    keys = [f"model.transformer.blocks.{i}.{t}.weight" for i in range(LLADA_CONFIG["n_layers"]) for t in targets]
+    adapter, merged = peft_adapter(tmp_path / "ad", sd, keys, r, alpha, targets, g)
+    engine = Engine.load(str(tmp_path / "llada"), adapter=adapter, device="cpu")
     T = len(IDS)
     with torch.inference_mode():
         got = engine.model(torch.tensor(IDS), torch.arange(T), engine.model.new_cache(64), mask=bidirectional(T, 0),
@@ -508,18 +511,9 @@ def test_a_peft_adapter_on_llada2s_fused_qkv_attaches_as_q_k_v_loras(tmp_path):
     sd = llada2_checkpoint(tmp_path / "l2")
     g = torch.Generator().manual_seed(5)
     r, alpha, targets = 2, 4, ["query_key_value", "dense", "gate_proj"]
-    lora, merged = {}, dict(sd)
-    for key, w in sd.items():
-        if key.endswith(("query_key_value.weight", "dense.weight")) or key == "model.layers.0.mlp.gate_proj.weight":
-            A, B = torch.randn(r, w.shape[1], generator=g) * 0.2, torch.randn(w.shape[0], r, generator=g) * 0.2
-            lora[f"base_model.model.{key.removesuffix('.weight')}.lora_A.weight"] = A
-            lora[f"base_model.model.{key.removesuffix('.weight')}.lora_B.weight"] = B
-            merged[key] = w + alpha / r * B @ A
-    (tmp_path / "ad").mkdir()
-    (tmp_path / "ad" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": alpha,
-                                                                     "target_modules": targets}))
-    save_file(lora, str(tmp_path / "ad" / "adapter_model.safetensors"))
-    engine = Engine.load(str(tmp_path / "l2"), adapter=str(tmp_path / "ad"), device="cpu")
+    keys = [k for k in sd if k.endswith(("query_key_value.weight", "dense.weight"))] + ["model.layers.0.mlp.gate_proj.weight"]
+    adapter, merged = peft_adapter(tmp_path / "ad", sd, keys, r, alpha, targets, g)
+    engine = Engine.load(str(tmp_path / "l2"), adapter=adapter, device="cpu")
     T = len(LLADA2_IDS)
     with torch.inference_mode():
         got = engine.model(torch.tensor(LLADA2_IDS), torch.arange(T), engine.model.new_cache(64),
