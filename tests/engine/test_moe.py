@@ -50,3 +50,26 @@ def test_on_cuda_in_bf16_the_grouped_gemms_run_and_agree_with_the_loop():
     assert moe.experts.uses_grouped_mm(x)
     loop, grouped = both_paths(moe, x)
     torch.testing.assert_close(grouped.float(), loop.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_the_sigmoid_router_and_its_mixture_are_transformers_deepseek_v3_moe():
+    """LLaDA2's routing (sigmoid scores, expert bias for the choice only, best groups by their top-2 sum, top k of the
+    unbiased scores renormalised and scaled, a shared expert) is DeepSeek-V3's: transformers' DeepseekV3MoE with the
+    same weights gives the same layer output."""
+    tf = pytest.importorskip("transformers")
+    theirs = tf.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE(tf.DeepseekV3Config(
+        hidden_size=64, moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True, n_shared_experts=1, hidden_act="silu")).eval()
+    mine = MoE(ModelConfig(**dict(CFG, n_experts=16, n_experts_per_tok=4), moe_router="sigmoid", moe_groups=4,
+                           moe_topk_groups=2, moe_expert_bias=True, moe_scale=2.5, moe_shared_ffn_dim=32))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        theirs.gate.e_score_correction_bias.copy_(torch.randn(16, generator=g) * 0.3)
+        gate, up = theirs.experts.gate_up_proj.chunk(2, dim=1)
+        mine.load_state_dict({"gate.weight": theirs.gate.weight, "gate.expert_bias": theirs.gate.e_score_correction_bias,
+                              "experts.gate_proj": gate, "experts.up_proj": up, "experts.down_proj": theirs.experts.down_proj,
+                              **{f"shared_experts.{k}": v for k, v in theirs.shared_experts.state_dict().items()}})
+        x = torch.randn(1, 24, 64, generator=g)
+        torch.testing.assert_close(mine(x), theirs(x), atol=1e-5, rtol=1e-5)
