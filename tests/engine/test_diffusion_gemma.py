@@ -173,3 +173,65 @@ def test_the_random_shape_is_transformers_text_model_at_the_published_sizes():
     preset, published = load_model_preset("diffusiongemma-26b-a4b-it"), ModelConfig.from_hf(raw)
     assert preset.overrides == {"block_size": published.block_size, "logit_shift": published.logit_shift}
     assert (preset.strategy, preset.max_new_tokens, published.block_size) == (None, 256, 256)
+
+
+class TransformersPasses:
+    """The canvas loop's `Passes` on transformers' own forward: the loop is then checked against `generate` on
+    identical logits (an independent forward within 1e-4 still moves a sampled trajectory after a few steps)."""
+
+    def __init__(self, hf):
+        self.hf, self.cache = hf, tf.DynamicCache(config=hf.config.text_config)
+        self.vocab_size = hf.config.text_config.vocab_size
+
+    def encode(self, ids, start):
+        self.hf.model.encoder(input_ids=ids, past_key_values=self.cache, position_ids=torch.arange(start, start + ids.shape[1])[None])
+
+    def decode(self, canvas, start, sc):
+        return self.hf(past_key_values=self.cache, decoder_input_ids=canvas, self_conditioning_logits=sc,
+                       decoder_position_ids=torch.arange(start, start + canvas.shape[1])[None]).logits
+
+
+@pytest.mark.parametrize("seed, params", [
+    (0, dict(max_steps=6)),                                             # 3 canvases of 6 steps, no EOS
+    (2, dict(max_steps=8, entropy_bound=5.0, confidence=100.0)),        # an EOS early in the third canvas
+    (2, dict(max_steps=8, entropy_bound=50.0, confidence=100.0)),       # every draw kept; an EOS in the first canvas
+    (2, dict(max_steps=4, entropy_bound=3.0, stability=0, confidence=100.0))])   # done after one step
+def test_the_canvas_loop_commits_what_transformers_generate_commits_with_the_same_seed(checkpoint, seed, params):
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
+    from studio.engine.gemma_canvas import CanvasParams, generate
+    _, hf = checkpoint
+    p = CanvasParams(**params)
+    prompt = [5, 9, 17, 3, 88, 41, 7, 12, 60, 2, 33]   # longer than the sliding window of 8
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        want = hf.generate(input_ids=torch.tensor([prompt]), max_new_tokens=3 * CANVAS, max_denoising_steps=p.max_steps,
+                           sampler_config=EntropyBoundSamplerConfig(entropy_bound=p.entropy_bound),
+                           stability_threshold=p.stability, confidence_threshold=p.confidence, t_min=p.t_min,
+                           t_max=p.t_max, pad_token_id=0, eos_token_id=1)
+        got = generate(TransformersPasses(hf), prompt, 3 * CANVAS, CANVAS, p, torch.Generator().manual_seed(seed), {1})
+    new = want.sequences[0, len(prompt):].tolist()
+    assert new[:len(got.tokens)] == got.tokens and all(t == 0 for t in new[len(got.tokens):])   # pad after an EOS
+    assert want.tokens_per_forward.item() == pytest.approx(len(got.tokens) / got.decoder_passes)
+    for steps in got.canvases:
+        assert all(any(s.accepted) for s in steps)            # the entropy bound always accepts one position
+        assert steps[-1].done or len(steps) == p.max_steps
+
+
+def test_on_the_engines_own_passes_one_step_canvases_commit_what_transformers_generate_commits(checkpoint):
+    """One step per canvas commits the argmax over the same noise, which 1e-4 of logit noise does not move: the
+    engine's passes (ModelPasses, a KV cache of its own) generate what transformers generates."""
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
+    from studio.engine.gemma_canvas import CanvasParams, ModelPasses, generate
+    path, hf = checkpoint
+    p = CanvasParams(max_steps=2, stability=0, confidence=100.0)
+    prompt = [5, 9, 17, 3, 88, 41, 7, 12, 60, 2, 33]
+    torch.manual_seed(4)
+    with torch.no_grad():
+        want = hf.generate(input_ids=torch.tensor([prompt]), max_new_tokens=4 * CANVAS, max_denoising_steps=2,
+                           sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1), stability_threshold=0,
+                           confidence_threshold=100.0, pad_token_id=0, eos_token_id=1)
+    got = generate(ModelPasses(ours(path), 64), prompt, 4 * CANVAS, CANVAS, p, torch.Generator().manual_seed(4), {1})
+    assert got.decoder_passes == len(got.canvases) and len(got.tokens) > CANVAS
+    assert want.sequences[0, len(prompt):len(prompt) + len(got.tokens)].tolist() == got.tokens
