@@ -25,12 +25,14 @@ REPORT_NAME = "demo-report.html"
 
 
 def demo_configs(strategies: str | None, max_new_tokens: int) -> dict[str, RunConfig]:
-    """The demo's runs, greedy, seed 0: `None` or `all` is every registered strategy in registry order (ar first),
-    a strategy's `NAME-cpu` preset in its place where one exists; otherwise a comma list as for compare."""
+    """The demo's runs, greedy, seed 0: `None` or `all` is every registered strategy that decodes the embedded AR
+    model, in registry order (ar first), a strategy's `NAME-cpu` preset in its place where one exists; otherwise a
+    comma list as for compare."""
     from studio.presets import list_presets
     if strategies is None or strategies.strip() in ("", "all"):
         presets = set(list_presets("strategies"))
-        strategies = ",".join(f"{name}-cpu" if f"{name}-cpu" in presets else name for name in STRATEGIES)
+        strategies = ",".join(f"{name}-cpu" if f"{name}-cpu" in presets else name
+                              for name, cls in STRATEGIES.items() if cls.decodes_ar_models)
     return compare_configs(strategies, RunConfig(temperature=0.0, max_new_tokens=max_new_tokens))
 
 

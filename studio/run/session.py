@@ -105,6 +105,7 @@ def kv_length_needed(engine: Engine, strategy: Strategy, settings: Settings, pro
         fits = ", ".join(sorted(n for n, s in STRATEGIES.items() if not s.needs_causal_model))
         raise BadInput(f"strategy {strategy.name!r} needs a causal model and {engine.name!r} was trained with "
                        f"{cfg.attention} attention; strategies that fit: {fits}")
+    strategy.check_run(cfg, settings.max_new_tokens)
     if len(prompt_ids) >= cfg.max_seq_len:
         raise BadInput(f"the prompt is {len(prompt_ids)} tokens, longer than the model's context of {cfg.max_seq_len}")
     kv_len = len(prompt_ids) + settings.max_new_tokens + strategy.kv_headroom(cfg)

@@ -18,11 +18,13 @@ from tests.support.lora import random_adapter
 from tests.support.tiny import tiny_engine
 
 VOCAB = 64
+CONFIDENCE_ORDERED = ["blockdiff", "canvas"]   # which MASK fills first follows the (tempered) confidences
 
 
 def engine():
     e = tiny_engine("qwen3", vocab=VOCAB)
-    e.config = e.model.config = dataclasses.replace(e.config, max_seq_len=1024)   # jacobi-mr's headroom
+    # jacobi-mr's headroom; a native block size, which canvas needs of a causal model
+    e.config = e.model.config = dataclasses.replace(e.config, max_seq_len=1024, block_size=4)
     return e
 
 
@@ -61,17 +63,18 @@ def test_an_adapter_with_non_finite_weights_is_refused_at_load(tmp_path, poison)
     assert name.removeprefix("base_model.model.") in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s != "blockdiff"])
+@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s not in CONFIDENCE_ORDERED])
 def test_vanishing_temperature_and_nucleus_are_greedy(eng, strategy):
     greedy = token_ids(eng, strategy)
     assert token_ids(eng, strategy, temperature=1e-6, seed=5) == greedy
     assert token_ids(eng, strategy, temperature=1.0, top_p=1e-9, seed=5) == greedy
 
 
-def test_blockdiff_at_vanishing_temperature_is_deterministic(eng):
-    """blockdiff unmasks by the tempered confidences, which are all ~1 at T -> 0 (so it is not its greedy
+@pytest.mark.parametrize("strategy", CONFIDENCE_ORDERED)
+def test_filling_by_confidence_at_vanishing_temperature_is_deterministic(eng, strategy):
+    """blockdiff and canvas unmask by the tempered confidences, which are all ~1 at T -> 0 (so it is not their greedy
     schedule), but no randomness is left: every seed gives the same tokens."""
-    runs = {tuple(token_ids(eng, "blockdiff", temperature=1e-6, seed=s)) for s in range(3)}
+    runs = {tuple(token_ids(eng, strategy, temperature=1e-6, seed=s)) for s in range(3)}
     assert len(runs) == 1
 
 

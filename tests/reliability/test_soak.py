@@ -47,7 +47,7 @@ def random_params(strategy: str, rng: random.Random) -> dict:
 
 def one_generation(engine, rng: random.Random, max_tokens: int, prompt: list[int]) -> str:
     """A random strategy with random settings; returns its stop reason."""
-    strategy = rng.choice(list(STRATEGIES))
+    strategy = rng.choice([name for name, cls in STRATEGIES.items() if cls.decodes_ar_models])   # an AR engine
     temperature = rng.choice([None, 0.0, rng.uniform(0.3, 1.5)])
     top_k = rng.choice([None, 0, rng.randint(1, 40)])
     top_p = rng.choice([None, 1.0, rng.uniform(0.5, 1.0)])

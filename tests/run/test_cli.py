@@ -199,12 +199,12 @@ def test_strategy_option_names_a_strategy_or_a_preset():
 
 
 def test_a_model_preset_names_the_strategy_and_length_a_run_takes_when_none_is_given():
-    """LLaDA refuses ar: its preset's run is blockdiff for 128 tokens; anything on the command line, or a strategy
-    preset's own length, comes first."""
+    """LLaDA refuses ar: its preset's run is canvas (LLaDA's own pipeline) for 128 tokens; anything on the command
+    line, or a strategy preset's own length, comes first."""
     from studio.run.options import RUN_OPTIONS, run_config
     values = {**{name: option.default for name, (_, option) in RUN_OPTIONS.items()}, "model": "llada-8b-instruct"}
     plain = run_config(None, values)
-    assert (plain.strategy, plain.build()[1].max_new_tokens) == ("blockdiff", 128)
+    assert (plain.strategy, plain.build()[1].max_new_tokens) == ("canvas", 128)
     assert (run_config("s2d2", values).strategy, run_config("s2d2", values).build()[1].max_new_tokens) == ("s2d2", 128)
     assert run_config(None, {**values, "max_new_tokens": 7}).build()[1].max_new_tokens == 7
     preset = run_config("simsd-b4", values)

@@ -130,7 +130,7 @@ def test_greedy_lossless_strategies_identical_to_ar(cli, engine, strategy):
 def test_every_registered_strategy_runs_in_compare(cli):
     """Grows with the registry: every strategy runs (jacobi-mr through its CPU preset: its default blocks
     do not fit the tiny model's 128-token context); the row numbers are consistent with the tokens."""
-    names = [s if s != "jacobi-mr" else "jacobi-mr-cpu" for s in STRATEGIES]
+    names = [s if s != "jacobi-mr" else "jacobi-mr-cpu" for s, cls in STRATEGIES.items() if cls.decodes_ar_models]
     out = _compare_json(cli, "-s", ",".join(names), "--max-new-tokens", "8")
     assert [r["label"] for r in out] == names
     ar = out[0]["token_ids"]
@@ -334,7 +334,8 @@ def test_html_report_self_contained(cli, tmp_path):
 def test_demo_every_strategy_cpu_presets_traces_and_report(cli, tmp_path):
     from studio.run.demo import demo_configs
     configs = demo_configs(None, 8)
-    expected = [f"{n}-cpu" if n in ("jacobi-mr", "s2d2", "simsd") else n for n in STRATEGIES]
+    expected = [f"{n}-cpu" if n in ("jacobi-mr", "s2d2", "simsd") else n for n, c in STRATEGIES.items()
+                if c.decodes_ar_models]
     assert list(configs) == expected and expected[0] == "ar"             # every registered strategy, CPU-sized
     assert all(c.temperature == 0.0 and c.max_new_tokens == 8 and c.seed == 0 for c in configs.values())
     d = tmp_path / "tr"

@@ -91,3 +91,14 @@ def tiny_dlm(family: str = "qwen3", shift: bool = False, block: int = 4, vocab: 
     engine = tiny_engine(family, vocab=vocab, seed=seed, **kw)
     engine.model.config = engine.config = dataclasses.replace(engine.config, logit_shift=shift, block_size=block)
     return engine
+
+
+def tiny_mdm(shift: bool = False, attention: str = "bidirectional", block: int | None = None, vocab: int = 16,
+             seed: int = 0, **kw):
+    """A tiny masked-diffusion engine: bidirectional (LLaDA-like, position-aligned; Dream-like with shift=True) or
+    block-causal (LLaDA2-like); MASK = the last vocab entry."""
+    import dataclasses
+    engine = tiny_engine("llama", vocab=vocab, seed=seed, **kw)
+    engine.model.config = engine.config = dataclasses.replace(engine.config, logit_shift=shift, attention=attention,
+                                                              block_size=block)
+    return engine

@@ -361,14 +361,14 @@ def strategy_traces(tmp_path_factory):
     from studio.run.config import RunConfig
     from studio.run.compare import compare_configs, run_compare
     from studio.run.session import encode_prompt
-    from tests.support.tiny import tiny_engine
+    from tests.support.tiny import tiny_dlm
 
     d = tmp_path_factory.mktemp("strategy_traces")
-    engine = tiny_engine("llama", vocab=16)
+    engine = tiny_dlm("llama", shift=True, block=4, vocab=16)   # a block dLLM: canvas decodes it too
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        configs = compare_configs(",".join(_strategy_names()), RunConfig(max_new_tokens=10, temperature=0.0))
+        configs = compare_configs(",".join(_strategy_names()), RunConfig(max_new_tokens=12, temperature=0.0))
         run_compare(engine, "abcab", encode_prompt(engine, "abcab"), configs, trace_dir=d)
     finally:
         torch.set_num_threads(old)

@@ -25,7 +25,7 @@ from studio.tui.widgets.controls import Controls  # noqa: E402
 from studio.tui.widgets.inspector import _num  # noqa: E402
 
 SIZE = (130, 42)
-BLOCK = ("blockdiff", "s2d2", "simsd")
+BLOCK = ("blockdiff", "s2d2", "simsd", "canvas")
 
 
 def session(name="ar", n=12, engine=None, **kw):
@@ -377,7 +377,8 @@ def test_n_and_tau_set_the_parameter_with_that_role_in_each_strategy():
     # (N, τ) of each strategy; None: the field is disabled
     roles = {"ar": (None, None), "isd": ("stride", "tau"), "r-isd": ("stride", "tau"), "jacobi": ("block_size", None),
              "jacobi-mr": ("block_size", None), "blockdiff": ("block_size", "threshold"),
-             "s2d2": ("block_size", "threshold"), "simsd": ("block_size", "threshold")}
+             "s2d2": ("block_size", "threshold"), "simsd": ("block_size", "threshold"),
+             "canvas": ("block_size", "threshold")}
     assert set(roles) == set(STRATEGIES)
 
     async def go():

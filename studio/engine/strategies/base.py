@@ -267,6 +267,8 @@ class Strategy:
     needs_mask: ClassVar[bool] = False   # proposals come from MASK rows
     # reads token-causal predictions (AR next-token rows): a model trained bidirectionally has none
     needs_causal_model: ClassVar[bool] = True
+    # decodes a plain AR model (no MASK-trained attention of its own) as it is; canvas does not
+    decodes_ar_models: ClassVar[bool] = True
 
     @dataclass
     class Params:
@@ -305,6 +307,10 @@ class Strategy:
     def kv_headroom(self, config=None) -> int:
         """Slots a single forward may need beyond the committed length (`config`: the model's ModelConfig)."""
         return 1
+
+    def check_run(self, config, max_new_tokens: int) -> None:
+        """Raise BadInput when this strategy cannot decode `max_new_tokens` on a model of `config` (checked before
+        the run starts: one line, nothing decoded)."""
 
     def clean_gate(self, adapter) -> bool:
         """Whether the LoRA of `adapter` (a LoadedAdapter, or None) applies at this strategy's clean (non-MASK)

@@ -1,0 +1,189 @@
+"""Canvas decoding, LLaDA's pipeline and Fast-dLLM's parallel rules: the prompt followed by a canvas of
+--max-new-tokens MASKs (LLaDA's gen_length), filled in semi-autoregressive blocks. Each step is one forward over the
+prompt and the whole canvas -- later blocks' MASKs included -- under the attention the model was trained with
+(bidirectional for LLaDA and Dream, block-causal on its grid for LLaDA2, causal for an AR model), and a rule that fills
+some of the open block's MASKs; a filled token is never changed. `cache = none` recomputes every K/V each step: exact,
+the reference of the cached variants.
+
+Fill rules: LLaDA's fixed schedule (a block's MASKs spread over its share of `steps`, `remasking` low_confidence:
+the most confident first, or random), Fast-dLLM's `threshold` (every MASK above it, at least the best one) and
+`factor` (the n best while the n-th confidence stays above 1 - factor/(n+1)). `cfg_scale` is LLaDA's classifier-free
+guidance: a second forward with the prompt masked, logits = un + (cfg + 1)(cond - un).
+
+Design: docs/strategies.md#canvas
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from studio.engine.masks import bidirectional, block_causal, causal
+from studio.engine.strategies.base import DecodeContext, Strategy
+from studio.engine.strategies.blockdiff import BlockDiffusion, Draft, select_dynamic, top_k, transfer_counts
+from studio.engine.strategies.params import N, TAU, param
+from studio.errors import BadInput
+
+REMASKING = ("low_confidence", "random")
+CACHES = ("none",)
+ATTENTIONS = ("model", "bidirectional", "block", "causal")
+
+
+def select_factor(conf: list[float], factor: float) -> list[int]:
+    """Fast-dLLM's factor rule: confidences sorted descending c_1 >= c_2 >= ...; the n best are taken while
+    c_n >= 1 - factor/(n+1) (c_1 always); as its code does, a miss at the last candidate still takes them all."""
+    order = sorted(range(len(conf)), key=lambda i: -conf[i])
+    n = next((i for i, j in enumerate(order) if i and conf[j] < 1 - factor / (i + 2)), len(order))
+    if n == len(order) - 1:
+        n = len(order)
+    return sorted(order[:max(n, 1)])
+
+
+class Canvas(Strategy):
+    name = "canvas"
+    needs_mask = True
+    needs_causal_model = False   # its attention is the model's own
+    decodes_ar_models = False    # an AR model has no canvas attention (-p attention=causal names one)
+
+    @dataclass
+    class Params:
+        block_size: int = param(0, "B: the canvas is filled block by block; 0 = the model's block size, else the "
+                                   "whole canvas (LLaDA's block_length)", role=N)
+        steps: int = param(0, "denoising steps over the whole canvas, shared equally by its blocks; 0 = one per "
+                              "token (LLaDA's steps)")
+        remasking: str = param("low_confidence", "which MASKs a fixed-schedule step fills: the most confident, or "
+                                                 "random ones (LLaDA)", choices=REMASKING)
+        threshold: float = param(0.0, "Fast-dLLM: fill every MASK of the block above this confidence, at least "
+                                      "the best one (0 = the fixed schedule)", role=TAU)
+        factor: float = param(0.0, "Fast-dLLM factor rule (0 = off; e.g. 1.0)")
+        cfg_scale: float = param(0.0, "classifier-free guidance: logits = un + (cfg+1)(cond - un), un with the prompt "
+                                      "masked (LLaDA; 0 = off, one forward per step)")
+        cache: str = param("none", "none: every step recomputes the prompt and canvas K/V (exact)", choices=CACHES)
+        attention: str = param("model", "the canvas forward's attention: the model's own (bidirectional for LLaDA and "
+                                        "Dream, block-causal on its block grid for LLaDA2, SDAR and Fast-dLLM v2), or "
+                                        "one named", choices=ATTENTIONS)
+
+    @classmethod
+    def validate(cls, p) -> None:
+        if p.block_size < 0 or p.steps < 0:
+            raise BadInput(f"{cls.name} block_size and steps must be >= 0 (0 = default)")
+        if not 0.0 <= p.threshold <= 1.0:
+            raise BadInput(f"{cls.name} threshold must be in [0, 1], got {p.threshold}")
+        if p.factor < 0 or p.cfg_scale < 0:
+            raise BadInput(f"{cls.name} factor and cfg_scale must be >= 0")
+        if p.threshold and p.factor:
+            raise BadInput(f"{cls.name}: give threshold or factor, not both")
+        for name, value, choices in (("remasking", p.remasking, REMASKING), ("cache", p.cache, CACHES),
+                                     ("attention", p.attention, ATTENTIONS)):
+            if value not in choices:
+                raise BadInput(f"{cls.name} {name} must be one of {', '.join(choices)}, got {value!r}")
+
+    def check_run(self, config, max_new_tokens: int) -> None:
+        """The canvas (--max-new-tokens) must split into whole blocks and the steps among them; an AR model has no
+        canvas attention of its own."""
+        B = self.block_size(config, max_new_tokens)
+        if max_new_tokens % B:
+            raise BadInput(f"canvas: --max-new-tokens {max_new_tokens} (the canvas) is not a multiple of the block "
+                           f"size {B}")
+        steps = self.params.steps or max_new_tokens
+        if steps % (max_new_tokens // B):
+            raise BadInput(f"canvas: steps {steps} do not divide among {max_new_tokens // B} blocks of {B}")
+        if self.attention(config) is None:
+            raise BadInput(f"canvas: {config.name or 'this model'} is an AR model, trained with causal attention and no "
+                           "blocks: it decodes no canvas (a masked-diffusion model does; -p attention=causal runs it "
+                           "anyway)")
+
+    def block_size(self, config, canvas: int = 0) -> int:
+        """B: the params', else the model's, else the whole canvas (0 while its length is not known)."""
+        return self.params.block_size or config.block_size or canvas
+
+    def attention(self, config) -> str | None:
+        """The canvas forward's attention; None for an AR model asked for its own."""
+        if self.params.attention != "model":
+            return self.params.attention
+        if config.attention == "causal":   # SDAR, Fast-dLLM v2: causal K/V, trained block-causal
+            return "block" if config.block_size else None
+        return config.attention
+
+    # -- the canvas -------------------------------------------------------------------------------
+    def start(self, ctx: DecodeContext, prompt: list[int]) -> None:
+        cfg, p = ctx.model.config, self.params
+        G = ctx.out.max_new_tokens
+        self.check_run(cfg, G)
+        self.B = B = self.block_size(cfg, G)
+        self.steps_per_block = (p.steps or G) // (G // B)
+        self.P = len(prompt)
+        self.mask_id = ctx.mask_id
+        self.tokens = prompt + [ctx.mask_id] * G
+        self.mode, self.model_block = self.attention(cfg), cfg.block_size or B
+        self.shift = cfg.logit_shift
+        self.emitted_upto = self.P
+        self.block_start = self.P
+        self._open(ctx)
+
+    def _open(self, ctx: DecodeContext) -> None:
+        self.block_step = 0
+        self.at_open = self.B
+        ctx.event("block", op="open", start=self.block_start - self.P, end=self.block_start + self.B - self.P)
+
+    def _masked(self) -> list[int]:
+        return [i for i in range(self.block_start, self.block_start + self.B) if self.tokens[i] == self.mask_id]
+
+    def kv_headroom(self, config=None) -> int:
+        return 1   # the canvas is the run's --max-new-tokens; nothing is committed
+
+    # -- one step ---------------------------------------------------------------------------------
+    def step(self, ctx: DecodeContext) -> None:
+        slots = self._masked()
+        d = Draft.from_logits(slots, self._logits(ctx, slots), ctx.sampling, ctx.gen)
+        chosen = self._select(ctx, d)
+        for i in chosen:
+            self.tokens[d.slots[i]] = d.tokens[i]
+        ctx.event("unmask", pos=[d.slots[i] - self.P for i in chosen], tok=[d.tokens[i] for i in chosen],
+                  conf=[d.conf[i] for i in chosen])
+        self.block_step += 1
+        self._emit_ready(ctx)
+        if not self._masked() and not ctx.out.finished:
+            ctx.event("block", op="close", start=self.block_start - self.P, end=self.block_start + self.B - self.P)
+            self.block_start += self.B
+            if self.block_start < len(self.tokens):
+                self._open(ctx)
+
+    def _logits(self, ctx: DecodeContext, slots: list[int]) -> torch.Tensor:
+        """The rows predicting `slots` from one forward over prompt + canvas (two with guidance), MASK excluded."""
+        rows = [s - 1 for s in slots] if self.shift else slots
+        mask = self._mask_for(ctx, len(self.tokens))
+        logits = ctx.forward("draft", self.tokens, mask=mask, logits_rows=rows)
+        if self.params.cfg_scale:
+            unprompted = [ctx.mask_id] * self.P + self.tokens[self.P:]
+            un = ctx.forward("draft", unprompted, mask=mask, logits_rows=rows)
+            logits = un + (self.params.cfg_scale + 1) * (logits - un)
+        return BlockDiffusion._no_mask(ctx, logits)
+
+    def _mask_for(self, ctx: DecodeContext, n: int) -> torch.Tensor:
+        if self.mode == "causal":
+            return causal(n, 0, device=ctx.device)
+        if self.mode == "block":
+            return block_causal(n, 0, self.model_block, device=ctx.device)
+        return bidirectional(n, 0, device=ctx.device)
+
+    def _select(self, ctx: DecodeContext, d: Draft) -> list[int]:
+        p = self.params
+        if p.threshold:
+            return select_dynamic(d.conf, 1, p.threshold)
+        if p.factor:
+            return select_factor(d.conf, p.factor)
+        quota = transfer_counts(self.at_open, self.steps_per_block)[min(self.block_step, self.steps_per_block - 1)]
+        conf = d.conf if p.remasking == "low_confidence" else \
+            torch.rand(len(d.conf), generator=ctx.gen, device=ctx.device).tolist()
+        return top_k(conf, max(1, min(quota, len(d.slots))))
+
+    def _emit_ready(self, ctx: DecodeContext) -> None:
+        """Emit the filled positions that continue the output without a gap."""
+        j, toks = self.emitted_upto, []
+        while j < len(self.tokens) and self.tokens[j] != ctx.mask_id:
+            toks.append(self.tokens[j])
+            j += 1
+        if toks:
+            self.emitted_upto = j
+            ctx.emit(toks)

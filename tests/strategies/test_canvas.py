@@ -1,0 +1,99 @@
+"""Canvas decoding (LLaDA's pipeline, Fast-dLLM's rules) against a plainly written reference loop, and the AR case."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from studio.engine.masks import bidirectional
+from studio.engine.strategies import make_strategy
+from studio.engine.strategies.canvas import select_factor
+from studio.errors import BadInput
+from studio.run.session import Settings, kv_length_needed
+from tests.support.dlm import generate
+from tests.support.tiny import tiny_engine, tiny_mdm
+
+PROMPT = [1, 2, 3, 4, 5]
+
+
+def reference(engine, G: int, B: int, steps: int, threshold: float = 0.0) -> list[int]:
+    """LLaDA's generate, greedy, written out: every step a fresh bidirectional forward over prompt + canvas; the
+    open block's MASKs ranked by their softmax confidence (MASK itself never predicted); the scheduled number (or,
+    with a threshold, every one above it and at least the best) filled; blocks left to right."""
+    model, M, shift = engine.model, engine.config.mask_token_id, engine.config.logit_shift
+    x, P = PROMPT + [M] * G, len(PROMPT)
+    per_block = steps // (G // B)
+    for b in range(G // B):
+        lo, hi = P + b * B, P + (b + 1) * B
+        s = 0
+        while masked := [i for i in range(lo, hi) if x[i] == M]:
+            with torch.inference_mode():
+                logits = model(torch.tensor(x), torch.arange(len(x)), model.new_cache(len(x)),
+                               mask=bidirectional(len(x), 0))[0]
+                probs = torch.softmax(logits.float().index_fill(-1, torch.tensor([M]), float("-inf")), dim=-1)
+            conf, tok = probs.max(dim=-1)
+            row = {i: i - 1 if shift else i for i in masked}
+            ranked = sorted(masked, key=lambda i: -conf[row[i]].item())
+            if threshold:
+                chosen = [i for i in ranked if conf[row[i]] > threshold] or ranked[:1]
+            else:
+                chosen = ranked[:B // per_block + (1 if s < B % per_block else 0)]
+            for i in chosen:
+                x[i] = int(tok[row[i]])
+            s += 1
+    return x[P:]
+
+
+@pytest.mark.parametrize("shift", [False, True])          # LLaDA (position-aligned), Dream (shifted)
+@pytest.mark.parametrize("B, steps, threshold", [(4, 8, 0.0), (8, 4, 0.0), (4, 8, 0.2)])
+def test_canvas_decoding_fills_what_llada_s_loop_fills(shift, B, steps, threshold):
+    engine = tiny_mdm(shift=shift, seed=3)
+    run = generate(engine, "canvas", {"block_size": B, "steps": steps, "threshold": threshold}, prompt=PROMPT, n=8)
+    assert run.token_ids == reference(engine, 8, B, steps, threshold)
+    forwards = run.footer["forwards"]
+    assert forwards == steps if not threshold else forwards <= steps
+
+
+def test_one_token_per_step_over_a_causal_canvas_is_greedy_ar():
+    """Block 1, one step per token and causal attention: each step predicts the next token from the prompt and the
+    tokens before it, as AR does (the canvas's MASKs after it are invisible)."""
+    engine = tiny_engine("llama", vocab=16, seed=1)
+    canvas = generate(engine, "canvas", {"block_size": 1, "attention": "causal"}, prompt=PROMPT, n=10)
+    assert canvas.token_ids == generate(engine, "ar", prompt=PROMPT, n=10).token_ids
+
+
+def test_guidance_runs_a_second_forward_with_the_prompt_masked_and_random_remasking_follows_the_seed():
+    engine = tiny_mdm(seed=2)
+    guided = generate(engine, "canvas", {"block_size": 4, "cfg_scale": 1.5}, prompt=PROMPT, n=8)
+    assert guided.footer["forwards"] == 2 * 8
+    assert guided.token_ids != generate(engine, "canvas", {"block_size": 4}, prompt=PROMPT, n=8).token_ids
+    runs = [generate(engine, "canvas", {"block_size": 8, "steps": 4, "remasking": "random"}, prompt=PROMPT, n=8,
+                     seed=s).token_ids for s in (7, 7, 8)]
+    assert runs[0] == runs[1] and len(runs[2]) == 8
+
+
+def test_fast_dllm_factor_rule_takes_the_best_while_they_clear_their_bar():
+    # bars 1 - f/(n+1) with f = 1: n=2 -> 0.667, n=3 -> 0.75, n=4 -> 0.8
+    assert select_factor([0.5, 0.99, 0.7, 0.6, 0.1], 1.0) == [1, 2]       # 0.99 always; 0.7 >= 0.667; 0.6 < 0.75
+    assert select_factor([0.2, 0.1], 1.0) == [0, 1]                      # a miss at the last candidate takes it too
+    assert select_factor([0.3], 1.0) == [0]
+
+
+@pytest.mark.parametrize("params, n, needle", [
+    ({"block_size": 4}, 10, "--max-new-tokens 10 (the canvas) is not a multiple of the block size 4"),
+    ({"block_size": 4, "steps": 3}, 8, "steps 3 do not divide among 2 blocks of 4"),
+])
+def test_a_canvas_that_does_not_split_is_one_line(params, n, needle):
+    with pytest.raises(BadInput, match=re.escape(needle)):
+        kv_length_needed(tiny_mdm(), make_strategy("canvas", params), Settings(max_new_tokens=n), PROMPT)
+
+
+def test_an_ar_model_is_refused_unless_its_attention_is_named_and_bad_values_are_one_line():
+    with pytest.raises(BadInput, match="is an AR model, trained with causal attention and no blocks"):
+        kv_length_needed(tiny_engine(), make_strategy("canvas"), Settings(max_new_tokens=8), PROMPT)
+    kv_length_needed(tiny_engine(), make_strategy("canvas", {"attention": "causal"}), Settings(max_new_tokens=8), PROMPT)
+    for params, needle in (({"threshold": 1.5}, r"threshold must be in \[0, 1\]"), ({"factor": -1}, "factor"),
+                           ({"threshold": 0.9, "factor": 1.0}, "not both"), ({"remasking": "x"}, "remasking")):
+        with pytest.raises(BadInput, match=needle):
+            make_strategy("canvas", params)
