@@ -79,6 +79,25 @@ class KVCache:
         return old, to_len
 
 
+class WindowWrite:
+    """The committed cache with its slots [start, start + T) rewritten by a forward that attends over every committed
+    slot: Fast-dLLM's dual cache, the open block's K/V fresh and the prefix and the suffix as cached. The caller's
+    mask is [T, kv.length]."""
+
+    def __init__(self, kv: KVCache, start: int):
+        self.kv, self.start, self.length = kv, start, kv.length
+
+    def begin(self, n_new: int) -> None:
+        if self.start + n_new > self.kv.length:
+            raise ValueError(f"window [{self.start}, {self.start + n_new}) past the committed {self.kv.length} slots")
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.start + k.shape[2]
+        self.kv.k[layer, :, :, self.start:end] = k
+        self.kv.v[layer, :, :, self.start:end] = v
+        return self.kv.k[layer, :, :, :self.kv.length], self.kv.v[layer, :, :, :self.kv.length]
+
+
 class SlotView:
     """A KVCache seen through fixed shapes, as a CUDA graph needs them: a forward writes its new K/V at
     the slots held in the device tensor `slots` and attends over the first `n_visible` slots (a fixed

@@ -97,3 +97,59 @@ def test_an_ar_model_is_refused_unless_its_attention_is_named_and_bad_values_are
                            ({"threshold": 0.9, "factor": 1.0}, "not both"), ({"remasking": "x"}, "remasking")):
         with pytest.raises(BadInput, match=needle):
             make_strategy("canvas", params)
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_a_cache_rebuilt_every_step_decodes_what_no_cache_decodes(cache):
+    engine = tiny_mdm(seed=4)
+    none = generate(engine, "canvas", {"block_size": 4}, prompt=PROMPT, n=12)
+    cached = generate(engine, "canvas", {"block_size": 4, "cache": cache, "refresh_every": 1}, prompt=PROMPT, n=12)
+    assert cached.token_ids == none.token_ids and cached.footer["forwards"] == none.footer["forwards"]
+
+
+def test_the_prefix_cache_is_exact_under_block_causal_attention():
+    """LLaDA2's attention: the K/V before the open block never see it, so reusing them is exact; the canvas is
+    filled in blocks of 2 over the model's grid of 4 (a block starting mid-grid-block)."""
+    engine = tiny_mdm(attention="block", block=4, seed=5)
+    for B in (4, 2):
+        none = generate(engine, "canvas", {"block_size": B}, prompt=PROMPT, n=8)
+        assert generate(engine, "canvas", {"block_size": B, "cache": "prefix"}, prompt=PROMPT, n=8).token_ids == \
+            none.token_ids
+
+
+def test_caches_on_a_bidirectional_canvas_rebuild_at_each_block_and_match_where_the_cache_is_fresh(tmp_path):
+    """One step per block: every step is a block's first, a full forward, so prefix and dual equal no cache; with
+    more steps they decode the whole canvas from K/V up to a block old, each block opening with a rollback and a
+    commit (the refresh) in the trace."""
+    from studio.events import read_trace
+    engine = tiny_mdm(seed=6)
+    none = generate(engine, "canvas", {"block_size": 4, "steps": 2}, prompt=PROMPT, n=8)
+    for cache in ("prefix", "dual"):
+        assert generate(engine, "canvas", {"block_size": 4, "steps": 2, "cache": cache}, prompt=PROMPT,
+                        n=8).token_ids == none.token_ids
+        run = generate(engine, "canvas", {"block_size": 4, "cache": cache}, prompt=PROMPT, n=8,
+                       trace=str(tmp_path / f"{cache}.jsonl"))
+        assert len(run.token_ids) == 8 and run.footer["forwards"] == 8
+        kv = [(e["op"], e["to_len"]) for e in read_trace(tmp_path / f"{cache}.jsonl").events if e["t"] == "kv"]
+        kept = {"prefix": [5, 9], "dual": [13, 13]}[cache]    # the prefix before each block, or all 13 slots
+        assert kv == [("commit", kept[0]), ("rollback", 0), ("commit", kept[1])]
+
+
+@pytest.mark.parametrize("cache, attention", [("prefix", "bidirectional"), ("dual", "bidirectional"),
+                                              ("prefix", "block")])
+def test_a_cached_step_over_an_unchanged_canvas_gives_the_full_forwards_logits(cache, attention):
+    """The cached forward (the block and what follows it against the prefix's K/V, or the block alone written into
+    the cached K/V) reproduces the rebuilding forward's rows while nothing has changed since the rebuild."""
+    from studio.engine.sampling import SamplingParams
+    from studio.engine.strategies import DecodeContext, Output
+    engine = tiny_mdm(attention=attention, block=4 if attention == "block" else None, seed=7)
+    strategy = make_strategy("canvas", {"block_size": 4, "cache": cache})
+    ctx = DecodeContext(engine.model, engine.tokenizer, SamplingParams(), 0, Output(engine.tokenizer, 12, frozenset()),
+                        engine.config.mask_token_id, 64)
+    strategy.start(ctx, PROMPT * 2)   # 10 prompt tokens: the canvas opens mid-grid-block
+    strategy.block_start += 4                     # the second block, so there is a prefix of canvas too
+    slots = list(range(strategy.block_start, strategy.block_start + 4))
+    full = strategy._logits(ctx, slots)
+    assert ctx.kv.length == {"prefix": 14 if attention == "bidirectional" else 12, "dual": len(strategy.tokens)}[cache]
+    cached = strategy._logits(ctx, slots)
+    torch.testing.assert_close(cached, full, atol=1e-5, rtol=0)

@@ -203,6 +203,12 @@ class DecodeContext:
         frm, to = self.kv.commit(n)
         self.event("kv", op="commit", from_len=frm, to_len=to)
 
+    def rollback(self, to_len: int) -> None:
+        """Forget committed slots past `to_len` (a cache about to be rebuilt)."""
+        if to_len < self.kv.length:
+            frm, to = self.kv.rollback(to_len)
+            self.event("kv", op="rollback", from_len=frm, to_len=to)
+
     def keep(self, rows: list[int]) -> None:
         rows, self._skipped = [r - self._skipped for r in rows], 0
         frm, to = self.kv.keep(rows)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from studio.engine.kv_cache import WindowWrite
 from studio.engine.masks import bidirectional, block_causal, causal
 from studio.engine.strategies.base import DecodeContext, Strategy
 from studio.engine.strategies.blockdiff import BlockDiffusion, Draft, select_dynamic, top_k, transfer_counts
@@ -25,7 +26,7 @@ from studio.engine.strategies.params import N, TAU, param
 from studio.errors import BadInput
 
 REMASKING = ("low_confidence", "random")
-CACHES = ("none",)
+CACHES = ("none", "prefix", "dual")
 ATTENTIONS = ("model", "bidirectional", "block", "causal")
 
 
@@ -58,7 +59,12 @@ class Canvas(Strategy):
         factor: float = param(0.0, "Fast-dLLM factor rule (0 = off; e.g. 1.0)")
         cfg_scale: float = param(0.0, "classifier-free guidance: logits = un + (cfg+1)(cond - un), un with the prompt "
                                       "masked (LLaDA; 0 = off, one forward per step)")
-        cache: str = param("none", "none: every step recomputes the prompt and canvas K/V (exact)", choices=CACHES)
+        cache: str = param("none", "none: every step recomputes the prompt and canvas K/V (exact) | prefix: the K/V "
+                                   "before the open block kept from its first step, each step forwards the block and "
+                                   "the canvas after it | dual: the K/V after it kept too, each step forwards the block "
+                                   "(Fast-dLLM)", choices=CACHES)
+        refresh_every: int = param(0, "prefix/dual: also rebuild the cache every n steps of a block (dInfer's "
+                                      "cache_update_freq; 0 = at block starts only; 1 = every step, as cache=none)")
         attention: str = param("model", "the canvas forward's attention: the model's own (bidirectional for LLaDA and "
                                         "Dream, block-causal on its block grid for LLaDA2, SDAR and Fast-dLLM v2), or "
                                         "one named", choices=ATTENTIONS)
@@ -73,6 +79,10 @@ class Canvas(Strategy):
             raise BadInput(f"{cls.name} factor and cfg_scale must be >= 0")
         if p.threshold and p.factor:
             raise BadInput(f"{cls.name}: give threshold or factor, not both")
+        if p.refresh_every < 0:
+            raise BadInput(f"{cls.name} refresh_every must be >= 0")
+        if p.cfg_scale and p.cache != "none":
+            raise BadInput(f"{cls.name}: guidance (cfg_scale) runs with cache=none only")
         for name, value, choices in (("remasking", p.remasking, REMASKING), ("cache", p.cache, CACHES),
                                      ("attention", p.attention, ATTENTIONS)):
             if value not in choices:
@@ -92,6 +102,9 @@ class Canvas(Strategy):
             raise BadInput(f"canvas: {config.name or 'this model'} is an AR model, trained with causal attention and no "
                            "blocks: it decodes no canvas (a masked-diffusion model does; -p attention=causal runs it "
                            "anyway)")
+        if self.params.cache == "dual" and self.attention(config) != "bidirectional":
+            raise BadInput("canvas: cache=dual keeps the K/V of the canvas after the block, which a block-causal or "
+                           "causal forward never reads: give cache=prefix (exact under that attention)")
 
     def block_size(self, config, canvas: int = 0) -> int:
         """B: the params', else the model's, else the whole canvas (0 while its length is not known)."""
@@ -123,6 +136,7 @@ class Canvas(Strategy):
 
     def _open(self, ctx: DecodeContext) -> None:
         self.block_step = 0
+        self.cached = False   # the block's first step (re)builds a prefix or dual cache
         self.at_open = self.B
         ctx.event("block", op="open", start=self.block_start - self.P, end=self.block_start + self.B - self.P)
 
@@ -130,7 +144,7 @@ class Canvas(Strategy):
         return [i for i in range(self.block_start, self.block_start + self.B) if self.tokens[i] == self.mask_id]
 
     def kv_headroom(self, config=None) -> int:
-        return 1   # the canvas is the run's --max-new-tokens; nothing is committed
+        return 1   # the canvas is the run's --max-new-tokens: its K/V fit the run's slots
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self, ctx: DecodeContext) -> None:
@@ -150,22 +164,47 @@ class Canvas(Strategy):
                 self._open(ctx)
 
     def _logits(self, ctx: DecodeContext, slots: list[int]) -> torch.Tensor:
-        """The rows predicting `slots` from one forward over prompt + canvas (two with guidance), MASK excluded."""
+        """The rows predicting `slots` (MASK excluded): from one forward over prompt + canvas (two with guidance),
+        or, on a step that reuses the cache, over the part of the canvas the cache does not hold."""
         rows = [s - 1 for s in slots] if self.shift else slots
-        mask = self._mask_for(ctx, len(self.tokens))
-        logits = ctx.forward("draft", self.tokens, mask=mask, logits_rows=rows)
-        if self.params.cfg_scale:
+        p, n = self.params, len(self.tokens)
+        refresh = p.refresh_every and self.block_step % p.refresh_every == 0
+        if p.cache == "none" or not self.cached or refresh:
+            ctx.rollback(0)
+            logits = ctx.forward("draft", self.tokens, mask=self._mask_for(ctx, n, 0), logits_rows=rows)
+            if p.cache != "none":   # keep what later steps reuse: the prefix, or everything (dual)
+                ctx.commit(self._prefix_end() if p.cache == "prefix" else n)
+                self.cached = True
+        else:
+            start = self._prefix_end() if p.cache == "prefix" else self.block_start
+            rows = [r - start for r in rows]
+            if p.cache == "prefix":   # the block and the canvas after it, against the prefix's K/V
+                logits = ctx.forward("draft", self.tokens[start:], torch.arange(start, n, device=ctx.device),
+                                     mask=self._mask_for(ctx, n - start, start), logits_rows=rows)
+            else:                     # the block alone, its K/V written over the cached ones, the rest as cached
+                end = start + self.B
+                logits = ctx.forward("draft", self.tokens[start:end], torch.arange(start, end, device=ctx.device),
+                                     mask=torch.ones(self.B, n, dtype=torch.bool, device=ctx.device),
+                                     logits_rows=rows, kv=WindowWrite(ctx.kv, start))
+        if p.cfg_scale:
             unprompted = [ctx.mask_id] * self.P + self.tokens[self.P:]
-            un = ctx.forward("draft", unprompted, mask=mask, logits_rows=rows)
-            logits = un + (self.params.cfg_scale + 1) * (logits - un)
+            un = ctx.forward("draft", unprompted, mask=self._mask_for(ctx, n, 0), logits_rows=rows)
+            logits = un + (p.cfg_scale + 1) * (logits - un)
         return BlockDiffusion._no_mask(ctx, logits)
 
-    def _mask_for(self, ctx: DecodeContext, n: int) -> torch.Tensor:
-        if self.mode == "causal":
-            return causal(n, 0, device=ctx.device)
+    def _prefix_end(self) -> int:
+        """Where a prefix cache ends: the open block's start, or under block-causal attention the start of the model's
+        grid block holding it (K/V of the grid block's earlier positions see the open block: they are recomputed)."""
         if self.mode == "block":
-            return block_causal(n, 0, self.model_block, device=ctx.device)
-        return bidirectional(n, 0, device=ctx.device)
+            return self.block_start // self.model_block * self.model_block
+        return self.block_start
+
+    def _mask_for(self, ctx: DecodeContext, n_new: int, n_past: int) -> torch.Tensor:
+        if self.mode == "causal":
+            return causal(n_new, n_past, device=ctx.device)
+        if self.mode == "block":   # the model's own block grid, from position 0
+            return block_causal(n_new, n_past, self.model_block, offset=n_past % self.model_block, device=ctx.device)
+        return bidirectional(n_new, n_past, device=ctx.device)
 
     def _select(self, ctx: DecodeContext, d: Draft) -> list[int]:
         p = self.params
