@@ -153,3 +153,47 @@ def test_a_cached_step_over_an_unchanged_canvas_gives_the_full_forwards_logits(c
     assert ctx.kv.length == {"prefix": 14 if attention == "bidirectional" else 12, "dual": len(strategy.tokens)}[cache]
     cached = strategy._logits(ctx, slots)
     torch.testing.assert_close(cached, full, atol=1e-5, rtol=0)
+
+
+def dream_reference(engine, G: int, steps: int, alg: str, eps: float = 1e-3) -> list[int]:
+    """Dream's diffusion_generate, greedy, written out: one canvas, t = linspace(1, eps, steps + 1); step i fills
+    int(masked * (1 - t[i+1]/t[i])) MASKs (the last step all) with the best scores -- the confidence (maskgit_plus),
+    top-1 - top-2 (topk_margin) or sum p log p (entropy) -- each from the row before it (logits shifted right)."""
+    model, M = engine.model, engine.config.mask_token_id
+    x, P = PROMPT + [M] * G, len(PROMPT)
+    t = torch.linspace(1, eps, steps + 1)
+    for i in range(steps):
+        masked = [j for j in range(P, P + G) if x[j] == M]
+        if not masked:
+            break
+        with torch.inference_mode():
+            logits = model(torch.tensor(x), torch.arange(len(x)), model.new_cache(len(x)),
+                           mask=bidirectional(len(x), 0))[0]
+            probs = torch.softmax(logits.float().index_fill(-1, torch.tensor([M]), float("-inf")), dim=-1)
+        rows = probs[[j - 1 for j in masked]]
+        top2 = rows.topk(2, dim=-1).values
+        score = {"maskgit_plus": top2[:, 0], "topk_margin": top2[:, 0] - top2[:, 1],
+                 "entropy": (rows * rows.clamp_min(1e-30).log()).sum(-1)}[alg]
+        k = len(masked) if i == steps - 1 else int(len(masked) * (1 - t[i + 1] / t[i]))
+        for r in score.topk(k).indices.tolist():
+            x[masked[r]] = int(rows[r].argmax())
+    return x[P:]
+
+
+@pytest.mark.parametrize("alg, remasking", [("maskgit_plus", "low_confidence"), ("topk_margin", "margin"),
+                                            ("entropy", "entropy")])
+@pytest.mark.parametrize("steps", [8, 3])
+def test_dream_s_schedule_and_scores_fill_what_its_loop_fills(alg, remasking, steps):
+    engine = tiny_mdm(shift=True, seed=8)
+    run = generate(engine, "canvas", {"schedule": "dream", "steps": steps, "remasking": remasking}, prompt=PROMPT, n=8)
+    assert run.token_ids == dream_reference(engine, 8, steps, alg)
+
+
+def test_dream_s_origin_and_sampled_positions_run_and_follow_the_seed():
+    engine = tiny_mdm(shift=True, seed=8)
+    for params in ({"schedule": "dream", "remasking": "origin", "steps": 4},
+                   {"schedule": "dream", "remasking": "entropy", "alg_temp": 0.5, "steps": 4}):
+        runs = [generate(engine, "canvas", params, prompt=PROMPT, n=8, seed=s).token_ids for s in (3, 3)]
+        assert runs[0] == runs[1] and len(runs[0]) == 8
+    with pytest.raises(BadInput, match="remasking=origin is Dream's"):
+        make_strategy("canvas", {"remasking": "origin"})

@@ -6,8 +6,9 @@ some of the open block's MASKs; a filled token is never changed. `cache = none` 
 the reference of the cached variants.
 
 Fill rules: LLaDA's fixed schedule (a block's MASKs spread over its share of `steps`, `remasking` low_confidence:
-the most confident first, or random), Fast-dLLM's `threshold` (every MASK above it, at least the best one) and
-`factor` (the n best while the n-th confidence stays above 1 - factor/(n+1)). `cfg_scale` is LLaDA's classifier-free
+the most confident first, or random), Dream's (`schedule = dream`: int(masked * (1 - s/t)) per step, by confidence,
+margin or entropy, or `origin`), Fast-dLLM's `threshold` (every MASK above it, at least the best one) and `factor`
+(the n best while the n-th confidence stays above 1 - factor/(n+1)). `cfg_scale` is LLaDA's classifier-free
 guidance: a second forward with the prompt masked, logits = un + (cfg + 1)(cond - un).
 
 Design: docs/strategies.md#canvas
@@ -25,7 +26,8 @@ from studio.engine.strategies.blockdiff import BlockDiffusion, Draft, select_dyn
 from studio.engine.strategies.params import N, TAU, param
 from studio.errors import BadInput
 
-REMASKING = ("low_confidence", "random")
+REMASKING = ("low_confidence", "random", "margin", "entropy", "origin")
+SCHEDULES = ("linear", "dream")
 CACHES = ("none", "prefix", "dual")
 ATTENTIONS = ("model", "bidirectional", "block", "causal")
 
@@ -52,8 +54,16 @@ class Canvas(Strategy):
                                    "whole canvas (LLaDA's block_length)", role=N)
         steps: int = param(0, "denoising steps over the whole canvas, shared equally by its blocks; 0 = one per "
                               "token (LLaDA's steps)")
-        remasking: str = param("low_confidence", "which MASKs a fixed-schedule step fills: the most confident, or "
-                                                 "random ones (LLaDA)", choices=REMASKING)
+        remasking: str = param("low_confidence", "which MASKs a scheduled step fills: the most confident (LLaDA; "
+                                                 "Dream's maskgit_plus), random ones (LLaDA), the largest top-1 - top-2 "
+                                                 "margin or the lowest entropy (Dream's topk_margin, entropy), or each "
+                                                 "with the step's probability (Dream's origin)", choices=REMASKING)
+        schedule: str = param("linear", "how many MASKs a step fills: linear (LLaDA: a block's MASKs spread evenly "
+                                        "over its steps) | dream (int(masked * (1 - s/t)) over t = linspace(1, eps, "
+                                        "steps + 1), all on the last step)", choices=SCHEDULES)
+        eps: float = param(1e-3, "the dream schedule's last time")
+        alg_temp: float = param(0.0, "Dream: 0 = the k best scores; > 0 = k positions drawn by softmax(score / "
+                                     "alg_temp)")
         threshold: float = param(0.0, "Fast-dLLM: fill every MASK of the block above this confidence, at least "
                                       "the best one (0 = the fixed schedule)", role=TAU)
         factor: float = param(0.0, "Fast-dLLM factor rule (0 = off; e.g. 1.0)")
@@ -83,7 +93,12 @@ class Canvas(Strategy):
             raise BadInput(f"{cls.name} refresh_every must be >= 0")
         if p.cfg_scale and p.cache != "none":
             raise BadInput(f"{cls.name}: guidance (cfg_scale) runs with cache=none only")
-        for name, value, choices in (("remasking", p.remasking, REMASKING), ("cache", p.cache, CACHES),
+        if not 0 < p.eps < 1 or p.alg_temp < 0:
+            raise BadInput(f"{cls.name} eps must be in (0, 1) and alg_temp >= 0")
+        if p.remasking == "origin" and p.schedule != "dream":
+            raise BadInput(f"{cls.name} remasking=origin is Dream's: give schedule=dream")
+        for name, value, choices in (("remasking", p.remasking, REMASKING), ("schedule", p.schedule, SCHEDULES),
+                                     ("cache", p.cache, CACHES),
                                      ("attention", p.attention, ATTENTIONS)):
             if value not in choices:
                 raise BadInput(f"{cls.name} {name} must be one of {', '.join(choices)}, got {value!r}")
@@ -212,10 +227,35 @@ class Canvas(Strategy):
             return select_dynamic(d.conf, 1, p.threshold)
         if p.factor:
             return select_factor(d.conf, p.factor)
-        quota = transfer_counts(self.at_open, self.steps_per_block)[min(self.block_step, self.steps_per_block - 1)]
-        conf = d.conf if p.remasking == "low_confidence" else \
-            torch.rand(len(d.conf), generator=ctx.gen, device=ctx.device).tolist()
-        return top_k(conf, max(1, min(quota, len(d.slots))))
+        n, last = len(d.slots), self.block_step >= self.steps_per_block - 1
+        if p.schedule == "linear":
+            quota = max(1, min(transfer_counts(self.at_open, self.steps_per_block)[min(self.block_step,
+                                                                                       self.steps_per_block - 1)], n))
+        else:   # Dream: a step may fill none; the last fills the rest
+            t = torch.linspace(1, p.eps, self.steps_per_block + 1)
+            share = 1 - t[self.block_step + 1] / t[self.block_step] if not last else torch.tensor(1.0)
+            if p.remasking == "origin":
+                draws = torch.rand(n, generator=ctx.gen, device=ctx.device).cpu()
+                return list(range(n)) if last else [i for i in range(n) if draws[i] < share]
+            quota = n if last else int(n * share)
+        score = self._scores(ctx, d)
+        if p.alg_temp and quota:
+            weights = torch.softmax(torch.tensor(score, device=ctx.device) / p.alg_temp, dim=0)
+            return sorted(torch.multinomial(weights, quota, replacement=False, generator=ctx.gen).tolist())
+        return top_k(score, quota)
+
+    def _scores(self, ctx: DecodeContext, d: Draft) -> list[float]:
+        """Each MASK's claim to be filled now: its confidence, a random draw, its top-1 - top-2 margin, or its
+        negative entropy."""
+        kind = self.params.remasking
+        if kind == "random":
+            return torch.rand(len(d.conf), generator=ctx.gen, device=ctx.device).tolist()
+        if kind == "margin":
+            top = d.dist.topk(2, dim=-1).values
+            return (top[:, 0] - top[:, 1]).tolist()
+        if kind == "entropy":
+            return torch.special.xlogy(d.dist, d.dist).sum(-1).tolist()
+        return d.conf
 
     def _emit_ready(self, ctx: DecodeContext) -> None:
         """Emit the filled positions that continue the output without a gap."""
