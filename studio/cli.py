@@ -78,8 +78,8 @@ class LiveMetrics:
         sys.stderr.write("\r\x1b[2K")
 
 
-STRATEGY = typer.Option(None, "--strategy", "-s", help="ar, isd, r-isd, jacobi, jacobi-mr, blockdiff, s2d2, simsd "
-                        "(default: the preset's, else ar).")
+STRATEGY = typer.Option(None, "--strategy", "-s", help="ar, isd, r-isd, jacobi, jacobi-mr, blockdiff, s2d2, simsd, "
+                        "canvas, or a strategy preset (default: --preset's, else the model preset's, else ar).")
 STRATEGIES = typer.Option("ar,isd", "--strategy", "-s", help="Comma-separated strategies or presets (ar is always "
                           "added, first: the baseline).")
 

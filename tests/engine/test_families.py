@@ -137,7 +137,7 @@ def test_a_bidirectional_forward_runs_through_the_decode_context_and_causal_stra
     settings = Settings(max_new_tokens=4)
     for name in ("ar", "isd", "r-isd", "jacobi", "jacobi-mr"):
         with pytest.raises(BadInput, match=r"needs a causal model .* bidirectional attention; strategies that fit: "
-                                           r"blockdiff, s2d2, simsd"):
+                                           r"blockdiff, canvas, s2d2, simsd"):
             kv_length_needed(engine, make_strategy(name), settings, IDS[:3])
     run = Session(engine, make_strategy("blockdiff", {"block_size": 4}), settings).run("", IDS[:3])
     assert run.footer["n_tokens"] == 4 and make_strategy("blockdiff").causal_kv(engine.config) is False
