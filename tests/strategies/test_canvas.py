@@ -192,8 +192,7 @@ def test_dream_s_schedule_and_scores_fill_what_its_loop_fills(alg, remasking, st
 def test_dream_s_origin_and_sampled_positions_run_and_follow_the_seed():
     engine = tiny_mdm(shift=True, seed=8)
     for params in ({"schedule": "dream", "remasking": "origin", "steps": 4},
-                   {"schedule": "dream", "remasking": "entropy", "alg_temp": 0.5, "steps": 4}):
+                   {"schedule": "dream", "remasking": "entropy", "alg_temp": 0.5, "steps": 4},
+                   {"remasking": "origin", "block_size": 4, "steps": 4}):   # origin at the linear schedule's share
         runs = [generate(engine, "canvas", params, prompt=PROMPT, n=8, seed=s).token_ids for s in (3, 3)]
         assert runs[0] == runs[1] and len(runs[0]) == 8
-    with pytest.raises(BadInput, match="remasking=origin is Dream's"):
-        make_strategy("canvas", {"remasking": "origin"})

@@ -57,7 +57,8 @@ class Canvas(Strategy):
         remasking: str = param("low_confidence", "which MASKs a scheduled step fills: the most confident (LLaDA; "
                                                  "Dream's maskgit_plus), random ones (LLaDA), the largest top-1 - top-2 "
                                                  "margin or the lowest entropy (Dream's topk_margin, entropy), or each "
-                                                 "with the step's probability (Dream's origin)", choices=REMASKING)
+                                                 "with the step's share as its probability (Dream's origin)",
+                               choices=REMASKING)
         schedule: str = param("linear", "how many MASKs a step fills: linear (LLaDA: a block's MASKs spread evenly "
                                         "over its steps) | dream (int(masked * (1 - s/t)) over t = linspace(1, eps, "
                                         "steps + 1), all on the last step)", choices=SCHEDULES)
@@ -95,8 +96,6 @@ class Canvas(Strategy):
             raise BadInput(f"{cls.name}: guidance (cfg_scale) runs with cache=none only")
         if not 0 < p.eps < 1 or p.alg_temp < 0:
             raise BadInput(f"{cls.name} eps must be in (0, 1) and alg_temp >= 0")
-        if p.remasking == "origin" and p.schedule != "dream":
-            raise BadInput(f"{cls.name} remasking=origin is Dream's: give schedule=dream")
         for name, value, choices in (("remasking", p.remasking, REMASKING), ("schedule", p.schedule, SCHEDULES),
                                      ("cache", p.cache, CACHES),
                                      ("attention", p.attention, ATTENTIONS)):
@@ -231,13 +230,14 @@ class Canvas(Strategy):
         if p.schedule == "linear":
             quota = max(1, min(transfer_counts(self.at_open, self.steps_per_block)[min(self.block_step,
                                                                                        self.steps_per_block - 1)], n))
+            share = torch.tensor(quota / n)
         else:   # Dream: a step may fill none; the last fills the rest
             t = torch.linspace(1, p.eps, self.steps_per_block + 1)
             share = 1 - t[self.block_step + 1] / t[self.block_step] if not last else torch.tensor(1.0)
-            if p.remasking == "origin":
-                draws = torch.rand(n, generator=ctx.gen, device=ctx.device).cpu()
-                return list(range(n)) if last else [i for i in range(n) if draws[i] < share]
             quota = n if last else int(n * share)
+        if p.remasking == "origin":   # each MASK with the step's share (Dream's origin); the last step fills the rest
+            draws = torch.rand(n, generator=ctx.gen, device=ctx.device).cpu()
+            return list(range(n)) if last else [i for i in range(n) if draws[i] < share]
         score = self._scores(ctx, d)
         if p.alg_temp and quota:
             weights = torch.softmax(torch.tensor(score, device=ctx.device) / p.alg_temp, dim=0)
