@@ -17,6 +17,20 @@ from studio.errors import BadInput
 from studio.run.session import Session, Settings, kv_length_needed
 from tests.support.hf_files import tiny_tokenizer_files
 
+def write_checkpoint(path, config: dict, sd: dict) -> None:
+    """A model directory as published: config.json, model.safetensors and a tiny tokenizer."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(sd, str(path / "model.safetensors"))
+    tiny_tokenizer_files(path)
+
+
+def per_expert_tensors(prefix: str, n: int, ffn: int, dim: int, rand) -> dict:
+    """`prefix`mlp.experts.{e}.{gate,up,down}_proj.weight for n experts, as MoE checkpoints publish them."""
+    return {f"{prefix}mlp.experts.{e}.{proj}.weight": rand(*shape) for e in range(n)
+            for proj, shape in (("gate_proj", (ffn, dim)), ("up_proj", (ffn, dim)), ("down_proj", (dim, ffn)))}
+
+
 # -- LLaDA dense ------------------------------------------------------------------------------------
 LLADA_CONFIG = {   # GSAI-ML/LLaDA-8B-Instruct's config.json keys, tiny sizes
     "architectures": ["LLaDAModelLM"], "model_type": "llada", "d_model": 64, "n_layers": 2, "n_heads": 4,
@@ -47,10 +61,7 @@ def llada_checkpoint(path, dtype=torch.float32, seed=0):
         sd.update({b + "attn_norm.weight": norm(), b + "ff_norm.weight": norm(), b + "q_proj.weight": rand(d, d),
                    b + "k_proj.weight": rand(d, d), b + "v_proj.weight": rand(d, d), b + "attn_out.weight": rand(d, d),
                    b + "ff_proj.weight": rand(f, d), b + "up_proj.weight": rand(f, d), b + "ff_out.weight": rand(d, f)})
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(c))
-    save_file(sd, str(path / "model.safetensors"))
-    tiny_tokenizer_files(path)
+    write_checkpoint(path, c, sd)
     return sd
 
 
@@ -199,10 +210,7 @@ def dream_checkpoint(path):
     hf.load_state_dict(sd)
     raw = dict(cfg.to_dict(), architectures=["DreamModel"], model_type="Dream", mask_token_id=39,
                use_sliding_window=False, eos_token_id=2)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(raw))
-    save_file(sd, str(path / "model.safetensors"))
-    tiny_tokenizer_files(path)
+    write_checkpoint(path, raw, sd)
     return hf
 
 
@@ -243,13 +251,8 @@ def llada_moe_checkpoint(path, seed=0):
                    p + "mlp.gate.weight": rand(c["num_experts"], d)})
         for proj in "qkvo":
             sd[p + f"self_attn.{proj}_proj.weight"] = rand(d, d)
-        for e in range(c["num_experts"]):
-            sd.update({p + f"mlp.experts.{e}.gate_proj.weight": rand(f, d), p + f"mlp.experts.{e}.up_proj.weight": rand(f, d),
-                       p + f"mlp.experts.{e}.down_proj.weight": rand(d, f)})
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(c))
-    save_file(sd, str(path / "model.safetensors"))
-    tiny_tokenizer_files(path)
+        sd.update(per_expert_tensors(p, c["num_experts"], f, d, rand))
+    write_checkpoint(path, c, sd)
     return sd
 
 
@@ -351,13 +354,8 @@ def llada2_checkpoint(path, seed=0):
         sd.update({p + "mlp.gate.weight": rand(c["num_experts"], d), p + "mlp.gate.expert_bias": rand(c["num_experts"]),
                    p + "mlp.shared_experts.gate_proj.weight": rand(f, d), p + "mlp.shared_experts.up_proj.weight": rand(f, d),
                    p + "mlp.shared_experts.down_proj.weight": rand(d, f)})
-        for e in range(c["num_experts"]):
-            sd.update({p + f"mlp.experts.{e}.gate_proj.weight": rand(f, d), p + f"mlp.experts.{e}.up_proj.weight": rand(f, d),
-                       p + f"mlp.experts.{e}.down_proj.weight": rand(d, f)})
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(c))
-    save_file(sd, str(path / "model.safetensors"))
-    tiny_tokenizer_files(path)
+        sd.update(per_expert_tensors(p, c["num_experts"], f, d, rand))
+    write_checkpoint(path, c, sd)
     return sd
 
 
