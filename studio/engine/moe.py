@@ -61,7 +61,8 @@ class Experts(nn.Module):
         counts = torch.bincount(experts.flatten(), minlength=self.gate_proj.shape[0])
         grouped = flat[token]
         out = self._grouped(grouped, counts) if self.uses_grouped_mm(flat) else self._looped(grouped, counts)
-        y = torch.zeros_like(flat).index_add_(0, token, out * weights.flatten()[order, None])
+        weighted = out * weights.flatten()[order, None]   # routers weigh in fp32: back to the stream's dtype
+        y = torch.zeros_like(flat).index_add_(0, token, weighted.to(flat.dtype))
         return y, (counts > 0).sum()
 
     def uses_grouped_mm(self, x: torch.Tensor) -> bool:

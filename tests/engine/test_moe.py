@@ -42,6 +42,19 @@ def test_the_grouped_gemm_path_equals_the_expert_loop(router, act, tokens):
     assert moe.experts.uses_grouped_mm(x) is False   # on the CPU, auto keeps the loop (faster there)
 
 
+@pytest.mark.parametrize("router", ["softmax", "sigmoid", "gemma"])
+def test_a_bf16_layer_stays_in_bf16_whatever_dtype_its_router_weighs_in(router):
+    """Routers weigh in fp32; the weighted expert outputs go back into the bf16 stream (the GPU's dtype: this once
+    failed there alone)."""
+    extra = dict(moe_groups=4, moe_topk_groups=2) if router == "sigmoid" else {}
+    moe = MoE(ModelConfig(**CFG, moe_router=router, hidden_act="silu", **extra)).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+        y = moe(torch.randn(1, 5, 64, dtype=torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_in_bf16_the_grouped_gemms_run_and_agree_with_the_loop():
