@@ -285,12 +285,13 @@ def bench(
     if forwards:
         return _bench_forwards(model.load(), repeats, warmup, as_json)
     config = dataclasses.replace(config, max_new_tokens=config.max_new_tokens or 64, oracle_accept=oracle_accept)
-    configs = compare_configs(strategies + (f",{config.preset}" if config.preset else ""), config)
+    with_transformers = not no_transformers and concurrency == 1
+    configs = compare_configs(strategies + (f",{config.preset}" if config.preset else ""), config,
+                              ar_alone=True)   # `-s ar`: ar's own speed (beside transformers generate unless skipped)
     texts = load_prompts(prompts)
     check_concurrency([c.build() for c in configs.values()], concurrency)   # bad input fails before the model loads
     if html:
         check_writable(html, force)
-    with_transformers = not no_transformers and concurrency == 1
     engine = model.load()
     err = Console(stderr=True)
     per_round = len(configs) + (with_transformers or concurrency > 1)   # + transformers, or ar at batch 1

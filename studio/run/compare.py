@@ -26,10 +26,10 @@ from studio.run.session import (
 ENDED_ON_ITS_OWN = ("eos", "stop_string")   # stop reasons after which a run's output is complete
 
 
-def compare_configs(items: str, base: RunConfig | None = None) -> dict[str, RunConfig]:
+def compare_configs(items: str, base: RunConfig | None = None, ar_alone: bool = False) -> dict[str, RunConfig]:
     """`ar,isd,isd-n4` -> {label: RunConfig}: each item a strategy or a strategy preset on `base`'s settings
     (`RunConfig.use`), `ar` first (added when missing: the baseline). BadInput for an unknown or repeated item,
-    or a list with nothing to compare with `ar`."""
+    or a list with nothing to compare with `ar` -- unless `ar_alone` (a bench of ar against transformers)."""
     base = base or RunConfig()
     configs: dict[str, RunConfig] = {}
     for item in [s.strip() for s in items.split(",") if s.strip()]:
@@ -37,7 +37,7 @@ def compare_configs(items: str, base: RunConfig | None = None) -> dict[str, RunC
         if config.label in configs:
             raise BadInput(f"{config.label} is listed twice: {items}")
         configs[config.label] = config
-    if set(configs) <= {"ar"}:
+    if set(configs) <= {"ar"} and not (ar_alone and configs):
         got = f" (got {items.strip()!r})" if items.strip() else ""
         raise BadInput(f"nothing to compare with ar: name a strategy or preset besides it{got}")
     ar = configs.pop("ar", None) or base.use("ar")

@@ -77,6 +77,9 @@ def test_compare_configs_put_ar_first_on_the_shared_settings_and_reject_bad_list
     for nothing in ("", "ar", " , ar"):   # ar alone compares nothing
         with pytest.raises(BadInput, match="nothing to compare"):
             compare_configs(nothing)
+    assert list(compare_configs(" , ar", ar_alone=True)) == ["ar"]   # a bench of ar alone (against transformers)
+    with pytest.raises(BadInput, match="nothing to compare"):
+        compare_configs("", ar_alone=True)
 
 
 def test_make_runs_refuses_more_runs_than_a_view_shows_before_any_trace_is_opened(engine, tmp_path):
