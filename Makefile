@@ -30,29 +30,9 @@ fuzz: venv
 	DLM_FUZZ=long $(BIN)/python -m pytest -q tests/reliability/test_fuzz_*.py tests/reliability/test_soak.py --hypothesis-show-statistics \
 		-p no:cacheprovider
 
-# the engine issue's GPU numbers in one go (needs CUDA; JSON in gpu-numbers/): forward costs with copy bandwidth
-# and verify time, AR with and without graphs beside transformers, ISD at a controlled acceptance, throughput at
-# concurrency 1/4/16/64, the MoE shapes' forwards (their experts as grouped GEMMs), then the CUDA-marked tests
-GPU_MODEL ?= random:qwen3-8b
-GPU_BENCH  = $(BIN)/dlm-studio bench --model $(GPU_MODEL) --device cuda --json
+# the GPU checks and numbers in one go (needs CUDA; JSON in gpu-numbers/): scripts/gpu-numbers.sh says what it runs
 gpu-numbers: venv
-	mkdir -p gpu-numbers
-	$(BIN)/python -c "from studio.train.prompts import eval_prompts; print(*eval_prompts(64), sep='\n')" \
-		> gpu-numbers/prompts.txt
-	$(GPU_BENCH) --forwards > gpu-numbers/forwards.json
-	$(GPU_BENCH) -s ar --max-new-tokens 256 > gpu-numbers/ar-graphs.json
-	$(GPU_BENCH) -s ar --max-new-tokens 256 --no-graphs > gpu-numbers/ar-eager.json
-	$(GPU_BENCH) -s ar,isd --oracle-accept 0.85 --max-new-tokens 256 > gpu-numbers/isd-oracle-0.85.json
-	for c in 1 4 16 64; do \
-		$(GPU_BENCH) -s ar,isd --concurrency $$c --prompts gpu-numbers/prompts.txt --max-new-tokens 128 \
-			--repeats 1 --no-transformers > gpu-numbers/concurrency-$$c.json || exit 1; \
-	done
-	for m in llada2-mini diffusiongemma-26b-a4b; do \
-		$(BIN)/dlm-studio bench --model random:$$m --device cuda --json --forwards > gpu-numbers/forwards-$$m.json \
-			|| exit 1; \
-	done
-	$(BIN)/python -m pytest -q -m cuda tests/engine/test_verify_kernel.py tests/engine/test_graphs.py tests/engine/test_device.py \
-		tests/engine/test_moe.py
+	PYTHON=$(BIN)/python scripts/gpu-numbers.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -25,9 +25,10 @@ def opened(engine, strategy, prompt, temperature=0.0, seed=0) -> DecodeContext:
 
 def full_forward_row(model, ids: list[int], row: int = -1) -> torch.Tensor:
     """Logits of one row of a plain causal forward over `ids` (fresh cache)."""
-    kv = model.new_cache(len(ids))
+    kv, dev = model.new_cache(len(ids)), model.lm_head.weight.device
     with torch.inference_mode():
-        return model(torch.tensor(ids), torch.arange(len(ids)), kv, logits_rows=[row % len(ids)])[0, 0]
+        return model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev), kv,
+                     logits_rows=[row % len(ids)])[0, 0]
 
 
 def block_size_one_row(engine, prefix: list[int]) -> torch.Tensor:

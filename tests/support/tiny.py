@@ -43,7 +43,7 @@ def tiny_model(family: str = "llama", vocab: int = 16, seed: int = 0, dim: int =
     cfg = ModelConfig(arch=family, vocab_size=vocab, dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2,
                       head_dim=dim // 4 if family != "qwen3" else 12, ffn_dim=2 * dim,
                       rope_theta=10000.0, rms_eps=1e-6, attn_bias=family == "qwen2",
-                      qk_norm=family == "qwen3", max_seq_len=128, eos_ids=[], **over)
+                      qk_norm=family == "qwen3", **{"max_seq_len": 128, "eos_ids": [], **over})
     m = Transformer(cfg).eval()
     with torch.no_grad():
         for p in m.parameters():

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The GPU checks and numbers in one go (needs CUDA): first the CUDA-marked tests (the verify kernel compiled, graphs,
+# grouped-GEMM experts, the lossless strategies on the GPU paths), then forward costs with copy bandwidth and verify
+# time, AR with and without graphs beside transformers, ISD at a controlled acceptance, the MoE shapes' forwards, and
+# throughput at concurrency 1/4/16/64. `make gpu-numbers` runs it with the venv's Python; a GPU machine without the
+# venv (whose own python has torch) runs it as
+#   PYTHON=python3 scripts/gpu-numbers.sh
+# Every step runs even when one fails (its log says why); each JSON lands in $DIR as it is made, and the exit status
+# counts the failed steps. Knobs: MODEL, MOE_MODELS, REPEATS, CONCURRENCY, N_PROMPTS, STEP_TIMEOUT (seconds),
+# DEVICE=cpu (a dry run of the steps themselves, on a small MODEL).
+set -uo pipefail
+PYTHON=${PYTHON:-.venv/bin/python}
+MODEL=${MODEL:-random:qwen3-8b}
+MOE_MODELS=${MOE_MODELS:-llada2-mini diffusiongemma-26b-a4b}
+REPEATS=${REPEATS:-3}
+CONCURRENCY=${CONCURRENCY:-1 4 16 64}
+N_PROMPTS=${N_PROMPTS:-64}
+DEVICE=${DEVICE:-cuda}
+STEP_TIMEOUT=${STEP_TIMEOUT:-900}
+DIR=${DIR:-gpu-numbers}
+mkdir -p "$DIR"
+failed=0
+
+step() {   # step NAME COMMAND...: stdout to $DIR/NAME.json, stderr to $DIR/NAME.log
+  local name=$1; shift
+  local t0=$SECONDS
+  timeout "$STEP_TIMEOUT" "$@" > "$DIR/$name.json" 2> "$DIR/$name.log"
+  local rc=$?
+  echo "$name: rc $rc in $((SECONDS - t0)) s" | tee -a "$DIR/steps.txt"
+  if [ $rc -ne 0 ]; then
+    failed=$((failed + 1))
+    tail -n 15 "$DIR/$name.log"
+  fi
+}
+
+step cuda-tests "$PYTHON" -m pytest -q -p no:cacheprovider -m cuda tests/engine/test_verify_kernel.py \
+  tests/engine/test_graphs.py tests/engine/test_device.py tests/engine/test_moe.py tests/engine/test_cuda_exact.py
+bench=("$PYTHON" -m studio bench --model "$MODEL" --device "$DEVICE" --json)
+step forwards "${bench[@]}" --forwards --repeats "$REPEATS"
+step ar-graphs "${bench[@]}" -s ar --max-new-tokens 256 --repeats "$REPEATS"
+step ar-eager "${bench[@]}" -s ar --max-new-tokens 256 --repeats "$REPEATS" --no-graphs
+step isd-oracle-0.85 "${bench[@]}" -s ar,isd --oracle-accept 0.85 --max-new-tokens 256 --repeats "$REPEATS"
+for m in $MOE_MODELS; do
+  step "forwards-${m%@*}" "$PYTHON" -m studio bench --model "random:$m" --device "$DEVICE" --json --forwards \
+    --repeats "$REPEATS"
+done
+"$PYTHON" -c "from studio.train.prompts import eval_prompts; print(*eval_prompts($N_PROMPTS), sep='\n')" \
+  > "$DIR/prompts.txt" || exit 1
+for c in $CONCURRENCY; do
+  step "concurrency-$c" "${bench[@]}" -s ar,isd --concurrency "$c" --prompts "$DIR/prompts.txt" --max-new-tokens 128 \
+    --repeats 1 --no-transformers
+done
+echo "$failed step(s) failed" | tee -a "$DIR/steps.txt"
+exit $failed
