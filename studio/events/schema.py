@@ -1,12 +1,13 @@
-"""Event schema ``dlm-studio.trace/1``: the one contract between the engine and every consumer
+"""Event schema ``dlm-studio.trace/1.1``: the one contract between the engine and every consumer
 (docs/events.md). Fields, their validation, and one constructor per event kind.
 
 The engine describes every decoding step as small plain-dict events (JSON-ready, cheap to build on
 the hot path); the CLI printer, TUI, web UI, trace files and metrics read nothing else.
 
-Versioning: ``dlm-studio.trace/MAJOR[.MINOR]``. A minor bump may only add fields (readers ignore
-fields they don't know, and keep them in the dicts). New event kinds, new enum values or changed
-meanings need a new major, which this build refuses to read.
+Versioning: ``dlm-studio.trace/MAJOR[.MINOR]``. A minor bump may add fields (readers ignore fields they don't
+know, and keep them in the dicts), event kinds and enum values; a reader skips the event kinds of a newer minor
+it does not know (`TraceReader.skipped` counts them). Changed meanings need a new major, which this build
+refuses to read. 1.1 added `edit`, `remask`, `kv {op: refresh}` and the header's `canvas`.
 
 Values must be plain Python types (use ``.tolist()`` / ``.item()`` on tensors); consumers share the
 event dicts and must not mutate them. A read trace may hold ``None`` for any float (see trace.py).
@@ -20,9 +21,9 @@ from typing import Any, Callable, Literal, Mapping, Union, get_args, get_origin
 
 from studio.errors import BadInput
 
-SCHEMA = "dlm-studio.trace/1"
+SCHEMA = "dlm-studio.trace/1.1"
 _SCHEMA_RE = re.compile(r"dlm-studio\.trace/([0-9]{1,9})(?:\.([0-9]{1,9}))?")  # int() refuses 4300+ digits
-_MAJOR = 1
+_MAJOR, _MINOR = 1, 1
 
 Event = dict[str, Any]
 
@@ -42,9 +43,11 @@ EVENT_FIELDS: dict[str, dict[str, Any]] = {
     "resample": {"pos": int, "tok": int},
     "bonus": {"pos": int, "tok": int},
     "unmask": {"pos": list[int], "tok": list[int], "conf": list[float]},
+    "edit": {"pos": list[int], "old": list[int], "tok": list[int], "conf": list[float]},
+    "remask": {"pos": list[int], "tok": list[int]},
     "block": {"op": Literal["open", "close"], "start": int, "end": int},
     "route": {"verify": bool, "score": float, "policy": str},
-    "kv": {"op": Literal["commit", "rollback"], "from_len": int, "to_len": int},
+    "kv": {"op": Literal["commit", "rollback", "refresh"], "from_len": int, "to_len": int},
     "emit": {"pos": list[int], "tok": list[int], "text": str},
 }
 # Optional fields (added in 1.x, so readers must not require them). emit.pieces: the text of each
@@ -62,6 +65,9 @@ HEADER_FIELDS: dict[str, Any] = {
     "prompt": {"text": str, "token_ids": list[int]},
     "seed": int | None,
 }
+# header.canvas (1.1, canvas strategies): the canvas after the prompt -- its length (--max-new-tokens) and the
+# block size it is filled by -- so a viewer can lay out every cell before the first is filled.
+OPTIONAL_HEADER_FIELDS: dict[str, Any] = {"canvas": {"length": int, "block_size": int}}
 
 FOOTER_FIELDS: dict[str, Any] = {
     "stop_reason": str, "text": str, "n_tokens": int, "forwards": int, "tpf": float,
@@ -201,6 +207,8 @@ reject = partial(make, "reject")
 resample = partial(make, "resample")
 bonus = partial(make, "bonus")
 unmask = partial(make, "unmask")
+edit = partial(make, "edit")
+remask = partial(make, "remask")
 block = partial(make, "block")
 route = partial(make, "route")
 kv = partial(make, "kv")
@@ -211,7 +219,8 @@ emit = partial(make, "emit")
 
 def header_problem(header: Mapping[str, Any]) -> str | None:
     """The first thing wrong with a trace header, or None."""
-    return _problem(header, _HEADER_CHECKS)
+    present = {k: spec for k, spec in OPTIONAL_HEADER_FIELDS.items() if k in header}
+    return _problem(header, _HEADER_CHECKS) or (_problem(header, _compile(present)) if present else None)
 
 
 def footer_problem(footer: Mapping[str, Any]) -> str | None:
@@ -219,8 +228,14 @@ def footer_problem(footer: Mapping[str, Any]) -> str | None:
     return _problem(footer, _FOOTER_CHECKS)
 
 
-def check_schema(schema: Any, where: str = "trace") -> None:
-    """BadInput unless `schema` is a version this build reads (major 1)."""
+def check_schema(schema: Any, where: str = "trace") -> int:
+    """The minor version of `schema`; BadInput unless it is a version this build reads (major 1, any minor)."""
     m = _SCHEMA_RE.fullmatch(schema) if isinstance(schema, str) else None
     if m is None or int(m.group(1)) != _MAJOR:
         raise bad_trace(f"{where}: unsupported trace schema {_short(schema)} (this build reads {SCHEMA})")
+    return int(m.group(2) or 0)
+
+
+def newer_minor(minor: int) -> bool:
+    """Whether a trace of this minor version may hold event kinds this build does not know (it skips them)."""
+    return minor > _MINOR

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from studio.errors import BadInput
-from studio.events.schema import (SCHEMA, Event, bad_trace, check_schema, footer_problem, header_problem,
-                                  validate_event)
+from studio.events.schema import (EVENT_FIELDS, SCHEMA, Event, bad_trace, check_schema, footer_problem, header_problem,
+                                  newer_minor, validate_event)
 
 def _finite(obj: Any) -> Any:
     """A copy of `obj` with every non-finite float replaced by None (JSON null)."""
@@ -46,7 +46,7 @@ def _now_iso() -> str:
 
 
 class TraceWriter:
-    """Writes a `dlm-studio.trace/1` JSONL file: the header at once, events with `write` (or by
+    """Writes a `dlm-studio.trace/1.1` JSONL file: the header at once, events with `write` (or by
     calling the writer: it is an event sink), the footer with `close(footer)`.
 
     Line-buffered: every line reaches the OS as soon as it is written, so a crash leaves a readable,
@@ -123,6 +123,7 @@ class Trace:
     events: list[Event]
     footer: dict[str, Any] | None  # None only for a truncated trace read with allow_truncated=True
     path: Path | None = None       # the file it was read from
+    skipped: int = 0               # events of kinds a newer minor version added, which this build skips
 
     @property
     def truncated(self) -> bool:
@@ -142,6 +143,7 @@ class TraceReader:
         self.path = Path(path)
         self.allow_truncated = allow_truncated
         self.footer: dict[str, Any] | None = None
+        self.skipped = 0   # events of unknown kinds in a trace of a newer minor version
         self._lineno = 0
         self._iterated = False
         try:
@@ -190,7 +192,7 @@ class TraceReader:
             raise bad_trace(f"{self._where()}: truncated trace: the header line is incomplete")
         if obj.get("kind") != "header":
             raise bad_trace(f"{self._where()}: first line is not a trace header (expected \"kind\": \"header\")")
-        check_schema(obj.get("schema"), self._where())
+        self._newer = newer_minor(check_schema(obj.get("schema"), self._where()))
         if problem := header_problem(obj):
             raise bad_trace(f"{self._where()}: header: {problem}")
         return obj
@@ -216,6 +218,9 @@ class TraceReader:
                     self._truncated(f"line {self._lineno} is incomplete and there is no footer")
                     return
                 if "t" in obj:
+                    if self._newer and obj["t"] not in EVENT_FIELDS:
+                        self.skipped += 1
+                        continue
                     validate_event(obj, self._where())
                     yield obj
                 elif obj.get("kind") == "footer":
@@ -231,7 +236,7 @@ class TraceReader:
 
     def read(self) -> Trace:
         events = list(self)
-        return Trace(self.header, events, self.footer, self.path)
+        return Trace(self.header, events, self.footer, self.path, self.skipped)
 
     def close(self) -> None:
         self._f.close()

@@ -18,7 +18,7 @@ from studio.events import Trace, read_trace, summarize
 from studio.files import check_writable
 
 trace_app = typer.Typer(no_args_is_help=True, add_completion=False,
-                        help="Inspect, export and replay trace files (JSONL, schema dlm-studio.trace/1).")
+                        help="Inspect, export and replay trace files (JSONL, schema dlm-studio.trace/1.x).")
 
 
 class ExportFormat(str, Enum):
@@ -39,6 +39,9 @@ def _read(file: Path) -> Trace:
     if t.truncated:
         typer.echo(f"dlm-studio: warning: {file}: truncated trace ({_truncation(file)}); "
                    f"using the {len(t.events)} events written", err=True)
+    if t.skipped:
+        typer.echo(f"dlm-studio: warning: {file}: {t.skipped} event(s) of kinds {t.header['schema']} added and this "
+                   f"build does not know were skipped", err=True)
     return t
 
 

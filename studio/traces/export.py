@@ -5,7 +5,7 @@ All of them are derived from the JSONL trace (the source of truth) and nothing e
 Parquet / CSV: ONE ROW PER EVENT. Columns: `run_id, strategy, t, step, ms`, then the union of the
 schema's event fields (a field a kind lacks is null), then `extra` (a JSON object of fields the schema
 does not know, from a newer minor version; null when none). In Parquet a field that is a list for
-some kinds and a scalar for others (`pos`, `tok`, `p`, `q`: lists in accept/propose/unmask/emit,
+some kinds and a scalar for others (`pos`, `tok`, `p`, `q`: lists in accept/propose/unmask/edit/remask/emit,
 scalars in reject/resample/bonus) is a list column and the scalars are one-element lists;
 `read_parquet_events` gives the original scalars back. In CSV, lists are JSON-encoded and scalars
 stay scalars, so every non-string cell is valid JSON. The Parquet file's schema metadata key
@@ -13,7 +13,7 @@ stay scalars, so every non-string cell is valid JSON. The Parquet file's schema 
 
 Perfetto: Chrome trace-event JSON (opens in ui.perfetto.dev and chrome://tracing). One process per
 run; tracks: `forwards` (one complete slice per forward, named by role), `decisions` (instant events:
-accept, reject, resample, bonus, unmask, emit, route, kv rollback), `blocks` (async slices, one per
+accept, reject, resample, bonus, unmask, edit, remask, emit, route, kv rollback/refresh), `blocks` (async slices, one per
 block open→close); counters for running TPF, running acceptance, tokens emitted and KV length; flow
 arrows from the forward that proposed a position to the forward whose accept/reject verified it.
 """
@@ -292,12 +292,14 @@ def _instant_name(e: Mapping[str, Any]) -> str:
         return f"accept ×{len(e['pos'])}"
     if t in ("reject", "resample", "bonus"):
         return f"{t} @{e['pos']}"
-    if t == "unmask":
-        return f"unmask ×{len(e['pos'])}"
+    if t in ("unmask", "edit", "remask"):
+        return f"{t} ×{len(e['pos'])}"
     if t == "emit":
         return f"emit ×{len(e['tok'])}"
     if t == "route":
         return "route: verify" if e["verify"] else "route: skip"
+    if t == "kv" and e["op"] == "refresh":
+        return f"kv refresh [{e['from_len']},{e['to_len']})"
     if t == "kv":
         return f"kv {e['op']} {e['from_len']}→{e['to_len']}"
     return t
@@ -405,9 +407,10 @@ def perfetto_json(traces: Sequence[Trace]) -> dict[str, Any]:
                             "id": f"0x{pid:x}{bid:06x}", "pid": pid, "tid": TID_BLOCKS, "ts": ts, "args": args})
                 continue
             elif kind == "kv":
-                out.append({"ph": "C", "name": "KV length", "pid": pid, "tid": 0, "ts": ts,
-                            "args": {"tokens": e["to_len"]}})
-                if e["op"] != "rollback":
+                if e["op"] != "refresh":   # a refresh names the slots it recomputed; the length stays
+                    out.append({"ph": "C", "name": "KV length", "pid": pid, "tid": 0, "ts": ts,
+                                "args": {"tokens": e["to_len"]}})
+                if e["op"] == "commit":
                     continue
             out.append({"ph": "i", "s": "t", "cat": kind, "name": _instant_name(e), "pid": pid,
                         "tid": TID_DECISIONS, "ts": ts, "args": args})

@@ -82,7 +82,7 @@ class Tracker:
                 progressed = progressed or bool(e["pos"])
             elif t in ("propose", "resample", "bonus", "accept", "reject"):
                 progressed = True
-            elif t == "kv":
+            elif t == "kv" and e["op"] != "refresh":   # a refresh recomputes slots; the length stays
                 self._kv_len = e["to_len"]
         self.tally.end_step()
         tally, acc = self.tally, self.tally.acceptance

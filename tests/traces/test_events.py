@@ -34,9 +34,12 @@ def one_of_each() -> list[dict]:
         ev.resample(1, 1.3, pos=2, tok=14),
         ev.bonus(1, 1.4, pos=3, tok=15),
         ev.unmask(1, 1.5, pos=[4, 5], tok=[16, 17], conf=[0.99, 1]),
+        ev.edit(1, 1.55, pos=[4], old=[16], tok=[18], conf=[0.95]),
+        ev.remask(1, 1.56, pos=[5], tok=[3]),
         ev.block(1, 1.6, op="open", start=4, end=8),
         ev.route(1, 1.7, verify=True, score=0.42, policy="threshold"),
         ev.kv(1, 1.8, op="rollback", from_len=12, to_len=9),
+        ev.kv(1, 1.85, op="refresh", from_len=4, to_len=9),
         ev.emit(1, 1.9, pos=[1, 2, 3], tok=[12, 14, 15], text="bcd"),
     ]
 
@@ -238,7 +241,7 @@ FOOTER = {"kind": "footer", **footer([])}
     ([full_header(), BONUS], '{"t": "emit", "st', 3, "truncated"),
     ([], '{"kind": "hea', 1, "truncated"),
     ([{**full_header(), "schema": "dlm-studio.trace/2"}], "", 1,
-     "unsupported trace schema 'dlm-studio.trace/2' (this build reads dlm-studio.trace/1)"),
+     "unsupported trace schema 'dlm-studio.trace/2' (this build reads dlm-studio.trace/1.1)"),
     ([{**full_header(), "schema": "other/1"}], "", 1, "unsupported trace schema"),
 ])
 def test_reader_errors_are_one_line_with_path_and_line(tmp_path, lines, tail, line_no, needle):
@@ -268,11 +271,30 @@ def test_allow_truncated_drops_a_torn_last_line(tmp_path):
     assert trace.footer is None and trace.events == [BONUS]
 
 
+def test_a_newer_minor_versions_unknown_kinds_are_skipped_and_counted_an_older_ones_refused(tmp_path):
+    teleport = {"t": "teleport", "step": 1, "ms": 0.0}
+    trace = ev.read_trace(write_lines(tmp_path / "t.jsonl", [
+        {**full_header(), "schema": "dlm-studio.trace/1.9"}, BONUS, teleport, FOOTER]))
+    assert trace.events == [BONUS] and trace.skipped == 1
+    old = ev.read_trace(write_lines(tmp_path / "o.jsonl", [{**full_header(), "schema": "dlm-studio.trace/1"}, BONUS,
+                                                             FOOTER]))
+    assert old.events == [BONUS] and old.skipped == 0   # 1.0 traces read as they always did
+    with pytest.raises(BadInput, match="unknown event kind"):   # this build's own minor knows every kind
+        ev.read_trace(write_lines(tmp_path / "u.jsonl", [full_header(), BONUS, teleport, FOOTER]))
+
+
+def test_the_canvas_header_field_is_checked_when_present(tmp_path):
+    good = {**full_header(), "canvas": {"length": 32, "block_size": 8}}
+    assert ev.read_trace(write_lines(tmp_path / "g.jsonl", [good, FOOTER])).header["canvas"]["length"] == 32
+    with pytest.raises(BadInput, match="canvas.block_size"):
+        ev.read_trace(write_lines(tmp_path / "b.jsonl", [{**good, "canvas": {"length": 32}}, FOOTER]))
+
+
 def test_minor_version_accepted_and_unknown_fields_kept(tmp_path):
-    lines = [{**full_header(), "schema": "dlm-studio.trace/1.1", "new": 1},
+    lines = [{**full_header(), "schema": "dlm-studio.trace/1.7", "new": 1},
              {**BONUS, "chain": 3}, {**FOOTER, "energy_j": 2.0}]
     trace = ev.read_trace(write_lines(tmp_path / "t.jsonl", lines))
-    assert trace.header["schema"] == "dlm-studio.trace/1.1"
+    assert trace.header["schema"] == "dlm-studio.trace/1.7"
     assert trace.events == [{**BONUS, "chain": 3}] and trace.footer["energy_j"] == 2.0
 
 
