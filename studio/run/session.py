@@ -168,7 +168,8 @@ class Run:
             params["oracle_accept"] = s.oracle_accept
         return {"strategy": self.strategy.name, "params": params, "model": self.engine.model_meta(),
                 "tokenizer": self.engine.tokenizer_meta(),
-                "prompt": {"text": prompt_text, "token_ids": self.prompt_ids}, "seed": s.seed}
+                "prompt": {"text": prompt_text, "token_ids": self.prompt_ids}, "seed": s.seed,
+                **self.strategy.header_fields(self.engine.config, s.max_new_tokens)}
 
     def _plan_chunks(self) -> list[int]:
         """Prompt lengths after each chunk forward: chunks from the committed KV on, leaving the strategy's prefill
@@ -248,7 +249,7 @@ class Run:
         finally:
             self.ctx.pause_clock()
         events = self._publish()
-        if self.out.finished:
+        if self.strategy.finished(self.ctx):
             self._finish()
         return events
 

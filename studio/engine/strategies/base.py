@@ -305,6 +305,15 @@ class Strategy:
         """The parameters a trace header records."""
         return dict(vars(self.params))
 
+    def header_fields(self, config, max_new_tokens: int) -> dict:
+        """Optional header fields a run of this strategy adds (a canvas strategy: `canvas`)."""
+        return {}
+
+    def finished(self, ctx: DecodeContext) -> bool:
+        """Whether the run is over: by default once the output is (EOS, a stop string, --max-new-tokens). A canvas
+        decoded to its end after an early EOS (LLaDA without early termination) goes on filling the padding."""
+        return ctx.out.finished
+
     def expected_tpf(self, accept: float) -> float | None:
         """Tokens per forward when every verified draft is accepted with probability `accept`, where a
         closed form is known (bench --oracle-accept prints it beside the measured TPF); else None."""

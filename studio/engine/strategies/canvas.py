@@ -120,6 +120,9 @@ class Canvas(Strategy):
             raise BadInput("canvas: cache=dual keeps the K/V of the canvas after the block, which a block-causal or "
                            "causal forward never reads: give cache=prefix (exact under that attention)")
 
+    def header_fields(self, config, max_new_tokens: int) -> dict:
+        return {"canvas": {"length": max_new_tokens, "block_size": self.block_size(config, max_new_tokens)}}
+
     def block_size(self, config, canvas: int = 0) -> int:
         """B: the params', else the model's, else the whole canvas (0 while its length is not known)."""
         return self.params.block_size or config.block_size or canvas
