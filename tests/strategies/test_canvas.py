@@ -94,7 +94,9 @@ def test_an_ar_model_is_refused_unless_its_attention_is_named_and_bad_values_are
         kv_length_needed(tiny_engine(), make_strategy("canvas"), Settings(max_new_tokens=8), PROMPT)
     kv_length_needed(tiny_engine(), make_strategy("canvas", {"attention": "causal"}), Settings(max_new_tokens=8), PROMPT)
     for params, needle in (({"threshold": 1.5}, r"threshold must be in \[0, 1\]"), ({"factor": -1}, "factor"),
-                           ({"threshold": 0.9, "factor": 1.0}, "not both"), ({"remasking": "x"}, "remasking")):
+                           ({"threshold": 0.9, "factor": 1.0}, "not both"), ({"remasking": "x"}, "remasking"),
+                           ({"prefix_look": 4}, "refresh a cache"), ({"cache": "prefix", "after_look": 2}, "only cache=dual"),
+                           ({"decoder": "hierarchical"}, "needs a threshold"), ({"credit_beta": 2}, "credit_beta")):
         with pytest.raises(BadInput, match=needle):
             make_strategy("canvas", params)
 
@@ -119,8 +121,8 @@ def test_the_prefix_cache_is_exact_under_block_causal_attention():
 
 def test_caches_on_a_bidirectional_canvas_rebuild_at_each_block_and_match_where_the_cache_is_fresh(tmp_path):
     """One step per block: every step is a block's first, a full forward, so prefix and dual equal no cache; with
-    more steps they decode the whole canvas from K/V up to a block old, each block opening with a rollback and a
-    commit (the refresh) in the trace."""
+    more steps they decode the whole canvas from K/V up to a block old, each block opening with a rebuild: a
+    rollback, a commit and the refresh of the slots it recomputed, in the trace."""
     from studio.events import read_trace
     engine = tiny_mdm(seed=6)
     none = generate(engine, "canvas", {"block_size": 4, "steps": 2}, prompt=PROMPT, n=8)
@@ -130,9 +132,10 @@ def test_caches_on_a_bidirectional_canvas_rebuild_at_each_block_and_match_where_
         run = generate(engine, "canvas", {"block_size": 4, "cache": cache}, prompt=PROMPT, n=8,
                        trace=str(tmp_path / f"{cache}.jsonl"))
         assert len(run.token_ids) == 8 and run.footer["forwards"] == 8
-        kv = [(e["op"], e["to_len"]) for e in read_trace(tmp_path / f"{cache}.jsonl").events if e["t"] == "kv"]
-        kept = {"prefix": [5, 9], "dual": [13, 13]}[cache]    # the prefix before each block, or all 13 slots
-        assert kv == [("commit", kept[0]), ("rollback", 0), ("commit", kept[1])]
+        kv = [(e["op"], e["from_len"], e["to_len"]) for e in read_trace(tmp_path / f"{cache}.jsonl").events
+              if e["t"] == "kv"]
+        a, b = {"prefix": [5, 9], "dual": [13, 13]}[cache]    # the prefix before each block, or all 13 slots
+        assert kv == [("commit", 0, a), ("refresh", 0, a), ("rollback", a, 0), ("commit", 0, b), ("refresh", 0, b)]
 
 
 @pytest.mark.parametrize("cache, attention", [("prefix", "bidirectional"), ("dual", "bidirectional"),
@@ -196,3 +199,64 @@ def test_dream_s_origin_and_sampled_positions_run_and_follow_the_seed():
                    {"remasking": "origin", "block_size": 4, "steps": 4}):   # origin at the linear schedule's share
         runs = [generate(engine, "canvas", params, prompt=PROMPT, n=8, seed=s).token_ids for s in (3, 3)]
         assert runs[0] == runs[1] and len(runs[0]) == 8
+
+
+def test_each_step_proposes_the_open_blocks_masks_and_fills_some_of_them():
+    """The trace shows the model's guess for every MASK of the open block at each step (propose, src diffusion,
+    unverified) and the ones the rule filled (unmask), with the same token and confidence; the header lays out the
+    canvas."""
+    run = generate(tiny_mdm(seed=3), "canvas", {"block_size": 4, "threshold": 0.3}, prompt=PROMPT, n=8)
+    assert run.header["canvas"] == {"length": 8, "block_size": 4}
+    masked, guesses = set(range(8)), None
+    for e in run.events:
+        if e["t"] == "propose":
+            assert e["src"] == "diffusion" and set(e["pos"]) == {p for p in masked if p < (min(masked) // 4 + 1) * 4}
+            guesses = dict(zip(e["pos"], zip(e["tok"], e["q"])))
+        elif e["t"] == "unmask":
+            assert e["pos"] and all(guesses[p] == (t, c) for p, t, c in zip(e["pos"], e["tok"], e["conf"]))
+            masked -= set(e["pos"])
+    assert not masked and not any(e["t"] in ("accept", "reject") for e in run.events)
+
+
+@pytest.mark.parametrize("decoder", ["hierarchical", "credit"])
+def test_dinfer_decoders_fill_on_a_block_causal_canvas_what_blockdiff_fills(decoder):
+    """Under LLaDA2's block-causal grid a canvas block aligned with the grid sees what blockdiff's draft sees, so the
+    shared dInfer decoders (hierarchical runs, credit-fused logits) fill the same tokens in both."""
+    engine = tiny_mdm(attention="block", block=4, vocab=24, seed=9)
+    params = {"block_size": 4, "threshold": 0.2, "decoder": decoder, "low_threshold": 0.05}
+    canvas = generate(engine, "canvas", dict(params, cache="prefix"), prompt=PROMPT[:4], n=12)
+    assert canvas.token_ids == generate(engine, "blockdiff", params, prompt=PROMPT[:4], n=12).token_ids
+    assert canvas.footer["forwards"] < 12   # the thresholds filled several tokens in some steps
+
+
+@pytest.mark.parametrize("cache, look", [("prefix", {"prefix_look": 64}), ("dual", {"prefix_look": 64, "after_look": 64}),
+                                         ("dual", {"warmup_steps": 64})])
+def test_a_vicinity_covering_the_whole_canvas_or_a_warmup_as_long_as_the_run_is_no_cache(cache, look):
+    engine = tiny_mdm(seed=4)
+    none = generate(engine, "canvas", {"block_size": 4, "steps": 12}, prompt=PROMPT, n=12)
+    cached = generate(engine, "canvas", {"block_size": 4, "steps": 12, "cache": cache, **look}, prompt=PROMPT, n=12)
+    assert cached.token_ids == none.token_ids
+
+
+def test_the_vicinity_is_recomputed_every_step_and_each_refresh_is_in_the_trace():
+    engine = tiny_mdm(seed=4)
+    run = generate(engine, "canvas", {"block_size": 4, "cache": "dual", "prefix_look": 2, "after_look": 1},
+                   prompt=PROMPT, n=12)
+    refreshes = [(e["step"], e["from_len"], e["to_len"]) for e in run.events if e["t"] == "kv" and e["op"] == "refresh"]
+    assert [r for r in refreshes if r[1] == 0] == [(1, 0, 17), (5, 0, 17), (9, 0, 17)]   # a rebuild per block
+    # the other steps: the window [block - 2, block + 4 + 1) around each block (absolute slots, 5 prompt tokens)
+    assert [r[1:] for r in refreshes if r[1]] == [(3, 10)] * 3 + [(7, 14)] * 3 + [(11, 17)] * 3
+
+
+def test_after_an_early_eos_the_canvas_is_decoded_as_padding_unless_early_stop_and_never_counted():
+    plain = generate(tiny_mdm(seed=3), "canvas", {"block_size": 4}, prompt=PROMPT, n=12).token_ids
+    eos = plain[2]
+    engine = tiny_mdm(seed=3, eos_ids=[eos])
+    full = generate(engine, "canvas", {"block_size": 4}, prompt=PROMPT, n=12)
+    early = generate(engine, "canvas", {"block_size": 4, "early_stop": True}, prompt=PROMPT, n=12)
+    cut = plain.index(eos) + 1
+    assert full.token_ids == early.token_ids == plain[:cut] and full.footer["stop_reason"] == "eos"
+    assert full.footer["forwards"] == 12 and early.footer["forwards"] == 4   # a token a step, to the canvas end
+    assert full.footer["n_tokens"] == cut and full.footer["tpf"] == cut / 12   # padding is never output
+    padded = {p for e in full.events if e["t"] == "unmask" for p in e["pos"]}
+    assert padded == set(range(12))   # the whole canvas was filled, the padding after EOS too

@@ -85,6 +85,46 @@ def select_dynamic(conf: list[float], quota: int, threshold: float) -> list[int]
     return hi if len(hi) >= quota else top_k(conf, quota)
 
 
+@dataclass
+class DecoderParams:
+    """dInfer's decoders, shared by blockdiff and canvas (their Params extend this)."""
+    decoder: str = param("threshold", "threshold | hierarchical | credit (dInfer)", choices=DECODERS)
+    low_threshold: float = param(0.62, "hierarchical decoder: dInfer eval guide (with threshold 0.92)")
+    credit_alpha: float = param(0.7, "credit decoder α (dInfer default)")
+    credit_gamma: float = param(0.2, "credit decoder γ (dInfer default)")
+    credit_beta: float = param(0.8, "credit decoder β (dInfer default)")
+
+    @staticmethod
+    def check(name: str, p) -> None:
+        if p.decoder not in DECODERS:
+            raise BadInput(f"{name} decoder must be one of {', '.join(DECODERS)}, got {p.decoder!r}")
+        for f in ("low_threshold", "credit_beta"):
+            if not 0.0 <= getattr(p, f) <= 1.0:
+                raise BadInput(f"{name} {f} must be in [0, 1], got {getattr(p, f)}")
+        if p.credit_alpha < 0 or p.credit_gamma < 0:
+            raise BadInput(f"{name} credit_alpha and credit_gamma must be >= 0")
+
+
+class Credit:
+    """dInfer's credit decoder: a block's [B, V] credit matrix, decayed by β each later step; a masked row's top-1
+    token earns (its probability)^γ; the fill rule reads logits + α·log(1 + credit)."""
+
+    def __init__(self, p: DecoderParams):
+        self.alpha, self.gamma, self.beta = p.credit_alpha, p.credit_gamma, p.credit_beta
+        self.matrix: torch.Tensor | None = None
+
+    def fuse(self, rows: list[int], logits: torch.Tensor, block_size: int) -> torch.Tensor:
+        """`logits` [n, V] of the block's rows `rows` (0..B-1), with their credit added (the credit updated first)."""
+        if self.matrix is None:
+            self.matrix = torch.zeros(block_size, logits.shape[-1], device=logits.device)
+        else:
+            self.matrix *= self.beta
+        top_p, top_v = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        self.matrix[index, top_v] += top_p ** self.gamma
+        return logits + self.alpha * torch.log1p(self.matrix[index])
+
+
 def select_hierarchical(conf: list[float], slots: list[int], threshold: float, low: float) -> list[int]:
     chosen = {i for i, c in enumerate(conf) if c > threshold}
     run: list[int] = []
@@ -106,18 +146,13 @@ class BlockDiffusion(Strategy):
     needs_causal_model = False   # its masks are its own: block-causal drafts fit a bidirectional model too
 
     @dataclass
-    class Params:
+    class Params(DecoderParams):
         block_size: int = param(0, "B; 0 = the model's block_size (SDAR 4, Fast-dLLM v2 32), else the block "
                                    "adapter's training block size, else 4", role=N)
         steps: int = param(0, "S denoising steps per block; 0 = B (one token per step at least)")
         schedule: str = param("dynamic", "dynamic (threshold + quota) | static (quota only)", choices=SCHEDULES)
         threshold: float = param(0.9, "τ: the confidence that unmasks a slot; Fast-dLLM / dInfer serving default "
                                       "(S2D2's SDAR configs use 0.85)", role=TAU)
-        decoder: str = param("threshold", "threshold | hierarchical | credit (dInfer)", choices=DECODERS)
-        low_threshold: float = param(0.62, "hierarchical decoder: dInfer eval guide (with threshold 0.92)")
-        credit_alpha: float = param(0.7, "credit decoder α (dInfer default)")
-        credit_gamma: float = param(0.2, "credit decoder γ (dInfer default)")
-        credit_beta: float = param(0.8, "credit decoder β (dInfer default)")
         cache: str = param("auto", "prefill/commit attention: block (bidirectional in a block) | causal (S2D2 "
                                    'cache_ver, "AR-like caching") | auto: block for native dLLMs (the model has a '
                                    "block_size), causal for an AR model + adapter", choices=CACHES)
@@ -135,13 +170,9 @@ class BlockDiffusion(Strategy):
             raise BadInput(f"{cls.name} cache must be one of {', '.join(CACHES)}, got {p.cache!r}")
         if p.schedule not in SCHEDULES:
             raise BadInput(f"{cls.name} schedule must be one of {', '.join(SCHEDULES)}, got {p.schedule!r}")
-        if p.decoder not in DECODERS:
-            raise BadInput(f"{cls.name} decoder must be one of {', '.join(DECODERS)}, got {p.decoder!r}")
-        for f in ("threshold", "low_threshold", "credit_beta"):
-            if not 0.0 <= getattr(p, f) <= 1.0:
-                raise BadInput(f"{cls.name} {f} must be in [0, 1], got {getattr(p, f)}")
-        if p.credit_alpha < 0 or p.credit_gamma < 0:
-            raise BadInput(f"{cls.name} credit_alpha and credit_gamma must be >= 0")
+        if not 0.0 <= p.threshold <= 1.0:
+            raise BadInput(f"{cls.name} threshold must be in [0, 1], got {p.threshold}")
+        DecoderParams.check(cls.name, p)
 
     def block_size(self, config) -> int:
         """B: the params', else the native dLLM's, else the block adapter's training block, else 4."""
@@ -192,7 +223,7 @@ class BlockDiffusion(Strategy):
         n_mask = self.B - len(filled)
         self.block = OpenBlock(start, filled + [ctx.mask_id] * n_mask, [False] * len(filled) + [True] * n_mask,
                                n_mask)
-        self.credit = None
+        self.credit = Credit(self.params)
         ctx.event("block", op="open", start=max(0, start - self.prompt_len), end=start + self.B - self.prompt_len)
         self._emit_ready(ctx)
 
@@ -254,7 +285,7 @@ class BlockDiffusion(Strategy):
                              logits_rows=rows, model=model, kv=kv)
         logits = self._no_mask(ctx, logits)
         if credit and self.params.decoder == "credit":
-            logits = self._with_credit(slots, logits)
+            logits = self.credit.fuse(slots, logits, self.B)
         return Draft.from_logits(slots, logits, ctx.sampling, ctx.gen)
 
     def gate(self, tokens: list[int], mask_id: int | None) -> list[bool]:
@@ -277,17 +308,6 @@ class BlockDiffusion(Strategy):
             logits = logits.clone()
             logits[..., ctx.mask_id] = float("-inf")
         return logits
-
-    def _with_credit(self, slots: list[int], logits: torch.Tensor) -> torch.Tensor:
-        p = self.params
-        if self.credit is None:
-            self.credit = torch.zeros(self.B, logits.shape[-1], device=logits.device)
-        else:
-            self.credit *= p.credit_beta
-        top_p, top_v = torch.softmax(logits.float(), dim=-1).max(dim=-1)
-        rows = torch.tensor(slots, dtype=torch.long, device=logits.device)
-        self.credit[rows, top_v] += top_p ** p.credit_gamma
-        return logits + p.credit_alpha * torch.log1p(self.credit[rows])
 
     def _quota(self) -> int:
         b = self.block

@@ -22,7 +22,8 @@ import torch
 from studio.engine.kv_cache import WindowWrite
 from studio.engine.masks import bidirectional, block_causal, causal
 from studio.engine.strategies.base import DecodeContext, Strategy
-from studio.engine.strategies.blockdiff import BlockDiffusion, Draft, select_dynamic, top_k, transfer_counts
+from studio.engine.strategies.blockdiff import (BlockDiffusion, Credit, DecoderParams, Draft, select_dynamic,
+                                               select_hierarchical, top_k, transfer_counts)
 from studio.engine.strategies.params import N, TAU, param
 from studio.errors import BadInput
 
@@ -49,7 +50,7 @@ class Canvas(Strategy):
     decodes_ar_models = False    # an AR model has no canvas attention (-p attention=causal names one)
 
     @dataclass
-    class Params:
+    class Params(DecoderParams):
         block_size: int = param(0, "B: the canvas is filled block by block; 0 = the model's block size, else the "
                                    "whole canvas (LLaDA's block_length)", role=N)
         steps: int = param(0, "denoising steps over the whole canvas, shared equally by its blocks; 0 = one per "
@@ -76,6 +77,14 @@ class Canvas(Strategy):
                                    "(Fast-dLLM)", choices=CACHES)
         refresh_every: int = param(0, "prefix/dual: also rebuild the cache every n steps of a block (dInfer's "
                                       "cache_update_freq; 0 = at block starts only; 1 = every step, as cache=none)")
+        prefix_look: int = param(0, "prefix/dual: dInfer's vicinity refresh -- every step also recomputes the K/V of "
+                                    "this many positions before the block (dInfer's presets: 16)")
+        after_look: int = param(0, "dual: the vicinity refresh's positions after the block (dInfer's presets: 16)")
+        warmup_steps: int = param(0, "prefix/dual: the run's first n steps are full forwards without the cache "
+                                     "(dInfer's vicinity warmup; its presets: 4)")
+        early_stop: bool = param(False, "stop once the output reaches EOS (dInfer's early termination); off: the "
+                                        "canvas after an early EOS is decoded to its end as padding, as LLaDA, "
+                                        "Fast-dLLM and Dream do (the padding is never output)")
         attention: str = param("model", "the canvas forward's attention: the model's own (bidirectional for LLaDA and "
                                         "Dream, block-causal on its block grid for LLaDA2, SDAR and Fast-dLLM v2), or "
                                         "one named", choices=ATTENTIONS)
@@ -90,8 +99,17 @@ class Canvas(Strategy):
             raise BadInput(f"{cls.name} factor and cfg_scale must be >= 0")
         if p.threshold and p.factor:
             raise BadInput(f"{cls.name}: give threshold or factor, not both")
-        if p.refresh_every < 0:
-            raise BadInput(f"{cls.name} refresh_every must be >= 0")
+        if min(p.refresh_every, p.prefix_look, p.after_look, p.warmup_steps) < 0:
+            raise BadInput(f"{cls.name} refresh_every, prefix_look, after_look and warmup_steps must be >= 0")
+        if (p.prefix_look or p.after_look or p.warmup_steps) and p.cache == "none":
+            raise BadInput(f"{cls.name}: prefix_look, after_look and warmup_steps refresh a cache: give cache=prefix "
+                           "or dual")
+        if p.after_look and p.cache != "dual":
+            raise BadInput(f"{cls.name}: after_look refreshes K/V after the block, which only cache=dual keeps")
+        if p.decoder == "hierarchical" and not p.threshold:
+            raise BadInput(f"{cls.name}: the hierarchical decoder needs a threshold (dInfer's eval guide: 0.92 with "
+                           "low_threshold 0.62)")
+        DecoderParams.check(cls.name, p)
         if p.cfg_scale and p.cache != "none":
             raise BadInput(f"{cls.name}: guidance (cfg_scale) runs with cache=none only")
         if not 0 < p.eps < 1 or p.alg_temp < 0:
@@ -149,12 +167,14 @@ class Canvas(Strategy):
         self.shift = cfg.logit_shift
         self.emitted_upto = self.P
         self.block_start = self.P
+        self.steps_run = 0   # the run's steps (the vicinity warmup counts them)
         self._open(ctx)
 
     def _open(self, ctx: DecodeContext) -> None:
         self.block_step = 0
-        self.cached = False   # the block's first step (re)builds a prefix or dual cache
+        self.cached = False   # the block's first cached step (re)builds a prefix or dual cache
         self.at_open = self.B
+        self.credit = Credit(self.params)
         ctx.event("block", op="open", start=self.block_start - self.P, end=self.block_start + self.B - self.P)
 
     def _masked(self) -> list[int]:
@@ -163,21 +183,35 @@ class Canvas(Strategy):
     def kv_headroom(self, config=None) -> int:
         return 1   # the canvas is the run's --max-new-tokens: its K/V fit the run's slots
 
+    def finished(self, ctx: DecodeContext) -> bool:
+        """Over once the output is, except that after an early EOS the canvas is decoded to its end as padding
+        unless `early_stop`."""
+        return ctx.out.finished and not self._decoding_padding(ctx)
+
+    def _decoding_padding(self, ctx: DecodeContext) -> bool:
+        return (not self.params.early_stop and ctx.out.stop_reason == "eos"
+                and self.block_start < len(self.tokens))
+
     # -- one step ---------------------------------------------------------------------------------
     def step(self, ctx: DecodeContext) -> None:
         slots = self._masked()
-        d = Draft.from_logits(slots, self._logits(ctx, slots), ctx.sampling, ctx.gen)
+        logits = self._logits(ctx, slots)
+        if self.params.decoder == "credit":
+            logits = self.credit.fuse([s - self.block_start for s in slots], logits, self.B)
+        d = Draft.from_logits(slots, logits, ctx.sampling, ctx.gen)
+        ctx.event("propose", pos=[s - self.P for s in slots], tok=d.tokens, q=d.conf, src="diffusion")
         chosen = self._select(ctx, d)
         for i in chosen:
             self.tokens[d.slots[i]] = d.tokens[i]
         ctx.event("unmask", pos=[d.slots[i] - self.P for i in chosen], tok=[d.tokens[i] for i in chosen],
                   conf=[d.conf[i] for i in chosen])
         self.block_step += 1
+        self.steps_run += 1
         self._emit_ready(ctx)
-        if not self._masked() and not ctx.out.finished:
+        if not self._masked():
             ctx.event("block", op="close", start=self.block_start - self.P, end=self.block_start + self.B - self.P)
             self.block_start += self.B
-            if self.block_start < len(self.tokens):
+            if self.block_start < len(self.tokens) and (not ctx.out.finished or self._decoding_padding(ctx)):
                 self._open(ctx)
 
     def _logits(self, ctx: DecodeContext, slots: list[int]) -> torch.Tensor:
@@ -185,29 +219,54 @@ class Canvas(Strategy):
         or, on a step that reuses the cache, over the part of the canvas the cache does not hold."""
         rows = [s - 1 for s in slots] if self.shift else slots
         p, n = self.params, len(self.tokens)
-        refresh = p.refresh_every and self.block_step % p.refresh_every == 0
-        if p.cache == "none" or not self.cached or refresh:
-            ctx.rollback(0)
-            logits = ctx.forward("draft", self.tokens, mask=self._mask_for(ctx, n, 0), logits_rows=rows)
-            if p.cache != "none":   # keep what later steps reuse: the prefix, or everything (dual)
-                ctx.commit(self._prefix_end() if p.cache == "prefix" else n)
-                self.cached = True
+        rebuild = not self.cached or (p.refresh_every and self.block_step % p.refresh_every == 0)
+        if p.cache == "none" or self.steps_run < p.warmup_steps:
+            logits = self._full(ctx, rows)
+        elif rebuild:   # keep what later steps reuse: the prefix, or everything (dual)
+            logits = self._full(ctx, rows)
+            kept = self._prefix_end() if p.cache == "prefix" else n
+            ctx.commit(kept)
+            ctx.event("kv", op="refresh", from_len=0, to_len=kept)
+            self.cached = True
+        elif p.cache == "prefix":
+            logits = self._prefix_step(ctx, rows)
         else:
-            start = self._prefix_end() if p.cache == "prefix" else self.block_start
-            rows = [r - start for r in rows]
-            if p.cache == "prefix":   # the block and the canvas after it, against the prefix's K/V
-                logits = ctx.forward("draft", self.tokens[start:], torch.arange(start, n, device=ctx.device),
-                                     mask=self._mask_for(ctx, n - start, start), logits_rows=rows)
-            else:                     # the block alone, its K/V written over the cached ones, the rest as cached
-                end = start + self.B
-                logits = ctx.forward("draft", self.tokens[start:end], torch.arange(start, end, device=ctx.device),
-                                     mask=torch.ones(self.B, n, dtype=torch.bool, device=ctx.device),
-                                     logits_rows=rows, kv=WindowWrite(ctx.kv, start))
+            logits = self._dual_step(ctx, rows)
         if p.cfg_scale:
             unprompted = [ctx.mask_id] * self.P + self.tokens[self.P:]
             un = ctx.forward("draft", unprompted, mask=self._mask_for(ctx, n, 0), logits_rows=rows)
             logits = un + (p.cfg_scale + 1) * (logits - un)
         return BlockDiffusion._no_mask(ctx, logits)
+
+    def _full(self, ctx: DecodeContext, rows: list[int]) -> torch.Tensor:
+        """A fresh forward over prompt + canvas (nothing cached is read)."""
+        ctx.rollback(0)
+        return ctx.forward("draft", self.tokens, mask=self._mask_for(ctx, len(self.tokens), 0), logits_rows=rows)
+
+    def _prefix_step(self, ctx: DecodeContext, rows: list[int]) -> torch.Tensor:
+        """The block and the canvas after it against the cached prefix; with `prefix_look` the prefix's last positions
+        are recomputed too and kept (dInfer's vicinity refresh)."""
+        n, start = len(self.tokens), self._prefix_end()
+        lo = max(0, start - self.params.prefix_look)
+        ctx.rollback(lo)
+        logits = ctx.forward("draft", self.tokens[lo:], torch.arange(lo, n, device=ctx.device),
+                             mask=self._mask_for(ctx, n - lo, lo), logits_rows=[r - lo for r in rows])
+        if lo < start:
+            ctx.commit(start - lo)
+            ctx.event("kv", op="refresh", from_len=lo, to_len=start)
+        return logits
+
+    def _dual_step(self, ctx: DecodeContext, rows: list[int]) -> torch.Tensor:
+        """The block alone, its K/V written over the cached ones, the rest as cached; with `prefix_look`/`after_look`
+        the window reaches that far around the block (dInfer's vicinity refresh)."""
+        p, n = self.params, len(self.tokens)
+        lo, hi = max(0, self.block_start - p.prefix_look), min(n, self.block_start + self.B + p.after_look)
+        logits = ctx.forward("draft", self.tokens[lo:hi], torch.arange(lo, hi, device=ctx.device),
+                             mask=torch.ones(hi - lo, n, dtype=torch.bool, device=ctx.device),
+                             logits_rows=[r - lo for r in rows], kv=WindowWrite(ctx.kv, lo))
+        if (lo, hi) != (self.block_start, self.block_start + self.B):
+            ctx.event("kv", op="refresh", from_len=lo, to_len=hi)
+        return logits
 
     def _prefix_end(self) -> int:
         """Where a prefix cache ends: the open block's start, or under block-causal attention the start of the model's
@@ -225,6 +284,8 @@ class Canvas(Strategy):
 
     def _select(self, ctx: DecodeContext, d: Draft) -> list[int]:
         p = self.params
+        if p.decoder == "hierarchical":
+            return select_hierarchical(d.conf, d.slots, p.threshold, p.low_threshold)
         if p.threshold:
             return select_dynamic(d.conf, 1, p.threshold)
         if p.factor:
