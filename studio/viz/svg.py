@@ -222,7 +222,7 @@ def trajectory_svg(grid: Grid, width: int = 1200) -> str:
     step_px = max(1, round(60 / cw))
     axis = [f'<text x="{_n(left + p * cw)}" y="{height - 18}" font-size="10" fill="#555">{p}</text>'
             for p in range(0, n_pos, step_px)]
-    total_w = int(left + cw * n_pos + 10)
+    total_w = int(max(left + cw * n_pos + 10, 440))   # room for the title over a short run
     return (f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" viewBox="0 0 {total_w} {height}" '
             f'width="{total_w}" height="{height}" role="img" aria-label="decoding trajectory" '
             f'font-family="system-ui, sans-serif">'
