@@ -79,7 +79,7 @@ class LiveMetrics:
 
 
 STRATEGY = typer.Option(None, "--strategy", "-s", help="ar, isd, r-isd, jacobi, jacobi-mr, blockdiff, s2d2, simsd, "
-                        "canvas, or a strategy preset (default: --preset's, else the model preset's, else ar).")
+                        "canvas, gemma-canvas, or a strategy preset (default: --preset's, else the model preset's, else ar).")
 STRATEGIES = typer.Option("ar,isd", "--strategy", "-s", help="Comma-separated strategies or presets (ar is always "
                           "added, first: the baseline).")
 
