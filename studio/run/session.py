@@ -18,7 +18,6 @@ from studio.engine.device import synchronize
 from studio.engine.engine import Engine
 from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import DecodeContext, Output, Strategy
-from studio.engine.strategies.gemma_canvas import GemmaCanvas
 from studio.errors import BadInput
 
 CANCELLED = "cancelled"
@@ -95,20 +94,16 @@ def kv_length_needed(engine: Engine, strategy: Strategy, settings: Settings, pro
     cfg = engine.config
     if not prompt_ids:
         raise BadInput("the prompt is empty")
-    if cfg.attention == "canvas" and not isinstance(strategy, GemmaCanvas):
-        raise BadInput(f"{engine.name!r} is a DiffusionGemma model: it denoises noise canvases with its own encoder/"
-                       f"decoder loop, which strategy gemma-canvas runs and {strategy.name!r} does not")
-    if isinstance(strategy, GemmaCanvas) and settings.sampling != SamplingParams():
-        raise BadInput("gemma-canvas samples at its own temperature schedule (-p t_min=... -p t_max=...): "
+    if not strategy.fits(cfg):
+        from studio.engine.strategies import STRATEGIES
+        fits = ", ".join(sorted(n for n, s in STRATEGIES.items() if s.fits(cfg)))
+        raise BadInput(f"{strategy.misfit(cfg, engine.name)}; strategies that fit: {fits}")
+    if strategy.own_sampling and settings.sampling != SamplingParams():
+        raise BadInput(f"{strategy.name} samples at its own temperature schedule (-p t_min=... -p t_max=...): "
                        "--temperature, --top-k and --top-p do not apply to it")
     if strategy.needs_mask and cfg.mask_token_id is None:
         raise BadInput(f"strategy {strategy.name!r} needs a MASK token and model {engine.name!r} has "
                        "none: give an adapter that adds one or a model preset with mask_token_id")
-    if strategy.needs_causal_model and cfg.attention != "causal":
-        from studio.engine.strategies import STRATEGIES
-        fits = ", ".join(sorted(n for n, s in STRATEGIES.items() if not s.needs_causal_model and s is not GemmaCanvas))
-        raise BadInput(f"strategy {strategy.name!r} needs a causal model and {engine.name!r} was trained with "
-                       f"{cfg.attention} attention; strategies that fit: {fits}")
     strategy.check_run(cfg, settings.max_new_tokens)
     if len(prompt_ids) >= cfg.max_seq_len:
         raise BadInput(f"the prompt is {len(prompt_ids)} tokens, longer than the model's context of {cfg.max_seq_len}")

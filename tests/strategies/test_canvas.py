@@ -260,3 +260,14 @@ def test_after_an_early_eos_the_canvas_is_decoded_as_padding_unless_early_stop_a
     assert full.footer["n_tokens"] == cut and full.footer["tpf"] == cut / 12   # padding is never output
     padded = {p for e in full.events if e["t"] == "unmask" for p in e["pos"]}
     assert padded == set(range(12))   # the whole canvas was filled, the padding after EOS too
+
+
+def test_ar_is_the_ar_mode_of_a_masked_diffusion_model_where_it_has_one():
+    """Block-causal and position-aligned (LLaDA2): block size 1, a MASK after the pending token whose row is the next
+    token; shifted and bidirectional (Dream): its next-token rows under a causal mask, i.e. the same weights' AR."""
+    from tests.support.dlm import block_size_one_greedy
+    llada2 = tiny_mdm(attention="block", block=4, vocab=24, seed=2)
+    assert generate(llada2, "ar", prompt=PROMPT, n=12).token_ids == block_size_one_greedy(llada2, PROMPT, 12)
+    dream, same_weights_ar = tiny_mdm(shift=True, seed=2), tiny_engine("llama", seed=2)
+    assert generate(dream, "ar", prompt=PROMPT, n=12).token_ids == \
+        generate(same_weights_ar, "ar", prompt=PROMPT, n=12).token_ids

@@ -164,8 +164,8 @@ def test_refusals_are_one_line():
     with pytest.raises(BadInput, match="its own temperature schedule .* --temperature, --top-k and --top-p"):
         kv_length_needed(gemma, make_strategy("gemma-canvas"),
                          Settings(max_new_tokens=8, sampling=SamplingParams(temperature=0.7)), PROMPT)
-    with pytest.raises(BadInput, match="strategies that fit: blockdiff, canvas, s2d2, simsd$"):
-        kv_length_needed(tiny_mdm(), make_strategy("ar"), Settings(max_new_tokens=8), PROMPT)
+    with pytest.raises(BadInput, match="strategies that fit: blockdiff, canvas, s2d2, simsd$"):   # never gemma-canvas
+        kv_length_needed(tiny_mdm(), make_strategy("isd"), Settings(max_new_tokens=8), PROMPT)
     for params, needle in (({"max_denoising_steps": 0}, "max_denoising_steps >= 1"),
                            ({"entropy_bound": 0.0}, "entropy_bound must be > 0"),
                            ({"t_min": 0.9}, "0 < t_min <= t_max, got 0.9, 0.8")):

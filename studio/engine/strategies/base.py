@@ -275,6 +275,22 @@ class Strategy:
     needs_causal_model: ClassVar[bool] = True
     # decodes a plain AR model (no MASK-trained attention of its own) as it is; canvas does not
     decodes_ar_models: ClassVar[bool] = True
+    # samples at a schedule of its own (DiffusionGemma's temperatures): --temperature, --top-k, --top-p do not apply
+    own_sampling: ClassVar[bool] = False
+
+    @classmethod
+    def fits(cls, config) -> bool:
+        """Whether this strategy decodes a model of this kind at all (a one-line refusal, `misfit`, otherwise). A
+        DiffusionGemma model (canvas attention) runs its own loop only."""
+        return config.attention != "canvas" and (not cls.needs_causal_model or config.attention == "causal")
+
+    @classmethod
+    def misfit(cls, config, name: str) -> str:
+        """Why `fits` is False for the model `name`."""
+        if config.attention == "canvas":
+            return (f"{name!r} is a DiffusionGemma model: it denoises noise canvases with its own encoder/decoder loop, "
+                    f"which strategy gemma-canvas runs and {cls.name!r} does not")
+        return f"strategy {cls.name!r} needs a causal model and {name!r} was trained with {config.attention} attention"
 
     @dataclass
     class Params:

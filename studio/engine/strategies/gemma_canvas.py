@@ -57,6 +57,7 @@ class GemmaCanvas(Strategy):
     name = "gemma-canvas"
     needs_causal_model = False   # it runs the model's own two passes
     decodes_ar_models = False
+    own_sampling = True          # its temperature schedule
 
     @dataclass
     class Params:
@@ -86,10 +87,14 @@ class GemmaCanvas(Strategy):
         """C: the params', else the model's canvas length."""
         return self.params.canvas_length or config.block_size
 
-    def check_run(self, config, max_new_tokens: int) -> None:
-        if config.attention != "canvas":
-            raise BadInput(f"{self.name}: {config.name or 'this model'} is not a DiffusionGemma model; {self.name} "
-                           "runs DiffusionGemma's own encoder/decoder passes (canvas decodes masked-diffusion models)")
+    @classmethod
+    def fits(cls, config) -> bool:
+        return config.attention == "canvas"
+
+    @classmethod
+    def misfit(cls, config, name: str) -> str:
+        return (f"{cls.name}: {name!r} is not a DiffusionGemma model; {cls.name} runs DiffusionGemma's own "
+                "encoder/decoder passes (canvas decodes masked-diffusion models)")
 
     def header_fields(self, config, max_new_tokens: int) -> dict:
         C = self.block_size(config)
@@ -107,7 +112,8 @@ class GemmaCanvas(Strategy):
     # -- the loop -------------------------------------------------------------------------------
     def start(self, ctx: DecodeContext, prompt: list[int]) -> None:
         cfg = ctx.model.config
-        self.check_run(cfg, ctx.out.max_new_tokens)
+        if not self.fits(cfg):
+            raise BadInput(self.misfit(cfg, cfg.name))
         self.C = self.block_size(cfg)
         self.encoder, self.decoder = EncoderPass(ctx.model), DecoderPass(ctx.model)
         self.sc_dtype = ctx.model.lm_head.weight.dtype   # the embedding's (tied)
