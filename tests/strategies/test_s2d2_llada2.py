@@ -194,16 +194,12 @@ def test_greedy_always_verify_on_a_d2f_student_is_its_causal_decode(tmp_path, ca
 
 
 # -- refusals --------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("params", [{"edit_threshold": 1.5}, {"edit_threshold": -0.1}, {"threshold": 1.2},
-                                    {"max_post_steps": -1}, {"edit_threshold": 0.9, "causal_prefix": True}])
-def test_bad_editing_params_are_one_line_errors(params):
+@pytest.mark.parametrize("strategy, params", [
+    ("s2d2", {"edit_threshold": 1.5}), ("s2d2", {"edit_threshold": -0.1}), ("blockdiff", {"max_post_steps": -1}),
+    ("s2d2", {"edit_threshold": 0.9, "causal_prefix": True}), ("simsd", {"edit_threshold": 0.9})])
+def test_bad_editing_params_are_refused(strategy, params):
     with pytest.raises(BadInput):
-        make_strategy("s2d2", params)
-
-
-def test_simsd_refuses_editing():
-    with pytest.raises(BadInput, match="no token editing"):
-        make_strategy("simsd", {"edit_threshold": 0.9})
+        make_strategy(strategy, params)
 
 
 def test_s2d2_refuses_a_bidirectional_model_without_a_d2f_adapter(tmp_path):
