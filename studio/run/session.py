@@ -53,6 +53,7 @@ class RunResult:
     footer: dict
     token_ids: list[int]
     model_adapter: str | None = None   # the adapter whose model the output follows (`Run.model_adapter`)
+    reference: str | None = None       # a comparison's label of the run this one's output is compared with
 
     def summary(self) -> dict:
         """The `run --json` object (docs/cli.md#json-outputs)."""
@@ -130,7 +131,7 @@ class Run:
 
     def __init__(self, engine: Engine, strategy: Strategy, settings: Settings, prompt_text: str,
                  prompt_ids: list[int], *, trace_path: str | None = None, kv=None,
-                 on_finish: Callable[["Run"], None] | None = None):
+                 on_finish: Callable[["Run"], None] | None = None, reference: str | None = None):
         engine = engine.for_strategy(strategy.name)      # the adapter this strategy runs with
         kv_len = kv_length_needed(engine, strategy, settings, prompt_ids)
         if kv is not None and kv.max_len < kv_len:
@@ -141,6 +142,7 @@ class Run:
         if self._lent:
             kv = engine.caches.lend(engine.model, kv_len)
         self.engine, self.strategy, self.settings = engine, strategy, settings
+        self.reference = reference   # set by a comparison (studio.run.compare.make_runs)
         self.prompt_ids = list(prompt_ids)
         self.header = self._header(prompt_text)
         self.out = Output(engine.tokenizer, settings.max_new_tokens, frozenset(engine.eos_ids()), tuple(settings.stop))
@@ -269,7 +271,8 @@ class Run:
         if self._writer:
             self._writer.close(footer)
         self.result = RunResult(header=self.header, events=self.events, footer=footer,
-                                token_ids=list(self.out.token_ids), model_adapter=self.model_adapter)
+                                token_ids=list(self.out.token_ids), model_adapter=self.model_adapter,
+                                reference=self.reference)
         if self._on_finish:
             self._on_finish(self)
         if self._lent:

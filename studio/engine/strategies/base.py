@@ -325,6 +325,11 @@ class Strategy:
         """Optional header fields a run of this strategy adds (a canvas strategy: `canvas`)."""
         return {}
 
+    def exact_reference(self) -> dict | None:
+        """Parameter overrides that turn this run into the exact decode it approximates (a canvas cache: cache=none),
+        which a comparison runs beside it; None when the run is exact itself."""
+        return None
+
     def finished(self, ctx: DecodeContext) -> bool:
         """Whether the run is over: by default once the output is (EOS, a stop string, --max-new-tokens). A canvas
         decoded to its end after an early EOS (LLaDA without early termination) goes on filling the padding."""

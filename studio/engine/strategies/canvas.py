@@ -106,9 +106,6 @@ class Canvas(Strategy):
                            "or dual")
         if p.after_look and p.cache != "dual":
             raise BadInput(f"{cls.name}: after_look refreshes K/V after the block, which only cache=dual keeps")
-        if p.decoder == "hierarchical" and not p.threshold:
-            raise BadInput(f"{cls.name}: the hierarchical decoder needs a threshold (dInfer's eval guide: 0.92 with "
-                           "low_threshold 0.62)")
         DecoderParams.check(cls.name, p)
         if p.cfg_scale and p.cache != "none":
             raise BadInput(f"{cls.name}: guidance (cfg_scale) runs with cache=none only")
@@ -137,6 +134,12 @@ class Canvas(Strategy):
         if self.params.cache == "dual" and self.attention(config) != "bidirectional":
             raise BadInput("canvas: cache=dual keeps the K/V of the canvas after the block, which a block-causal or "
                            "causal forward never reads: give cache=prefix (exact under that attention)")
+
+    def exact_reference(self) -> dict | None:
+        p = self.params
+        if p.cache == "none":
+            return None
+        return {"cache": "none", "refresh_every": 0, "prefix_look": 0, "after_look": 0, "warmup_steps": 0}
 
     def header_fields(self, config, max_new_tokens: int) -> dict:
         return {"canvas": {"length": max_new_tokens, "block_size": self.block_size(config, max_new_tokens)}}
@@ -284,8 +287,8 @@ class Canvas(Strategy):
 
     def _select(self, ctx: DecodeContext, d: Draft) -> list[int]:
         p = self.params
-        if p.decoder == "hierarchical":
-            return select_hierarchical(d.conf, d.slots, p.threshold, p.low_threshold)
+        if p.decoder == "hierarchical":   # threshold 0: its run rule alone, as dInfer's threshold=None
+            return select_hierarchical(d.conf, d.slots, p.threshold or 1.0, p.low_threshold)
         if p.threshold:
             return select_dynamic(d.conf, 1, p.threshold)
         if p.factor:
