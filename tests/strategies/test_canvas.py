@@ -138,14 +138,15 @@ def test_caches_on_a_bidirectional_canvas_rebuild_at_each_block_and_match_where_
         assert kv == [("commit", 0, a), ("refresh", 0, a), ("rollback", a, 0), ("commit", 0, b), ("refresh", 0, b)]
 
 
-@pytest.mark.parametrize("cache, attention", [("prefix", "bidirectional"), ("dual", "bidirectional"),
-                                              ("prefix", "block")])
-def test_a_cached_step_over_an_unchanged_canvas_gives_the_full_forwards_logits(cache, attention):
+@pytest.mark.parametrize("cache, attention, shift", [("prefix", "bidirectional", False), ("dual", "bidirectional", False),
+                                                     ("prefix", "block", False), ("prefix", "bidirectional", True),
+                                                     ("dual", "bidirectional", True)])
+def test_a_cached_step_over_an_unchanged_canvas_gives_the_full_forwards_logits(cache, attention, shift):
     """The cached forward (the block and what follows it against the prefix's K/V, or the block alone written into
     the cached K/V) reproduces the rebuilding forward's rows while nothing has changed since the rebuild."""
     from studio.engine.sampling import SamplingParams
     from studio.engine.strategies import DecodeContext, Output
-    engine = tiny_mdm(attention=attention, block=4 if attention == "block" else None, seed=7)
+    engine = tiny_mdm(attention=attention, block=4 if attention == "block" else None, shift=shift, seed=7)
     strategy = make_strategy("canvas", {"block_size": 4, "cache": cache})
     ctx = DecodeContext(engine.model, engine.tokenizer, SamplingParams(), 0, Output(engine.tokenizer, 12, frozenset()),
                         engine.config.mask_token_id, 64)
@@ -154,7 +155,7 @@ def test_a_cached_step_over_an_unchanged_canvas_gives_the_full_forwards_logits(c
     slots = list(range(strategy.block_start, strategy.block_start + 4))
     full = strategy._logits(ctx, slots)
     assert ctx.kv.length == {"prefix": 14 if attention == "bidirectional" else 12, "dual": len(strategy.tokens)}[cache]
-    cached = strategy._logits(ctx, slots)
+    cached = strategy._logits(ctx, slots)   # a shifted model's first slot: the row before the block, recomputed
     torch.testing.assert_close(cached, full, atol=1e-5, rtol=0)
 
 
@@ -271,3 +272,43 @@ def test_ar_is_the_ar_mode_of_a_masked_diffusion_model_where_it_has_one():
     dream, same_weights_ar = tiny_mdm(shift=True, seed=2), tiny_engine("llama", seed=2)
     assert generate(dream, "ar", prompt=PROMPT, n=12).token_ids == \
         generate(same_weights_ar, "ar", prompt=PROMPT, n=12).token_ids
+
+
+def smoothing_reference(engine, G: int, threshold: float, cw=0.3, init=0.15, growth=0.02, decay=0.02) -> list[int]:
+    """dInfer's iteration smoothing over one canvas block, greedy, written out: step t forwards the canvas with every
+    still-MASK position fed E[MASK] + w_t * softmax(logits) @ E from the step before, fills (threshold rule) every MASK
+    above max(1 - decay * t, threshold), at least the best, and sets w_t = min(init + growth * t, cw) for the rest."""
+    model, M = engine.model, engine.config.mask_token_id
+    x, P = PROMPT + [M] * G, len(PROMPT)
+    E = model.model.embed_tokens.weight
+    soft: dict[int, torch.Tensor] = {}
+    t = 0
+    while masked := [i for i in range(P, P + G) if x[i] == M]:
+        shift = torch.zeros(len(x), E.shape[1])
+        for i, v in soft.items():
+            shift[i] = v
+        with torch.inference_mode():
+            logits = model(torch.tensor(x), torch.arange(len(x)), model.new_cache(len(x)),
+                           mask=bidirectional(len(x), 0), embed_shift=shift)[0]
+        logits = logits.index_fill(-1, torch.tensor([M]), float("-inf"))
+        probs = torch.softmax(logits.float(), dim=-1)
+        conf, tok = probs.max(dim=-1)
+        bar = max(1 - decay * t, threshold)
+        chosen = [i for i in masked if conf[i] > bar] or [max(masked, key=lambda i: conf[i].item())]
+        w = min(init + growth * t, cw)
+        for i in masked:
+            soft[i] = w * (probs[i] @ E[:probs.shape[-1]])
+        for i in chosen:
+            x[i] = int(tok[i])
+            soft.pop(i)
+        t += 1
+    return x[P:]
+
+
+def test_iteration_smoothing_feeds_open_masks_their_expected_embedding_as_dinfer_does():
+    engine = tiny_mdm(seed=5)
+    params = {"threshold": 0.3, "cont_weight": 0.3}
+    run = generate(engine, "canvas", params, prompt=PROMPT, n=8)
+    assert run.token_ids == smoothing_reference(engine, 8, 0.3)
+    # the expected embeddings matter here: without them (w = 0, the same threshold decay) other tokens are filled
+    assert run.token_ids != smoothing_reference(engine, 8, 0.3, cw=0.0, init=0.0, growth=0.0)

@@ -82,6 +82,13 @@ class Canvas(Strategy):
         after_look: int = param(0, "dual: the vicinity refresh's positions after the block (dInfer's presets: 16)")
         warmup_steps: int = param(0, "prefix/dual: the run's first n steps are full forwards without the cache "
                                      "(dInfer's vicinity warmup; its presets: 4)")
+        cont_weight: float = param(0.0, "dInfer's iteration smoothing: a MASK still open after a step is fed its "
+                                        "MASK embedding + w times its expected token embedding (softmax(logits) @ E) "
+                                        "next step, w growing to this; the threshold then decays from 1 to its own "
+                                        "(0 = off; dInfer's presets: 0.3)")
+        cont_weight_init: float = param(0.15, "iteration smoothing: w at the run's first step")
+        cont_weight_growth: float = param(0.02, "iteration smoothing: w's growth per step")
+        threshold_decay: float = param(0.02, "iteration smoothing: the threshold is max(1 - this * step, threshold)")
         early_stop: bool = param(False, "stop once the output reaches EOS (dInfer's early termination); off: the "
                                         "canvas after an early EOS is decoded to its end as padding, as LLaDA, "
                                         "Fast-dLLM and Dream do (the padding is never output)")
@@ -106,6 +113,11 @@ class Canvas(Strategy):
                            "or dual")
         if p.after_look and p.cache != "dual":
             raise BadInput(f"{cls.name}: after_look refreshes K/V after the block, which only cache=dual keeps")
+        if min(p.cont_weight, p.cont_weight_init, p.cont_weight_growth, p.threshold_decay) < 0:
+            raise BadInput(f"{cls.name} cont_weight, cont_weight_init, cont_weight_growth and threshold_decay must be "
+                           ">= 0")
+        if p.cont_weight and p.cfg_scale:
+            raise BadInput(f"{cls.name}: iteration smoothing (cont_weight) and guidance (cfg_scale) do not combine")
         DecoderParams.check(cls.name, p)
         if p.cfg_scale and p.cache != "none":
             raise BadInput(f"{cls.name}: guidance (cfg_scale) runs with cache=none only")
@@ -167,10 +179,11 @@ class Canvas(Strategy):
         self.mask_id = ctx.mask_id
         self.tokens = prompt + [ctx.mask_id] * G
         self.mode, self.model_block = self.attention(cfg), cfg.block_size or B
-        self.shift = cfg.logit_shift
+        self.shift = int(cfg.logit_shift)   # a shifted model's row for position i is i - 1
         self.emitted_upto = self.P
         self.block_start = self.P
-        self.steps_run = 0   # the run's steps (the vicinity warmup counts them)
+        self.steps_run = 0   # the run's steps (the vicinity warmup and iteration smoothing count them)
+        self.soft: dict[int, torch.Tensor] = {}   # iteration smoothing: position -> w * expected token embedding
         self._open(ctx)
 
     def _open(self, ctx: DecodeContext) -> None:
@@ -206,6 +219,7 @@ class Canvas(Strategy):
         chosen = self._select(ctx, d)
         for i in chosen:
             self.tokens[d.slots[i]] = d.tokens[i]
+            self.soft.pop(d.slots[i], None)
         ctx.event("unmask", pos=[d.slots[i] - self.P for i in chosen], tok=[d.tokens[i] for i in chosen],
                   conf=[d.conf[i] for i in chosen])
         self.block_step += 1
@@ -219,57 +233,96 @@ class Canvas(Strategy):
 
     def _logits(self, ctx: DecodeContext, slots: list[int]) -> torch.Tensor:
         """The rows predicting `slots` (MASK excluded): from one forward over prompt + canvas (two with guidance),
-        or, on a step that reuses the cache, over the part of the canvas the cache does not hold."""
-        rows = [s - 1 for s in slots] if self.shift else slots
+        or, on a step that reuses the cache, over the window of the canvas the cache does not hold."""
         p, n = self.params, len(self.tokens)
         rebuild = not self.cached or (p.refresh_every and self.block_step % p.refresh_every == 0)
+        if p.cache == "none" or self.steps_run < p.warmup_steps or rebuild:
+            lo, hi = 0, n
+        elif p.cache == "prefix":   # a shifted model's first slot is predicted by the row before it
+            lo, hi = max(0, self._prefix_end() - max(p.prefix_look, self.shift)), n
+        else:
+            lo = max(0, self.block_start - max(p.prefix_look, self.shift))
+            hi = min(n, self.block_start + self.B + p.after_look)
+        # iteration smoothing reads every MASK of the window, the fill rule the open block's
+        wanted = slots + ([i for i in range(max(lo, self.P), hi) if self.tokens[i] == self.mask_id and i not in slots]
+                          if p.cont_weight else [])
+        rows = [s - self.shift - lo for s in wanted]
+        shift = self._embed_shift(ctx, lo, hi)
         if p.cache == "none" or self.steps_run < p.warmup_steps:
-            logits = self._full(ctx, rows)
+            logits = self._full(ctx, rows, shift)
         elif rebuild:   # keep what later steps reuse: the prefix, or everything (dual)
-            logits = self._full(ctx, rows)
+            logits = self._full(ctx, rows, shift)
             kept = self._prefix_end() if p.cache == "prefix" else n
             ctx.commit(kept)
             ctx.event("kv", op="refresh", from_len=0, to_len=kept)
             self.cached = True
         elif p.cache == "prefix":
-            logits = self._prefix_step(ctx, rows)
+            logits = self._prefix_step(ctx, lo, rows, shift)
         else:
-            logits = self._dual_step(ctx, rows)
+            logits = self._dual_step(ctx, lo, hi, rows, shift)
         if p.cfg_scale:
             unprompted = [ctx.mask_id] * self.P + self.tokens[self.P:]
             un = ctx.forward("draft", unprompted, mask=self._mask_for(ctx, n, 0), logits_rows=rows)
             logits = un + (p.cfg_scale + 1) * (logits - un)
-        return BlockDiffusion._no_mask(ctx, logits)
+        logits = BlockDiffusion._no_mask(ctx, logits)
+        if p.cont_weight:
+            self._smooth(ctx, wanted, logits)
+        return logits[:len(slots)]
 
-    def _full(self, ctx: DecodeContext, rows: list[int]) -> torch.Tensor:
+    def _full(self, ctx: DecodeContext, rows: list[int], shift) -> torch.Tensor:
         """A fresh forward over prompt + canvas (nothing cached is read)."""
         ctx.rollback(0)
-        return ctx.forward("draft", self.tokens, mask=self._mask_for(ctx, len(self.tokens), 0), logits_rows=rows)
+        return ctx.forward("draft", self.tokens, mask=self._mask_for(ctx, len(self.tokens), 0), logits_rows=rows,
+                           embed_shift=shift)
 
-    def _prefix_step(self, ctx: DecodeContext, rows: list[int]) -> torch.Tensor:
-        """The block and the canvas after it against the cached prefix; with `prefix_look` the prefix's last positions
-        are recomputed too and kept (dInfer's vicinity refresh)."""
+    def _prefix_step(self, ctx: DecodeContext, lo: int, rows: list[int], shift) -> torch.Tensor:
+        """The block and the canvas after it against the cached prefix; the prefix's positions from `lo` on are
+        recomputed too and kept (dInfer's vicinity refresh, and a shifted model's row before the block)."""
         n, start = len(self.tokens), self._prefix_end()
-        lo = max(0, start - self.params.prefix_look)
         ctx.rollback(lo)
         logits = ctx.forward("draft", self.tokens[lo:], torch.arange(lo, n, device=ctx.device),
-                             mask=self._mask_for(ctx, n - lo, lo), logits_rows=[r - lo for r in rows])
+                             mask=self._mask_for(ctx, n - lo, lo), logits_rows=rows, embed_shift=shift)
         if lo < start:
             ctx.commit(start - lo)
             ctx.event("kv", op="refresh", from_len=lo, to_len=start)
         return logits
 
-    def _dual_step(self, ctx: DecodeContext, rows: list[int]) -> torch.Tensor:
-        """The block alone, its K/V written over the cached ones, the rest as cached; with `prefix_look`/`after_look`
-        the window reaches that far around the block (dInfer's vicinity refresh)."""
-        p, n = self.params, len(self.tokens)
-        lo, hi = max(0, self.block_start - p.prefix_look), min(n, self.block_start + self.B + p.after_look)
+    def _dual_step(self, ctx: DecodeContext, lo: int, hi: int, rows: list[int], shift) -> torch.Tensor:
+        """The window [lo, hi) -- the block, and around it dInfer's vicinity and a shifted model's row before it --
+        its K/V written over the cached ones, the rest as cached."""
+        n = len(self.tokens)
         logits = ctx.forward("draft", self.tokens[lo:hi], torch.arange(lo, hi, device=ctx.device),
                              mask=torch.ones(hi - lo, n, dtype=torch.bool, device=ctx.device),
-                             logits_rows=[r - lo for r in rows], kv=WindowWrite(ctx.kv, lo))
+                             logits_rows=rows, kv=WindowWrite(ctx.kv, lo), embed_shift=shift)
         if (lo, hi) != (self.block_start, self.block_start + self.B):
             ctx.event("kv", op="refresh", from_len=lo, to_len=hi)
         return logits
+
+    # -- iteration smoothing (dInfer) -----------------------------------------------------------------
+    def _smooth(self, ctx: DecodeContext, slots: list[int], logits: torch.Tensor) -> None:
+        """Each MASK read this step is fed, next step, its MASK embedding + w * softmax(its logits) @ E (dInfer's
+        H2Embed, τ = 1), w = min(init + growth * step, cont_weight); a filled position drops it."""
+        p = self.params
+        w = min(p.cont_weight_init + p.cont_weight_growth * self.steps_run, p.cont_weight)
+        table = ctx.model.model.embed_tokens.weight
+        expected = torch.softmax(logits.float(), dim=-1) @ table[:logits.shape[-1]].float()
+        self.soft.update(zip(slots, w * expected))
+
+    def _embed_shift(self, ctx: DecodeContext, lo: int, hi: int) -> torch.Tensor | None:
+        """The smoothing added to the embeddings of the forward over [lo, hi), or None."""
+        held = [i for i in range(lo, hi) if i in self.soft]
+        if not held:
+            return None
+        shift = torch.zeros(hi - lo, ctx.model.config.dim, device=ctx.device)
+        shift[[i - lo for i in held]] = torch.stack([self.soft[i] for i in held])
+        return shift
+
+    def _threshold(self) -> float:
+        """The fill threshold of this step: with iteration smoothing it decays from 1 to the set one."""
+        p = self.params
+        if not p.cont_weight:
+            return p.threshold
+        return max(1 - p.threshold_decay * self.steps_run, p.threshold)
 
     def _prefix_end(self) -> int:
         """Where a prefix cache ends: the open block's start, or under block-causal attention the start of the model's
@@ -287,10 +340,11 @@ class Canvas(Strategy):
 
     def _select(self, ctx: DecodeContext, d: Draft) -> list[int]:
         p = self.params
+        threshold = self._threshold()
         if p.decoder == "hierarchical":   # threshold 0: its run rule alone, as dInfer's threshold=None
-            return select_hierarchical(d.conf, d.slots, p.threshold or 1.0, p.low_threshold)
+            return select_hierarchical(d.conf, d.slots, threshold or 1.0, p.low_threshold)
         if p.threshold:
-            return select_dynamic(d.conf, 1, p.threshold)
+            return select_dynamic(d.conf, 1, threshold)
         if p.factor:
             return select_factor(d.conf, p.factor)
         n, last = len(d.slots), self.block_step >= self.steps_per_block - 1
