@@ -55,10 +55,12 @@ def test_canvas_decoding_fills_what_llada_s_loop_fills(shift, B, steps, threshol
     assert forwards == steps if not threshold else forwards <= steps
 
 
-def test_one_token_per_step_over_a_causal_canvas_is_greedy_ar():
+@pytest.mark.parametrize("engine", [tiny_engine("llama", vocab=16, seed=1), tiny_mdm(shift=True, seed=1)],
+                         ids=["ar-model", "dream-style"])
+def test_one_token_per_step_over_a_causal_canvas_is_greedy_ar(engine):
     """Block 1, one step per token and causal attention: each step predicts the next token from the prompt and the
-    tokens before it, as AR does (the canvas's MASKs after it are invisible)."""
-    engine = tiny_engine("llama", vocab=16, seed=1)
+    tokens before it, as AR does (the canvas's MASKs after it are invisible) -- on an AR model, and on a shifted
+    masked-diffusion model (Dream-style), whose ar is its AR mode under the same causal mask."""
     canvas = generate(engine, "canvas", {"block_size": 1, "attention": "causal"}, prompt=PROMPT, n=10)
     assert canvas.token_ids == generate(engine, "ar", prompt=PROMPT, n=10).token_ids
 
