@@ -104,12 +104,13 @@ def _cpu_s(proc: subprocess.Popen) -> float:
 
 def _interpreter_start_cpu_s() -> float:
     """CPU seconds a bare start of this venv's Python takes (site and its .pth files, before any code of ours
-    runs), the most of three: an interrupt before then is the interpreter's own fatal error, out of reach."""
+    runs), the most of three: an interrupt before then is the interpreter's own fatal error, out of reach.
+    Spawned as `_spawn` does (a preexec_fn means a fork of this big process, whose CPU time the child inherits)."""
     import resource
     spent = []
     for _ in range(3):
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        subprocess.run([sys.executable, "-c", "pass"], check=True)
+        subprocess.run([sys.executable, "-c", "pass"], check=True, preexec_fn=_deliverable_sigint)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         spent.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
     return max(spent)
