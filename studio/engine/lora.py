@@ -301,6 +301,8 @@ def attach_adapter(engine, path: str | Path) -> LoadedAdapter:
     """Load the adapter at `path` onto engine.model (replacing any attached one); sets engine.adapter,
     engine.lora and the MASK id of engine.config."""
     loaded = load_adapter(engine.model, path)   # checks everything before changing anything
+    if engine.lora is None:   # `with_adapter(None)` then still has the base model's config (its attention, MASK id)
+        engine._views[None] = dataclasses.replace(engine, adapter_choice="none")
     engine.lora, engine.adapter, engine.adapter_choice = loaded, loaded.path, loaded.path
     engine.config = loaded.configure(engine.config)
     engine.activate()

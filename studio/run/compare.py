@@ -3,7 +3,8 @@
 `ar` always runs (first) as the baseline that speed is measured against. Each run's output is compared with
 its reference: the `ar` run of the model it decodes (`Run.model_adapter`). That is the `ar` row for runs on the
 base model (no adapter, a MASK-row adapter, r-isd), and an extra `ar` run on the adapter for a run that decodes
-an adapter of every row (isd on smollm2-isd: `ar · smollm2-isd`), which `run_compare` adds.
+an adapter of every row (isd on smollm2-isd: `ar · smollm2-isd`), which `run_compare` adds. A model that `ar`
+cannot decode (an adapter that makes it bidirectional: canvas on smollm2-mdm) gets no reference run.
 """
 from __future__ import annotations
 
@@ -180,15 +181,16 @@ def make_runs(engine, prompt: str, prompt_ids: list[int], configs: Mapping[str, 
     for label, config in configs.items():
         strategy, settings = built[label]
         model = decoded_model(view(config, strategy), strategy)
-        if strategy.name != "ar" and model not in with_ar:
+        causal = view(config, strategy).config.attention == "causal"   # a model ar decodes (not a diffusion one)
+        if strategy.name != "ar" and model not in with_ar and causal:
             reference = dataclasses.replace(configs["ar"], adapter=model or "none")
             planned[reference_label(model)] = reference, reference.build()
         with_ar.add(model)
         planned[label] = config, (strategy, settings)
     if most is not None and len(planned) > most:
         raise BadInput(f"compare shows at most {most} runs (ar and references included): {', '.join(planned)}")
-    for strategy, settings in built.values():
-        kv_length_needed(engine, strategy, settings, prompt_ids)
+    for label, (strategy, settings) in built.items():
+        kv_length_needed(view(configs[label], strategy), strategy, settings, prompt_ids)
     if trace_dir and not force:
         from studio.files import check_writable
         for path in trace_paths(trace_dir, planned, trace_prefix).values():

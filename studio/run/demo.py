@@ -5,6 +5,10 @@ exists, e.g. `jacobi-mr-cpu`), greedy, one process, `ar` first as the baseline (
 run that decodes an adapter of every row, its reference): the compare table, one trace per run and the HTML
 report, with every path printed at the end. It is `dlm-studio compare`
 with demo defaults, built from the same pieces (`studio.run.compare`).
+
+A strategy that cannot decode the AR model itself (`canvas`) runs where an adapter is shipped for it on the
+model (smollm2-mdm makes the embedded model a bidirectional masked-diffusion model): it decodes that other model,
+which no `ar` run can decode, so its output is shown against `ar` on the base model and labelled so.
 """
 from __future__ import annotations
 
@@ -24,15 +28,17 @@ TRACE_PREFIX = "demo-"
 REPORT_NAME = "demo-report.html"
 
 
-def demo_configs(strategies: str | None, max_new_tokens: int) -> dict[str, RunConfig]:
-    """The demo's runs, greedy, seed 0: `None` or `all` is every registered strategy that decodes the embedded AR
-    model, in registry order (ar first), a strategy's `NAME-cpu` preset in its place where one exists; otherwise a
-    comma list as for compare."""
+def demo_configs(strategies: str | None, max_new_tokens: int, model: str = "default") -> dict[str, RunConfig]:
+    """The demo's runs, greedy, seed 0: `None` or `all` is every registered strategy that decodes `model` (the
+    embedded AR model, or what an adapter shipped for a strategy on it makes of it: canvas with smollm2-mdm), in
+    registry order (ar first), a strategy's `NAME-cpu` preset in its place where one exists; otherwise a comma
+    list as for compare."""
     from studio.presets import list_presets
+    from studio.presets.shipped import shipped_for
     if strategies is None or strategies.strip() in ("", "all"):
         presets = set(list_presets("strategies"))
         strategies = ",".join(f"{name}-cpu" if f"{name}-cpu" in presets else name
-                              for name, cls in STRATEGIES.items() if cls.decodes_ar_models)
+                              for name, cls in STRATEGIES.items() if cls.decodes_ar_models or shipped_for(model, name))
     return compare_configs(strategies, RunConfig(temperature=0.0, max_new_tokens=max_new_tokens))
 
 
@@ -47,7 +53,7 @@ def run_demo(engine, prompt: str = DEMO_PROMPT, strategies: str | None = None, m
         console = Console()
         console = console if console.is_terminal else Console(width=120)
     err = err_console or Console(stderr=True)
-    configs = demo_configs(strategies, max_new_tokens)
+    configs = demo_configs(strategies, max_new_tokens, engine.name)
     ids = encode_prompt(engine, prompt)
     trace_dir = Path(trace_dir)
     trace_dir.mkdir(parents=True, exist_ok=True)
@@ -55,7 +61,7 @@ def run_demo(engine, prompt: str = DEMO_PROMPT, strategies: str | None = None, m
     say(f"model: {engine.name} ({engine.config.arch}, {engine.source}; loaded in {engine.load_s:.1f}s"
         f"{' from cache' if engine.from_cache else ''})")
     say(f"runs:  {', '.join(configs)}  (greedy, seed 0, up to {max_new_tokens} new tokens; and ar on the model of "
-        "each run that decodes an adapter of every row, its reference)")
+        "each run that decodes an adapter of every row, its reference, unless that model is bidirectional)")
     console.print(f"prompt: {prompt}\n", highlight=False, markup=False)
 
     def done(label, r) -> None:
@@ -69,11 +75,14 @@ def run_demo(engine, prompt: str = DEMO_PROMPT, strategies: str | None = None, m
     table = rows(results)
     console.print(render_table(table, sampled=False))
     text = {r["label"]: r["text"].strip() for r in table}
-    for ref in dict.fromkeys(r["reference"] for r in table):   # each reference's text once, with its equals
-        same = [r["label"] for r in table if r["reference"] == ref and r["identical_to_reference"]]
+    for ref in dict.fromkeys(r["reference"] for r in table if r["reference"] in text):   # each reference's text
+        same = [r["label"] for r in table if r["reference"] == ref and r["identical_to_reference"]]   # with its equals
         console.print(f"── {', '.join(same)} (identical output):\n{text[ref]}", highlight=False, markup=False)
     for r in table:
-        if not r["identical_to_reference"]:
+        if r["identical_to_reference"] is None:   # a model no ar decodes: shown against ar on the base model
+            console.print(f"── {r['label']} ({_other_model(results[r['label']])}; "
+                          f"{_against_ar(r)}):\n{text[r['label']]}", highlight=False, markup=False)
+        elif not r["identical_to_reference"]:
             console.print(f"── {r['label']} (differs from {r['reference']} at token "
                           f"{r['reference_first_difference']}):\n{text[r['label']]}", highlight=False, markup=False)
     traces = [trace_path(trace_dir, label, TRACE_PREFIX) for label in results]
@@ -87,6 +96,18 @@ def run_demo(engine, prompt: str = DEMO_PROMPT, strategies: str | None = None, m
     if report:
         console.print(f"report: {report}", highlight=False, markup=False)
     return {"results": results, "rows": table, "traces": traces, "report": report}
+
+
+def _other_model(result) -> str:
+    """`decodes smollm2-mdm, which no ar run can decode`: the model of a run without an ar reference."""
+    model = result.header["model"]
+    name = model.get("adapter_name") or (Path(model["adapter"]).name if model.get("adapter") else model["name"])
+    return f"decodes {name}, which no ar run can decode"
+
+
+def _against_ar(row: dict) -> str:
+    k = row["first_difference"]
+    return "identical to ar on the base model" if k is None else f"differs from ar on the base model at token {k}"
 
 
 def demo_command(prompt: str, strategies: str | None, max_new_tokens: int, trace_dir: Path, html: bool = True,

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from studio.engine.lora import read_adapter
+from studio.engine.lora import attach_adapter, read_adapter
 from studio.engine.masks import bidirectional, causal
 from studio.engine.strategies import make_strategy
 from studio.errors import BadInput
@@ -102,6 +102,9 @@ def test_train_mdm_writes_an_adapter_that_makes_the_model_bidirectional_for_canv
     view = base.with_adapter(str(tmp_path / "mdm"))
     assert view.config.attention == "bidirectional" and view.config.logit_shift and view.config.mask_token_id == V
     assert base.config.attention == "causal"                          # the base view is the AR model still
+    attached = _ar_engine()
+    attach_adapter(attached, tmp_path / "mdm")                        # and so it is after an attach (train eval)
+    assert attached.config.attention == "bidirectional" and attached.with_adapter(None).config.attention == "causal"
     canvas = make_strategy("canvas", {"block_size": 4, "threshold": 0.5})
     out = Session(view, canvas, Settings(max_new_tokens=8)).run("", seqs[0].tokens[:4])
     assert out.token_ids and canvas.mode == "bidirectional" and canvas.shift
