@@ -79,7 +79,7 @@ class LiveMetrics:
 
 
 STRATEGY = typer.Option(None, "--strategy", "-s", help="ar, isd, r-isd, jacobi, jacobi-mr, blockdiff, s2d2, simsd, "
-                        "canvas, or a strategy preset (default: --preset's, else the model preset's, else ar).")
+                        "canvas, gemma-canvas, or a strategy preset (default: --preset's, else the model preset's, else ar).")
 STRATEGIES = typer.Option("ar,isd", "--strategy", "-s", help="Comma-separated strategies or presets (ar is always "
                           "added, first: the baseline).")
 
@@ -278,7 +278,7 @@ def bench(
     from rich.console import Console
     from rich.progress import Progress
     from studio.run.bench import check_concurrency, load_prompts, run_bench
-    from studio.run.compare import compare_configs
+    from studio.run.compare import compare_configs, fit_baseline, with_references
 
     if repeats < 1 or warmup < 0:
         raise BadInput("--repeats must be >= 1 and --warmup >= 0")
@@ -293,6 +293,9 @@ def bench(
     if html:
         check_writable(html, force)
     engine = model.load()
+    configs, exact = with_references(fit_baseline(engine, configs))
+    check_concurrency([c.build() for c in configs.values()], concurrency)
+    with_transformers = with_transformers and engine.config.attention == "causal"   # it generates causally
     err = Console(stderr=True)
     per_round = len(configs) + (with_transformers or concurrency > 1)   # + transformers, or ar at batch 1
     units = (len(texts) + concurrency - 1) // concurrency    # runs per strategy and repeat: prompts, or batches
@@ -301,7 +304,7 @@ def bench(
         task = bar.add_task("bench", total=total)
         def progress(phase, label):
             bar.update(task, advance=1, description=f"{phase}: {label}")
-        report = run_bench(engine, texts, configs, repeats, warmup, with_transformers, progress, concurrency)
+        report = run_bench(engine, texts, configs, repeats, warmup, with_transformers, progress, concurrency, exact)
     if html:
         from studio.run.bench import write_bench_html
         typer.echo(f"report: {write_bench_html(report, html)}", err=True)

@@ -227,10 +227,13 @@ class LanguageModel(nn.Module):
 class Transformer(LanguageModel):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv: KVCache,
                 mask: torch.Tensor | None = None, lora_gate: torch.Tensor | None = None,
-                logits_rows: torch.Tensor | list[int] | None = None) -> torch.Tensor:
+                logits_rows: torch.Tensor | list[int] | None = None,
+                embed_shift: torch.Tensor | None = None) -> torch.Tensor:
         """tokens, positions: [T] or [B, T]. mask: bool [T, kv.length + T] (default causal).
         lora_gate: bool [T] or [B, T]. Returns float logits [B, R, V] for `logits_rows` (all rows if None).
-        Writes the new K/V at slots [kv.length, kv.length + T); the caller commits what it keeps."""
+        `embed_shift` [T, D]: added to the token embeddings (dInfer's iteration smoothing feeds a MASK its expected
+        token embedding this way). Writes the new K/V at slots [kv.length, kv.length + T); the caller commits what
+        it keeps."""
         if tokens.dim() == 1:
             tokens, positions = tokens[None], positions[None]
             lora_gate = None if lora_gate is None else lora_gate[None]
@@ -241,15 +244,17 @@ class Transformer(LanguageModel):
         # nothing gated on: the plain path; else the gated rows, found once for every layer
         gate = RowGate(lora_gate) if lora_gate is not None and bool(lora_gate.any()) else None
         rows = None if logits_rows is None else torch.as_tensor(logits_rows, device=tokens.device)
-        return self.run(tokens, positions, kv, mask, gate, rows)
+        return self.run(tokens, positions, kv, mask, gate, rows, embed_shift)
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, kv, mask: torch.Tensor | None,
-            gate: RowGate | None, rows: torch.Tensor | None) -> torch.Tensor:
+            gate: RowGate | None, rows: torch.Tensor | None, embed_shift: torch.Tensor | None = None) -> torch.Tensor:
         """The forward proper, on prepared inputs: tokens, positions [B, T]; `kv` anything whose
         write(layer, k, v) stores the new K/V and returns what to attend over -- the KVCache, or a
         fixed-shape `SlotView` of it (studio.engine.graphs captures this call on one)."""
         cos, sin = rotary_tables(positions, self.inv_freq, self.lm_head.weight.dtype)
         x = self.model.embed_tokens(tokens)
+        if embed_shift is not None:
+            x = x + embed_shift.to(x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, kv, i, mask, gate)
         if rows is not None:

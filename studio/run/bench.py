@@ -1,4 +1,6 @@
-"""Benchmarks: strategies against `ar` (and `transformers` generate) in one process, interleaved.
+"""Benchmarks: strategies against a baseline -- `ar`, or the model's own one-token-per-step decode where it has no AR
+mode (`compare.fit_baseline`) -- and `transformers` generate, in one process, interleaved. A run that approximates
+an exact decode (a cached canvas run) is also compared with that exact run (`compare.with_references`), per prompt.
 
 For every prompt and repeat, every strategy runs once in turn, so slow drifts of the machine hit all
 strategies alike. Speedups are per-prompt ratios of medians; spread is reported, never hidden.
@@ -70,15 +72,18 @@ class Samples:
     tok_s: list[float] = field(default_factory=list)
     tpf: list[float] = field(default_factory=list)
     accept: list[float | None] = field(default_factory=list)   # None: the run verified no drafts
-    same_as_ar: list[bool] = field(default_factory=list)
+    same_as_ar: list[bool] = field(default_factory=list)   # the baseline's tokens (ar's, where it runs)
+    tokens: list[list[int]] = field(default_factory=list)
 
     def add(self, result, ar_ids: list[int]) -> None:
         """TPF, acceptance and agreement of one repeat, from a run's footer and events (a `RunResult`, or a
-        batched sequence's `SequenceResult`: the same events and footer) and ar's tokens on the same prompt."""
+        batched sequence's `SequenceResult`: the same events and footer) and the baseline's tokens on the same
+        prompt."""
         self.tpf.append(result.footer["tpf"])
         verified = any(e["t"] in ("accept", "reject") for e in result.events)
         self.accept.append(result.footer["accept_rate"] if verified else None)
         self.same_as_ar.append(first_difference(ar_ids, result.token_ids) is None)
+        self.tokens.append(list(result.token_ids))
 
 
 def spread(xs: list[float]) -> dict | None:
@@ -156,7 +161,8 @@ def check_concurrency(runs, concurrency: int) -> None:
 
 
 def run_bench(engine, prompts: list[str], configs: Mapping[str, RunConfig], repeats: int = 3, warmup: int = 1,
-              with_transformers: bool = True, progress=None, concurrency: int = 1) -> dict:
+              with_transformers: bool = True, progress=None, concurrency: int = 1,
+              exact: Mapping[str, str] | None = None) -> dict:
     """Returns the --json report:
 
     `model, prompts, repeats, warmup`; `transformers_tok_s` (spread over every transformers sample, None when
@@ -173,9 +179,14 @@ def run_bench(engine, prompts: list[str], configs: Mapping[str, RunConfig], repe
     repeat); `tok_s` and `speedup_vs_ar` are then spreads over those batches, `per_prompt` has no `tok_s` (None),
     and `tpf`, `accept_rate`, `exact_match_vs_ar` are per sequence, as at C = 1; `ar_batch1_tok_s` is ar's
     throughput on the same prompts one at a time (interleaved with the batches) and `ar_speedup_vs_batch1` the
-    spread over batches of ar's batch throughput over it. At C = 1 these four fields are None."""
-    if next(iter(configs), None) != "ar":   # ar first on every prompt: the others compare to it
-        raise BadInput("bench needs the ar baseline first (compare_configs puts it there)")
+    spread over batches of ar's batch throughput over it. At C = 1 these four fields are None.
+
+    The first config is the baseline (`baseline`: its label) that the `_vs_ar` fields are against. `exact` maps a
+    label to the label of the exact run it approximates (listed in `configs`): `reference` names it,
+    `exact_match_vs_reference` is the share of runs whose tokens equal its on the same prompt and repeat, and
+    `reference_first_difference` the first differing token per prompt (first repeat; None where equal)."""
+    if not configs:
+        raise BadInput("bench needs a baseline first (compare_configs puts ar there)")
     runs = {label: config.build() for label, config in configs.items()}
     check_concurrency(runs.values(), concurrency)
     ids = [encode_prompt(engine, p) for p in prompts]
@@ -183,8 +194,8 @@ def run_bench(engine, prompts: list[str], configs: Mapping[str, RunConfig], repe
         samples, batches, batch_tok_s, solo = _bench_batched(engine, ids, runs, repeats, warmup, concurrency,
                                                              progress)
         report = _report(engine, prompts, runs, samples, [[] for _ in prompts], repeats, warmup,
-                         concurrency, batches, batch_tok_s)
-        batched = [statistics.median(x) for x in batch_tok_s["ar"]]
+                         concurrency, batches, batch_tok_s, exact)
+        batched = [statistics.median(x) for x in batch_tok_s[next(iter(runs))]]
         report["ar_batch1_tok_s"] = spread([x for xs in solo for x in xs])
         report["ar_speedup_vs_batch1"] = spread([b / statistics.median(s) for b, s in zip(batched, solo)])
         return report
@@ -203,7 +214,7 @@ def run_bench(engine, prompts: list[str], configs: Mapping[str, RunConfig], repe
             ar_ids = None
             for label, (strategy, settings) in runs.items():
                 r = Session(engine, strategy, settings).run(prompt, ids[i])
-                if label == "ar":
+                if ar_ids is None:   # the baseline runs first
                     ar_ids = r.token_ids
                 samples[label][i].tok_s.append(r.footer["tok_s"])
                 samples[label][i].add(r, ar_ids)
@@ -215,7 +226,7 @@ def run_bench(engine, prompts: list[str], configs: Mapping[str, RunConfig], repe
                     hf[i].append(tok_s)
                 if progress:
                     progress(f"repeat {rep + 1}/{repeats}", "transformers")
-    return _report(engine, prompts, runs, samples, hf, repeats, warmup)
+    return _report(engine, prompts, runs, samples, hf, repeats, warmup, exact=exact)
 
 
 def _bench_batched(engine, ids: list[list[int]], runs: dict, repeats: int, warmup: int, concurrency: int, progress):
@@ -239,13 +250,13 @@ def _bench_batched(engine, ids: list[list[int]], runs: dict, repeats: int, warmu
             for label, (strategy, settings) in runs.items():
                 results, wall_s = _timed_batch(engine, strategy, settings, [ids[i] for i in batch])
                 tok_s[label][b].append(sum(r.footer["n_tokens"] for r in results) / wall_s)
-                if label == "ar":
+                if label == next(iter(runs)):   # the baseline runs first
                     ar_ids = [r.token_ids for r in results]
                 for i, r, ar in zip(batch, results, ar_ids):
                     samples[label][i].add(r, ar)
                 if progress:
                     progress(f"repeat {rep + 1}/{repeats}", label)
-            alone = [_timed_batch(engine, *runs["ar"], [ids[i]]) for i in batch]
+            alone = [_timed_batch(engine, *runs[next(iter(runs))], [ids[i]]) for i in batch]
             solo[b].append(sum(r[0].footer["n_tokens"] for r, _ in alone) / sum(wall_s for _, wall_s in alone))
             if progress:
                 progress(f"repeat {rep + 1}/{repeats}", "ar at batch 1")
@@ -265,13 +276,15 @@ def _timed_batch(engine, strategy, settings, prompt_ids: list[list[int]]):
 
 
 def _report(engine, prompts, runs, samples, hf, repeats, warmup, concurrency=1, batches=None,
-            batch_tok_s=None) -> dict:
+            batch_tok_s=None, exact=None) -> dict:
     # the unit speeds are compared on: a prompt run alone, or a stationary batch
     speed = batch_tok_s or {label: [s.tok_s for s in per_prompt] for label, per_prompt in samples.items()}
-    ar_med = [statistics.median(x) for x in speed["ar"]]
+    base = next(iter(runs))
+    ar_med = [statistics.median(x) for x in speed[base]]
     hf_med = [statistics.median(x) for x in hf] if all(hf) else None
-    oracle = runs["ar"][1].oracle_accept
-    out = {"model": engine.model_meta(), "prompts": prompts, "repeats": repeats, "warmup": warmup,
+    oracle = runs[base][1].oracle_accept
+    exact = exact or {}
+    out = {"model": engine.model_meta(), "baseline": base, "prompts": prompts, "repeats": repeats, "warmup": warmup,
            "oracle_accept": oracle, "concurrency": concurrency, "batches": batches,
            "transformers_tok_s": spread([x for xs in hf for x in xs]) if hf_med else None,
            "transformers_per_prompt": hf if hf_med else None, "strategies": [],
@@ -288,8 +301,9 @@ def _report(engine, prompts, runs, samples, hf, repeats, warmup, concurrency=1, 
             "accept_rate": spread([x for s in per_prompt for x in s.accept]),
             "speedup_vs_ar": spread([m / a if a else None for m, a in zip(med, ar_med)]),
             "speedup_vs_transformers": spread([m / h if h else None for m, h in zip(med, hf_med)]) if hf_med else None,
-            "exact_match_vs_ar": None if oracle is not None and label != "ar" else
+            "exact_match_vs_ar": None if oracle is not None and label != base else
                                  sum(x for s in per_prompt for x in s.same_as_ar) / (len(prompts) * repeats),
+            **_against(per_prompt, samples.get(exact.get(label)), exact.get(label)),
             "expected_tpf": None if oracle is None else strategy.expected_tpf(oracle),
             # the raw samples the numbers above come from: per prompt, one entry per repeat
             "per_prompt": [{"tok_s": None if batches else s.tok_s, "tpf": s.tpf, "accept_rate": s.accept,
@@ -309,21 +323,33 @@ def table_rows(report: dict) -> tuple[list[str], list[list[str]]]:
     strategy. Under the oracle an expected-TPF column follows TPF, and "= ar" is "—" (outputs mean nothing)."""
     oracle = report["oracle_accept"] is not None
     speed = "tok/s" if report["concurrency"] == 1 else "batch tok/s"
-    head = ["strategy", speed, "TPF", *(["TPF expected"] if oracle else []), "accept", "× ar", "× transformers",
-            "= ar"]
+    base = "ar" if report.get("baseline", "ar") == "ar" else "base"
+    exact = any(r.get("reference") for r in report["strategies"])
+    head = ["strategy", speed, "TPF", *(["TPF expected"] if oracle else []), "accept", f"× {base}", "× transformers",
+            f"= {base}", *(["= exact"] if exact else [])]
     rows = []
     for r in report["strategies"]:
         expected = ["—" if r["expected_tpf"] is None else f"{r['expected_tpf']:.2f}"] if oracle else []
         same = "—" if r["exact_match_vs_ar"] is None else f"{r['exact_match_vs_ar']:.0%}"
         rows.append([r["label"], format_spread(r["tok_s"], 1), format_spread(r["tpf"]), *expected,
                      format_spread(r["accept_rate"]), format_spread(r["speedup_vs_ar"]),
-                     format_spread(r["speedup_vs_transformers"]), same])
+                     format_spread(r["speedup_vs_transformers"]), same, *([same_as_exact(r)] if exact else [])])
     return head, rows
+
+
+def same_as_exact(row: dict) -> str:
+    """How a run agrees with its exact reference: the share of identical outputs, and where the first differs."""
+    if not row.get("reference"):
+        return "—"
+    firsts = [k for k in row["reference_first_difference"] if k is not None]
+    return f"{row['exact_match_vs_reference']:.0%}" + (f" (from token {min(firsts)})" if firsts else "")
 
 
 def report_title(report: dict) -> str:
     oracle, c = report["oracle_accept"], report["concurrency"]
+    base = report.get("baseline", "ar")
     return (f"bench: {len(report['prompts'])} prompts × {report['repeats']} repeats"
+            + ("" if base == "ar" else f", baseline {base} (the model has no AR mode)")
             + ("" if c == 1 else f", stationary batches of {c} (batch tok/s: new tokens ÷ the batch's wall time)")
             + ("" if oracle is None else f", oracle acceptance {oracle:g} (outputs not meaningful)"))
 
@@ -354,3 +380,13 @@ def write_bench_html(report: dict, path) -> Path:
     with atomic_write(path) as f:   # a temporary name renamed into place: never a half-written report
         f.write(page)
     return path
+
+
+def _against(mine: list[Samples], ref: list[Samples] | None, label: str | None) -> dict:
+    """The report fields of a run against its exact reference (None when it has none)."""
+    if ref is None:
+        return {"reference": None, "exact_match_vs_reference": None, "reference_first_difference": None}
+    pairs = [(a, b) for m, r in zip(mine, ref) for a, b in zip(m.tokens, r.tokens)]
+    return {"reference": label,
+            "exact_match_vs_reference": sum(first_difference(b, a) is None for a, b in pairs) / len(pairs),
+            "reference_first_difference": [first_difference(r.tokens[0], m.tokens[0]) for m, r in zip(mine, ref)]}

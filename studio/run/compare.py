@@ -1,10 +1,13 @@
 """Side-by-side comparison: several strategies on one prompt, seed and sampling setting, in one process.
 
-`ar` always runs (first) as the baseline that speed is measured against. Each run's output is compared with
-its reference: the `ar` run of the model it decodes (`Run.model_adapter`). That is the `ar` row for runs on the
-base model (no adapter, a MASK-row adapter, r-isd), and an extra `ar` run on the adapter for a run that decodes
-an adapter of every row (isd on smollm2-isd: `ar · smollm2-isd`), which `run_compare` adds. A model that `ar`
-cannot decode (an adapter that makes it bidirectional: canvas on smollm2-mdm) gets no reference run.
+A baseline always runs first and speed is measured against it: `ar`, or on a model without an AR mode (LLaDA,
+DiffusionGemma) the model's own one-token-per-step decode (`fit_baseline`). Each run's output is compared with its
+reference: the exact decode a run approximates when it has one (a cached canvas run: the same run with
+cache=none, added beside it), else the `ar` run of the model it decodes (`Run.model_adapter`) -- the `ar` row for
+runs on the base model (no adapter, a MASK-row adapter, r-isd), and an extra `ar` run on the adapter for a run that
+decodes an adapter of every row (isd on smollm2-isd: `ar · smollm2-isd`), which `make_runs` adds
+(not on a model an adapter made bidirectional: canvas on smollm2-mdm, whose cached rows have their cache=none
+twin) -- else the baseline.
 """
 from __future__ import annotations
 
@@ -45,6 +48,49 @@ def compare_configs(items: str, base: RunConfig | None = None, ar_alone: bool = 
     return {"ar": ar, **configs}
 
 
+BASELINES = {"canvas": "canvas · 1 token/step", "gemma-canvas": "gemma-canvas"}   # no AR mode: label
+
+
+def fit_baseline(engine, configs: Mapping[str, RunConfig]) -> dict[str, RunConfig]:
+    """`configs` (ar first, `compare_configs`) for `engine`'s model. Where `ar` has no AR mode to run, the baseline
+    is the model's own one-token-per-step decode instead: canvas at one token per step without a cache (LLaDA), or
+    gemma-canvas at its defaults (DiffusionGemma), labelled as such; a listed run equal to it stands in for it."""
+    from studio.engine.strategies import STRATEGIES
+    if STRATEGIES["ar"].fits(engine.config):
+        return dict(configs)
+    name = next(n for n in BASELINES if STRATEGIES[n].fits(engine.config))
+    baseline = dataclasses.replace(configs["ar"], strategy=name, preset=None, params={})
+    rest = {label: c for label, c in configs.items() if label != "ar"}
+    same = next((label for label, c in rest.items() if _signature(c) == _signature(baseline)), None)
+    if same is not None:
+        return {same: rest.pop(same), **rest}
+    return {BASELINES[name]: baseline, **rest}
+
+
+def _signature(config: RunConfig) -> tuple:
+    """What a run decodes: two configs with one signature make the same run."""
+    strategy, settings = config.build()
+    return strategy.name, repr(sorted(strategy.header_params().items())), repr(settings), config.adapter
+
+
+def with_references(configs: Mapping[str, RunConfig]) -> tuple[dict[str, RunConfig], dict[str, str]]:
+    """`configs` with, after each run that approximates an exact decode (`Strategy.exact_reference`: a cached
+    canvas run), that exact run (`LABEL · cache=none`) unless one is listed; and {label: its exact reference}."""
+    out: dict[str, RunConfig] = {}
+    refs: dict[str, str] = {}
+    listed = {_signature(c): label for label, c in configs.items()}
+    for label, config in configs.items():
+        out[label] = config
+        overrides = config.build()[0].exact_reference()
+        if overrides is None:
+            continue
+        twin = dataclasses.replace(config, params={**config.params, **overrides})
+        refs[label] = listed.get(_signature(twin)) or f"{label} · cache=none"
+        if refs[label] not in configs:   # a listed exact run keeps its place in the list
+            out[refs[label]] = twin
+    return out, refs
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     """Index of the first differing token, None when equal."""
     for i, (x, y) in enumerate(zip(a, b)):
@@ -82,21 +128,27 @@ def reference_label(model_adapter: str | None) -> str:
 
 
 def references(results: dict[str, RunResult]) -> dict[str, str]:
-    """label -> the label of its reference: the first `ar` run that decodes the same model. A reference that did
-    not run (a front end that runs only the specs) is named all the same."""
+    """label -> the label of its reference: the one `make_runs` planned (`RunResult.reference`), else the first `ar`
+    run that decodes the same model, else (a model without an AR mode) the baseline. A reference that did not run
+    (a front end that runs only the specs) is named all the same."""
     ar_on: dict[str | None, str] = {}
     for label, r in results.items():
         if r.header["strategy"] == "ar":
             ar_on.setdefault(r.model_adapter, label)
-    return {label: ar_on.get(r.model_adapter) or reference_label(r.model_adapter) for label, r in results.items()}
+    first = next(iter(results))
+    if not ar_on and results[first].header["strategy"] != "ar":   # no AR mode: the model's own baseline
+        return {label: r.reference or first for label, r in results.items()}
+    return {label: r.reference or ar_on.get(r.model_adapter) or reference_label(r.model_adapter)
+            for label, r in results.items()}
 
 
 def rows(results: dict[str, RunResult]) -> list[dict]:
     """One row per run: the numbers the table, --json and reports show (all from footers/events). Speed and
     `identical_to_ar` are against the `ar` row; `identical_to_reference` against the row's reference (None
     when it did not run). Outputs are compared on the tokens both runs produced (`agreement`):
-    `identical_so_far` marks a match where a run was cut short, `compared_tokens` counts the tokens compared."""
-    base = results["ar"]
+    `identical_so_far` marks a match where a run was cut short, `compared_tokens` counts the tokens compared.
+    The baseline is the first run (`ar`, or `fit_baseline`'s); `speed_vs_ar` and `identical_to_ar` are against it."""
+    base = next(iter(results.values()))
     refs = references(results)
     out = []
     for label, r in results.items():
@@ -160,11 +212,15 @@ def render_table(table_rows: list[dict], sampled: bool):
 def make_runs(engine, prompt: str, prompt_ids: list[int], configs: Mapping[str, RunConfig], *, trace_dir=None,
               trace_prefix: str = "", prepare: Callable[[list], None] | None = None, most: int | None = None,
               force: bool = True) -> dict[str, Run]:
-    """The runs of a comparison, in lock-step order: every config (the first is the `ar` baseline) and, before
-    the first run that needs it, each reference run (see the module doc). `prepare(strategies)` sees the built
-    strategies first (SimSD's drafter). BadInput, before any trace file is opened, for more than `most` runs
-    (references included), a run that does not fit the model, or (without `force`) a trace file that exists.
-    Traces go to `trace_dir/{trace_prefix}{label}.jsonl`."""
+    """The runs of a comparison, in lock-step order: every config (the first is the `ar` baseline, or the model's own
+    `fit_baseline`), each run's exact reference after it (`with_references`) and, before the first run that needs
+    it, each `ar` reference run (see the module doc). `prepare(strategies)` sees the built strategies first (SimSD's
+    drafter). BadInput, before any trace file is opened, for more than `most` runs (references included), a run that
+    does not fit the model, or (without `force`) a trace file that exists. Traces go to
+    `trace_dir/{trace_prefix}{label}.jsonl`."""
+    configs = fit_baseline(engine, configs)
+    ar_mode = next(iter(configs)) == "ar"
+    configs, exact = with_references(configs)
     built = {label: config.build() for label, config in configs.items()}
     if prepare:
         prepare([strategy for strategy, _ in built.values()])
@@ -181,8 +237,8 @@ def make_runs(engine, prompt: str, prompt_ids: list[int], configs: Mapping[str, 
     for label, config in configs.items():
         strategy, settings = built[label]
         model = decoded_model(view(config, strategy), strategy)
-        causal = view(config, strategy).config.attention == "causal"   # a model ar decodes (not a diffusion one)
-        if strategy.name != "ar" and model not in with_ar and causal:
+        causal = view(config, strategy).config.attention == "causal"   # not a model an adapter made bidirectional
+        if ar_mode and causal and strategy.name != "ar" and model not in with_ar and label not in exact:
             reference = dataclasses.replace(configs["ar"], adapter=model or "none")
             planned[reference_label(model)] = reference, reference.build()
         with_ar.add(model)
@@ -196,7 +252,8 @@ def make_runs(engine, prompt: str, prompt_ids: list[int], configs: Mapping[str, 
         for path in trace_paths(trace_dir, planned, trace_prefix).values():
             check_writable(path, force)
     return {label: Run(view(config, strategy), strategy, settings, prompt, prompt_ids,
-                       trace_path=str(trace_path(trace_dir, label, trace_prefix)) if trace_dir else None)
+                       trace_path=str(trace_path(trace_dir, label, trace_prefix)) if trace_dir else None,
+                       reference=exact.get(label))
             for label, (config, (strategy, settings)) in planned.items()}
 
 
@@ -255,8 +312,8 @@ def write_html(results: dict[str, RunResult], path, title: str, trace_dir=None, 
 @contextmanager
 def progress_display(totals: dict[str, int], console=None, enabled: bool = True):
     """One Rich progress bar per run on stderr (advanced by emit events); yields `progress(label, event)`
-    for `run_compare`. When stderr is not a terminal the bars are off and nothing is drawn. A reference run
-    that `run_compare` adds gets its bar at its first event, with the `ar` run's total (its settings)."""
+    for `run_compare`. When stderr is not a terminal the bars are off and nothing is drawn. A run that `run_compare`
+    adds (a reference, the model's own baseline) gets its bar at its first event, with the first run's total."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     console = console or Console(stderr=True)
@@ -267,7 +324,7 @@ def progress_display(totals: dict[str, int], console=None, enabled: bool = True)
 
         def progress(label: str, e: dict) -> None:
             if label not in tasks:
-                tasks[label] = bar.add_task(label, total=totals.get("ar"), info="")
+                tasks[label] = bar.add_task(label, total=next(iter(totals.values()), None), info="")
             if e["t"] == "emit":
                 bar.advance(tasks[label], len(e["tok"]))
             elif e["t"] == "forward" and e["role"] != "prefill":

@@ -8,7 +8,8 @@ with demo defaults, built from the same pieces (`studio.run.compare`).
 
 A strategy that cannot decode the AR model itself (`canvas`) runs where an adapter is shipped for it on the
 model (smollm2-mdm makes the embedded model a bidirectional masked-diffusion model): it decodes that other model,
-which no `ar` run can decode, so its output is shown against `ar` on the base model and labelled so.
+on which no `ar` reference runs (`studio.run.compare`), so a cached canvas run is shown against its cache=none twin
+and the twin against `ar` on the base model, labelled so.
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def run_demo(engine, prompt: str = DEMO_PROMPT, strategies: str | None = None, m
     say(f"model: {engine.name} ({engine.config.arch}, {engine.source}; loaded in {engine.load_s:.1f}s"
         f"{' from cache' if engine.from_cache else ''})")
     say(f"runs:  {', '.join(configs)}  (greedy, seed 0, up to {max_new_tokens} new tokens; and ar on the model of "
-        "each run that decodes an adapter of every row, its reference, unless that model is bidirectional)")
+        "each run that decodes an adapter of every row, its reference, unless that model is bidirectional; a cached "
+        "canvas run beside its cache=none twin)")
     console.print(f"prompt: {prompt}\n", highlight=False, markup=False)
 
     def done(label, r) -> None:
@@ -75,16 +77,12 @@ def run_demo(engine, prompt: str = DEMO_PROMPT, strategies: str | None = None, m
     table = rows(results)
     console.print(render_table(table, sampled=False))
     text = {r["label"]: r["text"].strip() for r in table}
-    for ref in dict.fromkeys(r["reference"] for r in table if r["reference"] in text):   # each reference's text
-        same = [r["label"] for r in table if r["reference"] == ref and r["identical_to_reference"]]   # with its equals
-        console.print(f"── {', '.join(same)} (identical output):\n{text[ref]}", highlight=False, markup=False)
-    for r in table:
-        if r["identical_to_reference"] is None:   # a model no ar decodes: shown against ar on the base model
-            console.print(f"── {r['label']} ({_other_model(results[r['label']])}; "
-                          f"{_against_ar(r)}):\n{text[r['label']]}", highlight=False, markup=False)
-        elif not r["identical_to_reference"]:
-            console.print(f"── {r['label']} (differs from {r['reference']} at token "
-                          f"{r['reference_first_difference']}):\n{text[r['label']]}", highlight=False, markup=False)
+    for r in table:   # each distinct output once, with the runs identical to it
+        if r["identical_to_reference"] and r["reference"] != r["label"]:
+            continue   # shown with its reference
+        same = [x["label"] for x in table if x is not r and x["reference"] == r["label"] and x["identical_to_reference"]]
+        console.print(f"── {', '.join([r['label'], *same])} ({_origin(r, results[r['label']], same)}):\n"
+                      f"{text[r['label']]}", highlight=False, markup=False)
     traces = [trace_path(trace_dir, label, TRACE_PREFIX) for label in results]
     report = None
     if html:
@@ -98,16 +96,20 @@ def run_demo(engine, prompt: str = DEMO_PROMPT, strategies: str | None = None, m
     return {"results": results, "rows": table, "traces": traces, "report": report}
 
 
-def _other_model(result) -> str:
-    """`decodes smollm2-mdm, which no ar run can decode`: the model of a run without an ar reference."""
-    model = result.header["model"]
-    name = model.get("adapter_name") or (Path(model["adapter"]).name if model.get("adapter") else model["name"])
-    return f"decodes {name}, which no ar run can decode"
-
-
-def _against_ar(row: dict) -> str:
-    k = row["first_difference"]
-    return "identical to ar on the base model" if k is None else f"differs from ar on the base model at token {k}"
+def _origin(row: dict, result, same: list[str]) -> str:
+    """What a shown output is: a reference (with its equals), a run that differs from its reference (from which
+    token), or a run on a model an adapter made bidirectional, on which no ar reference runs (against ar on the
+    base model instead)."""
+    identical = ["identical output"] if same else []
+    if row["identical_to_reference"] is None:
+        model = result.header["model"]
+        name = model.get("adapter_name") or Path(model["adapter"] or model["name"]).name
+        k = row["first_difference"]
+        to_ar = "identical to ar on the base model" if k is None else f"differs from ar on the base model at token {k}"
+        return "; ".join([f"decodes {name}, bidirectional: no ar run on it", to_ar, *identical])
+    if row["reference"] == row["label"]:
+        return "; ".join(identical or ["reference"])
+    return "; ".join([f"differs from {row['reference']} at token {row['reference_first_difference']}", *identical])
 
 
 def demo_command(prompt: str, strategies: str | None, max_new_tokens: int, trace_dir: Path, html: bool = True,

@@ -53,6 +53,7 @@ class RunResult:
     footer: dict
     token_ids: list[int]
     model_adapter: str | None = None   # the adapter whose model the output follows (`Run.model_adapter`)
+    reference: str | None = None       # a comparison's label of the run this one's output is compared with
 
     def summary(self) -> dict:
         """The `run --json` object (docs/cli.md#json-outputs)."""
@@ -94,17 +95,16 @@ def kv_length_needed(engine: Engine, strategy: Strategy, settings: Settings, pro
     cfg = engine.config
     if not prompt_ids:
         raise BadInput("the prompt is empty")
-    if cfg.attention == "canvas":
-        raise BadInput(f"{engine.name!r} is a DiffusionGemma model: it denoises whole canvases with its own encoder/"
-                       "decoder loop, which no strategy here runs yet (`models info` and `bench --forwards` work on it)")
+    if not strategy.fits(cfg):
+        from studio.engine.strategies import STRATEGIES
+        fits = ", ".join(sorted(n for n, s in STRATEGIES.items() if s.fits(cfg)))
+        raise BadInput(f"{strategy.misfit(cfg, engine.name)}; strategies that fit: {fits}")
+    if strategy.own_sampling and settings.sampling != SamplingParams():
+        raise BadInput(f"{strategy.name} samples at its own temperature schedule (-p t_min=... -p t_max=...): "
+                       "--temperature, --top-k and --top-p do not apply to it")
     if strategy.needs_mask and cfg.mask_token_id is None:
         raise BadInput(f"strategy {strategy.name!r} needs a MASK token and model {engine.name!r} has "
                        "none: give an adapter that adds one or a model preset with mask_token_id")
-    if strategy.needs_causal_model and cfg.attention != "causal":
-        from studio.engine.strategies import STRATEGIES
-        fits = ", ".join(sorted(n for n, s in STRATEGIES.items() if not s.needs_causal_model))
-        raise BadInput(f"strategy {strategy.name!r} needs a causal model and {engine.name!r} was trained with "
-                       f"{cfg.attention} attention; strategies that fit: {fits}")
     strategy.check_run(cfg, settings.max_new_tokens)
     if len(prompt_ids) >= cfg.max_seq_len:
         raise BadInput(f"the prompt is {len(prompt_ids)} tokens, longer than the model's context of {cfg.max_seq_len}")
@@ -131,7 +131,7 @@ class Run:
 
     def __init__(self, engine: Engine, strategy: Strategy, settings: Settings, prompt_text: str,
                  prompt_ids: list[int], *, trace_path: str | None = None, kv=None,
-                 on_finish: Callable[["Run"], None] | None = None):
+                 on_finish: Callable[["Run"], None] | None = None, reference: str | None = None):
         engine = engine.for_strategy(strategy.name)      # the adapter this strategy runs with
         kv_len = kv_length_needed(engine, strategy, settings, prompt_ids)
         if kv is not None and kv.max_len < kv_len:
@@ -142,6 +142,7 @@ class Run:
         if self._lent:
             kv = engine.caches.lend(engine.model, kv_len)
         self.engine, self.strategy, self.settings = engine, strategy, settings
+        self.reference = reference   # set by a comparison (studio.run.compare.make_runs)
         self.prompt_ids = list(prompt_ids)
         self.header = self._header(prompt_text)
         self.out = Output(engine.tokenizer, settings.max_new_tokens, frozenset(engine.eos_ids()), tuple(settings.stop))
@@ -270,7 +271,8 @@ class Run:
         if self._writer:
             self._writer.close(footer)
         self.result = RunResult(header=self.header, events=self.events, footer=footer,
-                                token_ids=list(self.out.token_ids), model_adapter=self.model_adapter)
+                                token_ids=list(self.out.token_ids), model_adapter=self.model_adapter,
+                                reference=self.reference)
         if self._on_finish:
             self._on_finish(self)
         if self._lent:

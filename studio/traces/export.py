@@ -503,11 +503,11 @@ def _text_legend() -> str:
     from studio.viz.palette import PALETTE, State
 
     items = []
-    for s in (State.COMMITTED, State.ACCEPTED, State.BONUS, State.RESAMPLED, State.UNMASKED):
+    for s in (State.COMMITTED, State.ACCEPTED, State.BONUS, State.RESAMPLED, State.UNMASKED, State.EDITED):
         col, glyph, lab = PALETTE[s]
         sample = {State.COMMITTED: "plain target token", State.ACCEPTED: "accepted draft",
                   State.BONUS: "bonus token", State.RESAMPLED: "correction after a reject",
-                  State.UNMASKED: "filled by diffusion"}[s]
+                  State.UNMASKED: "filled by diffusion", State.EDITED: "edited (T2T)"}[s]
         items.append(f'<span><span class="sw st-{s.value}">{glyph}</span><span class="st-{s.value}">{_esc(sample)}</span>'
                      f"</span>")
     return '<div class="legend">' + "".join(items) + "</div>"
@@ -607,7 +607,7 @@ def html_report(traces: Sequence[Trace] | Trace, path: str | os.PathLike, title:
     from studio.viz import svg
     from studio.viz.figures import trace_metrics, unique_labels
     from studio.viz.grid import build_grid
-    from studio.viz.palette import legend_text
+    from studio.viz.palette import legend_kind, legend_text
     from studio.viz.stats import acceptance, diagnostics, kind_counts
 
     if isinstance(traces, Trace):
@@ -629,7 +629,7 @@ def html_report(traces: Sequence[Trace] | Trace, path: str | os.PathLike, title:
     metrics = [trace_metrics(t) for t in traces]
     body: list[str] = [f"<h1>{_esc(title)}</h1>",
                        f'<div class="sub">{len(traces)} run(s) · schema {_esc(SCHEMA)} · glyph legend: '
-                       f"{_esc(legend_text())}</div>"]
+                       f"{_esc(legend_text(legend_kind(['canvas' in t.header for t in traces])))}</div>"]
     if len(traces) > 1:
         body += ["<h2>Comparison</h2>", '<div class="card">', _comparison_table(traces, labels, metrics), "</div>",
                  fig_html(*svg.comparison_svgs(traces, labels, metrics))]

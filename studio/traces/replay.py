@@ -53,7 +53,7 @@ def replay(trace: Trace | str, speed: float = 1.0, console: Any = None, step_del
     prompt = (h.get("prompt") or {}).get("text", "")
     if prompt:
         console.print(Text("prompt: ", style="dim") + Text(prompt if len(prompt) < 300 else prompt[:299] + "…"))
-    console.print(rich_legend())
+    console.print(rich_legend(grid.canvas is not None))
     console.print(rich_text_legend())
     cols = width if width is not None else max(10, console.width - 40)
 

@@ -5,8 +5,8 @@ TPF (all tokens / all forwards), acceptance overall and by draft position, decod
 ar's (pooled, and the median of per-prompt ratios), prompts whose output is identical to its reference's, and
 token agreement (the share of the reference's tokens that the run reproduces at the same position). A run's
 reference is `ar` on the model it decodes (`studio.run.compare`): for r-isd on an adapter of every row, the
-base model, whose `ar` run then joins the table. An adapter that makes the model bidirectional (`train mdm`) has
-no `ar` of its own: `ar` runs on the base model, and the canvas runs are measured against it (another model).
+base model, whose `ar` run then joins the table. On an adapter that makes the model bidirectional (`train mdm`)
+no `ar` reference runs: `ar` runs on the base model, and the canvas runs are measured against it (another model).
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def evaluate(engine, prompts: list[str], configs: Mapping[str, RunConfig], progr
     """Returns {model, adapter, prompts, max_new_tokens, rows: [...]} (rows: ar first, as `compare_configs` puts
     it; the runs greedy)."""
     max_new_tokens = configs["ar"].build()[1].max_new_tokens
-    if engine.config.attention != "causal":   # the adapter made a model ar cannot decode: ar runs on the base model
+    if engine.config.attention != "causal":   # an adapter made it bidirectional (train mdm): ar runs on the base model
         configs = {**configs, "ar": dataclasses.replace(configs["ar"], adapter="none")}
     ids = [encode_prompt(engine, p) for p in prompts]
     for run in make_runs(engine, prompts[0], ids[0][:16], configs).values():   # warm-up, not counted

@@ -15,7 +15,8 @@ from plotly.subplots import make_subplots
 
 from studio.events import summarize
 from studio.viz.grid import Grid, TokenText, build_grid, visible_token
-from studio.viz.palette import HELD_GLYPH, OKABE_ITO, PALETTE, RUN_COLORS, State, tint
+from studio.viz.palette import (CANVAS_LABELS, CANVAS_STATES, DRAFT_STATES, HELD_GLYPH, HOLDS, OKABE_ITO, PALETTE,
+                                RUN_COLORS, State, fill, tint)
 from studio.viz.stats import acceptance, progress, stalled_steps
 
 FONT = "Inter, 'Segoe UI', Roboto, 'Helvetica Neue', Arial, sans-serif"
@@ -25,15 +26,16 @@ _BASE_LAYOUT = dict(template="plotly_white", font=dict(family=FONT, size=13, col
 # Heatmap levels: each (state, held) gets one discrete colour.
 _LEVELS: list[tuple[State, bool]] = [(State.PROPOSED, False), (State.ACCEPTED, False), (State.REJECTED, False),
                                      (State.RESAMPLED, False), (State.BONUS, False), (State.UNMASKED, False),
-                                     (State.UNMASKED, True), (State.COMMITTED, False)]
+                                     (State.UNMASKED, True), (State.COMMITTED, False), (State.EDITED, False),
+                                     (State.EDITED, True), (State.NOISE, False), (State.MASKED, False),
+                                     (State.PADDING, False)]
 _LEVEL = {k: i for i, k in enumerate(_LEVELS)}
+# The bulk of a long run, drawn as a plain background layer (no glyph; hover only on small grids): positions
+# committed at an earlier step, and a canvas's cells that nothing touched (still masked, or padding).
+_BACKGROUND = (State.COMMITTED, State.MASKED, State.PADDING)
 _ROLE_COLORS = {"prefill": "#9E9E9E", "cold": OKABE_ITO["sky_blue"], "verify": OKABE_ITO["blue"],
                 "draft": OKABE_ITO["orange"], "target": OKABE_ITO["bluish_green"], "commit": "#616161",
                 "jacobi": OKABE_ITO["reddish_purple"], "extend": OKABE_ITO["vermillion"]}
-
-
-def _level_color(state: State, held: bool) -> str:
-    return tint(PALETTE[state][0], 0.55) if held else PALETTE[state][0]
 
 
 def short_token(text: str | None, tok: int | None = None, limit: int = 9) -> str:
@@ -77,8 +79,8 @@ def trajectory_figure(header: Mapping[str, Any] | None, events: Sequence[Mapping
     n_rows, n_pos = len(g.steps), g.n_pos
     row_px = 20 if n_rows <= 60 else max(4, min(20, 1300 // n_rows))
     show_glyphs = n_rows * n_pos <= max_glyph_cells and row_px >= 12
-    # Two layers: committed cells carried over from earlier steps (the bulk of a long run: a plain grey
-    # background, hover only on small grids), and the cells where something happens (glyph + hover).
+    # Two layers: the background (committed cells carried over from earlier steps, a canvas's untouched masked
+    # and padding cells: the bulk of a long run) and the cells where something happens (glyph + hover).
     small = n_rows * n_pos <= max_hover_cells
     xgap = 1 if n_pos <= 300 else 0     # gaps would eat sub-pixel cells of long runs
     ygap = 1 if row_px >= 8 else 0
@@ -92,27 +94,28 @@ def trajectory_figure(header: Mapping[str, Any] | None, events: Sequence[Mapping
     described: dict[int, str] = {}
     for (step, pos), c in g.cells.items():
         i = row_of[step]
-        if c.state is State.COMMITTED and not c.emitted:
-            bg_z[i, pos] = 0
+        if c.state in _BACKGROUND and not c.emitted and not c.kinds:
+            bg_z[i, pos] = _BACKGROUND.index(c.state)
             if bg_hover is not None:
                 d = described.get(id(c))
                 if d is None:
                     d = described[id(c)] = "<br>".join(html.escape(line) for line in c.describe())
                 bg_hover[i][pos] = f"{heads[step]} · pos {pos}<br>{d}"
             continue
-        fg_z[i, pos] = _LEVEL[(c.state, c.held and c.state is State.UNMASKED)]
+        fg_z[i, pos] = _LEVEL[(c.state, c.held and c.state in HOLDS)]
         if show_glyphs:
             text[i][pos] = c.glyph
         hover[i][pos] = f"{heads[step]} · pos {pos}<br>" + "<br>".join(html.escape(line) for line in c.describe())
-    committed = PALETTE[State.COMMITTED][0]
+    nb = len(_BACKGROUND)
+    bg_scale = [[(i + k) / nb, PALETTE[s][0]] for i, s in enumerate(_BACKGROUND) for k in (0, 1)]
     fig.add_trace(go.Heatmap(
-        z=bg_z, x=list(range(n_pos)), y=g.steps, colorscale=[[0, committed], [1, committed]], zmin=0, zmax=1,
+        z=bg_z, x=list(range(n_pos)), y=g.steps, colorscale=bg_scale, zmin=-0.5, zmax=nb - 0.5,
         showscale=False, xgap=xgap, ygap=ygap, hoverongaps=False, name="committed",
         **(dict(hovertext=bg_hover, hovertemplate="%{hovertext}<extra></extra>") if small else dict(hoverinfo="skip"))))
     n = len(_LEVELS)
     scale = []
     for i, (state, held) in enumerate(_LEVELS):
-        col = _level_color(state, held)
+        col = fill(state, held)
         scale += [[i / n, col], [(i + 1) / n, col]]
     fig.add_trace(go.Heatmap(
         z=fg_z, x=list(range(n_pos)), y=g.steps,
@@ -120,14 +123,17 @@ def trajectory_figure(header: Mapping[str, Any] | None, events: Sequence[Mapping
         hovertext=hover, hovertemplate="%{hovertext}<extra></extra>",
         colorscale=scale, zmin=-0.5, zmax=n - 0.5, showscale=False, xgap=xgap, ygap=ygap, hoverongaps=False,
         name="cells"))
-    # a legend with the glyphs (colour is never the only cue)
-    present = {(c.state, c.held and c.state is State.UNMASKED) for c in g.cells.values()}
+    # a legend with the glyphs (colour is never the only cue): a run's own states (a canvas run's or a drafting
+    # run's), and the held and canvas ones only where they occur
+    present = {(c.state, c.held and c.state in HOLDS) for c in g.cells.values()}
+    usual = {(s, False) for s in (CANVAS_STATES if g.canvas else DRAFT_STATES)}
     for state, held in _LEVELS:
-        if held and (state, held) not in present:
+        if (state, held) not in present and (state, held) not in usual:
             continue
-        col = _level_color(state, held)
-        glyph = HELD_GLYPH if held else PALETTE[state][1]
-        name = "unmasked, held in block" if held else PALETTE[state][2]
+        col = fill(state, held)
+        glyph = HELD_GLYPH if held and state is State.UNMASKED else PALETTE[state][1]
+        name = (f"{PALETTE[state][2].split(' (')[0]}, held in block" if held else
+                CANVAS_LABELS.get(state, PALETTE[state][2]) if g.canvas else PALETTE[state][2])
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=f"{glyph}  {name}",
                                  marker=dict(symbol="square", size=15, color=col, line=dict(color="#555555", width=1)),
                                  hoverinfo="skip", showlegend=True))

@@ -2,10 +2,16 @@
 
 Rows are steps (forward index, 0 = prefill), columns are output positions (0 = first new token).
 A cell is the state of that position at that step: the strongest event that touched it at that step
-(resample > reject > bonus > accept > unmask > propose), or `committed` once the position was emitted
-(from its emit step on, unless an event at that step says more). An unmasked token still waiting in
-a block is carried over as `unmasked` with `held=True` until it is emitted (or a reject/resample at
-or before its position invalidates it).
+(resample > reject > bonus > accept > edit > unmask > noise > propose > mask), or `committed` once the position
+was emitted (from its emit step on, unless an event at that step says more). An unmasked (or edited) token still
+waiting in a block is carried over with `held=True` until it is emitted (or a reject/resample at or before its
+position, or a remask of it, invalidates it).
+
+A canvas run (its header has `canvas: {length, block_size}`) shows every position of the canvas from the first
+step: a cell nothing fills is `masked` (or `noise`, carried over from the remask that put a noise token there), a
+`propose` is the model's current guess for a masked cell (shown at its step only), `unmask` fills it, `edit`
+replaces a filled token. Once the canvas holds an EOS (filled or emitted), every cell after it is `padding`:
+the run may still fill it, but it is never output.
 
 Every consumer (plotly figures, Rich/plain text, the TUI, HTML) renders this one structure.
 """
@@ -16,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping
 
-from studio.viz.palette import PRIORITY, State, glyph, label
+from studio.viz.palette import HOLDS, PRIORITY, State, glyph, label
 
 TokenText = Callable[[int], str]
 
@@ -36,8 +42,13 @@ class Cell:
     src: str | None = None          # proposal source (mask, draft_model, jacobi, ngram, diffusion)
     kinds: tuple[str, ...] = ()     # event kinds that touched the position at this step, in order
     emitted: bool = False           # emitted (became final output) at this very step
-    held: bool = False              # carried-over unmasked token (no event at this step)
+    held: bool = False              # carried-over unmasked/edited token (no event at this step)
     committed_step: int | None = None  # the step it was emitted at (committed cells, final tokens)
+    filled_step: int | None = None  # the step its token was filled (unmask) or last edited at
+    old: int | None = None          # the token an edit replaced
+    old_text: str | None = None
+    guess: int | None = None        # a guess (propose) the noise of a remask at the same step replaced
+    guess_text: str | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -48,20 +59,40 @@ class Cell:
     def glyph(self) -> str:
         return glyph(self.state, self.held)
 
+    def reasons(self, canvas: bool = False) -> list[str]:
+        """Why the cell is what it is, in words, for the events a canvas run adds (and a canvas's guesses):
+        what filled, edited or re-noised it, and that a cell after an EOS is padding."""
+        out = []
+        if "propose" in self.kinds and canvas and self.guess is None:
+            out.append("guess, not verified")
+        if "unmask" in self.kinds:
+            out.append("filled by the fill rule")
+        if "edit" in self.kinds:
+            out.append(f"T2T edit: {_token(self.old, self.old_text)} → {_token(self.tok, self.text)}")
+        if self.guess is not None:
+            out.append(f"guess {_token(self.guess, self.guess_text)} not taken")
+        if "remask" in self.kinds:
+            out.append("re-noised: a noise token" if self.state is State.NOISE else "remasked: back to MASK")
+        if self.state is State.PADDING:
+            out.append("after the EOS: never output")
+        return out
+
     def describe(self) -> list[str]:
-        """Human-readable lines (hover text, TUI inspector)."""
+        """Human-readable lines (hover text)."""
         lines = [f"{self.glyph} {label(self.state)}" + (" (held: not yet emitted)" if self.held else "")]
-        if self.tok is not None:
-            lines.append(f"token {self.tok}" + (f" {show_text(self.text)}" if self.text is not None else ""))
+        if self.tok is not None and self.state is not State.MASKED:
+            lines.append(f"token {_token(self.tok, self.text)}")
+        lines += self.reasons()
         lines += _probs(self.p, self.q, self.ratio)
         if self.draft_tok is not None:
-            lines.append(f"rejected draft {self.draft_tok}"
-                         + (f" {show_text(self.draft_text)}" if self.draft_text is not None else ""))
+            lines.append(f"rejected draft {_token(self.draft_tok, self.draft_text)}")
             lines += ["  " + line for line in _probs(self.draft_p, self.draft_q, _ratio(self.draft_p, self.draft_q))]
         if self.conf is not None:
             lines.append(f"confidence {_fmt(self.conf)}")
         if self.src:
             lines.append(f"proposed by {self.src}")
+        if self.filled_step is not None and "unmask" not in self.kinds and "edit" not in self.kinds:
+            lines.append(f"filled at step {self.filled_step}")
         if self.emitted:
             lines.append("emitted at this step")
         elif self.committed_step is not None and self.state is State.COMMITTED:
@@ -87,6 +118,12 @@ class Row:
     kv: list[dict[str, Any]] = field(default_factory=list)
     blocks: list[dict[str, Any]] = field(default_factory=list)
     n_events: int = 0
+    eos_pos: int | None = None       # the first EOS the canvas holds after this step: the cells after it are padding
+
+    @property
+    def refreshes(self) -> list[tuple[int, int]]:
+        """The KV slot ranges [from, to) an approximate cache recomputed at this step (the KV length stays)."""
+        return [(k["from_len"], k["to_len"]) for k in self.kv if k["op"] == "refresh"]
 
 
 @dataclass
@@ -115,6 +152,7 @@ class Grid:
     blocks: list[BlockSpan] = field(default_factory=list)
     final: dict[int, Cell] = field(default_factory=dict)   # emitted positions: token, text, provenance
     segments: list[Segment] = field(default_factory=list)
+    canvas: dict[str, int] | None = None   # the header's {length, block_size} of a canvas run
 
     def cell(self, step: int, pos: int) -> Cell:
         return self.cells.get((step, pos)) or _EMPTY
@@ -132,8 +170,39 @@ class Grid:
     def text(self) -> str:
         return "".join(s.text for s in self.segments)
 
+    def eos_before(self, pos: int, step: int | None = None) -> int | None:
+        """The EOS position `pos` is padding after, as of `step` (default: the last), or None."""
+        steps = [s for s in self.steps if step is None or s <= step]
+        eos = self.rows[steps[-1]].eos_pos if steps else None
+        return eos if eos is not None and pos > eos else None
+
+    def fill_history(self, pos: int, upto_step: int | None = None) -> list[str]:
+        """When the token at `pos` was filled (step, confidence), edited (old → new, confidence) and remasked, up to
+        `upto_step`: one line each, oldest first (an inspector's summary of a canvas cell)."""
+        lines = []
+        for step in self.steps:
+            if upto_step is not None and step > upto_step:
+                break
+            c = self.cells.get((step, pos))
+            if c is None or not c.kinds:
+                continue
+            conf = f" (conf {_fmt(c.conf)})" if c.conf is not None else ""
+            if "unmask" in c.kinds:
+                lines.append(f"filled at step {step}{conf}")
+            if "edit" in c.kinds:
+                lines.append(f"edited at step {step}: {_token(c.old, c.old_text)} → {_token(c.tok, c.text)}{conf}")
+            if "remask" in c.kinds:
+                lines.append(f"{'re-noised' if c.state is State.NOISE else 'remasked'} at step {step}")
+        return lines
+
 
 _EMPTY = Cell(State.EMPTY)
+_MASKED = Cell(State.MASKED)
+
+
+def _token(tok: int, text: str | None) -> str:
+    """'12 "abc"' (the id, and the text when known)."""
+    return f"{tok}" + (f" {show_text(text)}" if text is not None else "")
 
 
 def _fmt(v: float) -> str:
@@ -223,8 +292,8 @@ def _token_texts(emits: list[Mapping[str, Any]]) -> tuple[dict[int, str], dict[i
 
 # -- the grid ---------------------------------------------------------------------------------------
 _EVENT_STATE = {"propose": State.PROPOSED, "accept": State.ACCEPTED, "reject": State.REJECTED,
-                "resample": State.RESAMPLED, "bonus": State.BONUS, "unmask": State.UNMASKED}
-_PROVENANCE = (State.ACCEPTED, State.RESAMPLED, State.BONUS, State.UNMASKED)
+                "resample": State.RESAMPLED, "bonus": State.BONUS, "unmask": State.UNMASKED, "edit": State.EDITED}
+_PROVENANCE = (State.ACCEPTED, State.RESAMPLED, State.BONUS, State.UNMASKED, State.EDITED)
 
 
 def _as_list(v: Any) -> list:
@@ -239,10 +308,11 @@ def _at(values: Any, i: int) -> Any:
 
 def build_grid(header: Mapping[str, Any] | None, events: Iterable[Mapping[str, Any]],
                token_text: TokenText | None = None) -> Grid:
-    """Build the trajectory grid from a trace's events (header is accepted for symmetry and future
-    use; nothing in it is needed today). `token_text(id) -> str` decodes ids that no emit names."""
+    """Build the trajectory grid from a trace's events. The header (optional) gives a canvas run's canvas, the
+    EOS ids (padding after an EOS) and the MASK id (a remask to MASK, not noise). `token_text(id) -> str` decodes
+    ids that no emit names."""
     events = list(events)
-    builder = GridBuilder.of_events(events, token_text)
+    builder = GridBuilder.of_events(events, token_text, header)
     builder.feed(events)
     return builder.grid
 
@@ -256,23 +326,33 @@ class GridBuilder:
     """
 
     def __init__(self, token_text: TokenText | None = None,
-                 texts: tuple[dict[int, str], dict[int, str]] | None = None):
+                 texts: tuple[dict[int, str], dict[int, str]] | None = None,
+                 header: Mapping[str, Any] | None = None):
         self.token_text = token_text
         self._live_texts = texts is None
         self.pos_text, self.id_text = texts if texts is not None else ({}, {})
         self.emitted_tok: dict[int, int] = {}
-        self.grid = Grid(steps=[], n_pos=0, cells={})
+        canvas = (header or {}).get("canvas")
+        canvas = dict(canvas) if isinstance(canvas, Mapping) and isinstance(canvas.get("length"), int) else None
+        self.canvas_len = max(0, canvas["length"]) if canvas else 0
+        self.grid = Grid(steps=[], n_pos=self.canvas_len, cells={}, canvas=canvas)
+        tokenizer = (header or {}).get("tokenizer") or {}
+        self.eos_ids = frozenset(tokenizer.get("eos_ids") or ())
+        self.mask_id = tokenizer.get("mask_id")
         self._decoded: dict[int, str | None] = {}
         self._open_blocks: list[BlockSpan] = []
         self._committed: dict[int, Cell] = {}   # pos -> the shared committed cell shown after its emit step
-        self._held: dict[int, Cell] = {}        # pos -> unmasked, not yet emitted
+        self._held: dict[int, Cell] = {}        # pos -> unmasked or edited, not yet emitted
+        self._noise: dict[int, Cell] = {}       # pos -> the noise token a remask left there (canvas runs)
+        self._eos_emitted: int | None = None    # the first emitted EOS
 
     @classmethod
-    def of_events(cls, events: list[Mapping[str, Any]], token_text: TokenText | None = None) -> "GridBuilder":
+    def of_events(cls, events: list[Mapping[str, Any]], token_text: TokenText | None = None,
+                  header: Mapping[str, Any] | None = None) -> "GridBuilder":
         """An empty builder that already knows the token texts of all `events` (a whole trace): feed it those
         events, at once or step by step."""
         emits = [e for e in events if e["t"] == "emit"]
-        builder = cls(token_text, _token_texts(emits))
+        builder = cls(token_text, _token_texts(emits), header)
         builder.emitted_tok.update((p, t) for e in emits for p, t in zip(e["pos"], e["tok"]))
         return builder
 
@@ -303,7 +383,7 @@ class GridBuilder:
 
     def _add_step(self, step: int, step_events: list[Mapping[str, Any]]) -> None:
         g = self.grid
-        cells, committed, held, final, segments = g.cells, self._committed, self._held, g.final, g.segments
+        committed, held, noise, final, segments = self._committed, self._held, self._noise, g.final, g.segments
         text_of = self._text_of
         if step not in g.rows:
             g.steps.append(step)
@@ -324,14 +404,18 @@ class GridBuilder:
         touched: dict[int, dict[str, Any]] = {}
         emitted_now: dict[int, int] = {}
 
-        def touch(pos: int, kind: str, **info: Any) -> None:
-            st = _EVENT_STATE[kind]
+        def touch(pos: int, kind: str, st: State, **info: Any) -> None:
             c = touched.setdefault(pos, {"state": None, "kinds": []})
             c["kinds"].append(kind)
             if kind == "reject":   # the draft's numbers; the correction that replaces it has none
                 c["draft_tok"], c["draft_p"], c["draft_q"] = info.pop("tok"), info.pop("p"), info.pop("q")
                 c.pop("q", None)   # the proposal's q, now the draft's
-            if "tok" in info and (c["state"] is None or PRIORITY[st] >= PRIORITY[c["state"]]):
+            wins = c["state"] is None or PRIORITY[st] >= PRIORITY[c["state"]]
+            if st is State.NOISE and c["state"] is State.PROPOSED:
+                c["guess"] = c["tok"]   # the noise the canvas holds after the step shows; the guess is kept beside it
+            elif kind == "propose" and c["state"] is State.NOISE:
+                c["guess"] = info["tok"]
+            if "tok" in info and wins:
                 c["tok"] = info.pop("tok")
             info.pop("tok", None)
             c.update((k, v) for k, v in info.items() if v is not None)
@@ -352,17 +436,24 @@ class GridBuilder:
                     row.wall_ms = (row.wall_ms or 0.0) + e["wall_ms"]
             elif t == "propose":
                 for i, p in enumerate(e["pos"]):
-                    touch(p, t, tok=e["tok"][i], q=_at(e["q"], i), src=e["src"])
+                    touch(p, t, State.PROPOSED, tok=e["tok"][i], q=_at(e["q"], i), src=e["src"])
             elif t == "accept":
                 for i, p in enumerate(e["pos"]):
-                    touch(p, t, tok=e["tok"][i], p=_at(e["p"], i), q=_at(e["q"], i))
+                    touch(p, t, State.ACCEPTED, tok=e["tok"][i], p=_at(e["p"], i), q=_at(e["q"], i))
             elif t == "reject":
-                touch(e["pos"], t, tok=e["tok"], p=e["p"], q=e["q"])
+                touch(e["pos"], t, State.REJECTED, tok=e["tok"], p=e["p"], q=e["q"])
             elif t in ("resample", "bonus"):
-                touch(e["pos"], t, tok=e["tok"])
+                touch(e["pos"], t, _EVENT_STATE[t], tok=e["tok"])
             elif t == "unmask":
                 for i, p in enumerate(e["pos"]):
-                    touch(p, t, tok=e["tok"][i], conf=_at(e["conf"], i))
+                    touch(p, t, State.UNMASKED, tok=e["tok"][i], conf=_at(e["conf"], i), filled_step=step)
+            elif t == "edit":
+                for i, p in enumerate(e["pos"]):
+                    touch(p, t, State.EDITED, tok=e["tok"][i], old=e["old"][i], conf=_at(e["conf"], i),
+                          filled_step=step)
+            elif t == "remask":
+                for p, tok in zip(e["pos"], e["tok"]):
+                    touch(p, t, State.MASKED if tok == self.mask_id else State.NOISE, tok=tok)
             elif t == "emit":
                 for p, tok in zip(e["pos"], e["tok"]):
                     emitted_now[p] = tok
@@ -388,6 +479,7 @@ class GridBuilder:
                 row.kv.append({"op": e["op"], "from_len": e["from_len"], "to_len": e["to_len"]})
             # unknown kinds (a future minor version) are ignored here
 
+        cells: dict[int, Cell] = {}   # this step's row
         # cells touched at this step
         for pos, c in touched.items():
             state = c["state"]
@@ -397,15 +489,25 @@ class GridBuilder:
                 state = State.COMMITTED
             if emitted:
                 tok = emitted_now[pos]
-            draft = c.get("draft_tok")
+            draft, old, guess = c.get("draft_tok"), c.get("old"), c.get("guess")
             cell = Cell(state, tok=tok, text=text_of(pos, tok), p=c.get("p"), q=c.get("q"), conf=c.get("conf"),
                         draft_tok=draft, draft_text=text_of(None, draft), draft_p=c.get("draft_p"),
                         draft_q=c.get("draft_q"), src=c.get("src"),
                         kinds=tuple(c["kinds"]) + (("emit",) if emitted else ()), emitted=emitted,
-                        committed_step=step if emitted else None)
-            cells[(step, pos)] = cell
-            if state is State.UNMASKED and not emitted:
-                held[pos] = cell
+                        committed_step=step if emitted else None, filled_step=c.get("filled_step"),
+                        old=old, old_text=text_of(None, old), guess=guess, guess_text=text_of(None, guess))
+            if cell.filled_step is None and pos in held and state not in (State.MASKED, State.NOISE):
+                cell.filled_step = held[pos].filled_step   # e.g. the emit of a token filled earlier
+            cells[pos] = cell
+            if state in (State.MASKED, State.NOISE):   # a remask: the filled token is gone
+                held.pop(pos, None)
+                noise.pop(pos, None)
+                if state is State.NOISE:
+                    noise[pos] = replace(cell, kinds=(), guess=None, guess_text=None, q=None, src=None)
+            elif state in HOLDS and not emitted:
+                noise.pop(pos, None)
+                if pos not in committed:
+                    held[pos] = cell
             elif state in (State.REJECTED, State.RESAMPLED):
                 # a rejection invalidates this position and every held token after it
                 for p in [p for p in held if p >= pos]:
@@ -413,28 +515,43 @@ class GridBuilder:
         # emitted without another event at this step
         for pos, tok in emitted_now.items():
             if pos not in touched:
-                cells[(step, pos)] = Cell(State.COMMITTED, tok=tok, text=text_of(pos, tok), kinds=("emit",),
-                                          emitted=True, committed_step=step)
+                cells[pos] = Cell(State.COMMITTED, tok=tok, text=text_of(pos, tok), kinds=("emit",), emitted=True,
+                                  committed_step=step, filled_step=held[pos].filled_step if pos in held else None)
         # provenance of what became final at this step
         for pos, tok in emitted_now.items():
-            here = cells[(step, pos)]
+            here = cells[pos]
             if here.state in _PROVENANCE:
                 prov, src = here.state, here
             elif pos in held and held[pos].tok == tok:
-                prov, src = State.UNMASKED, held[pos]
+                prov, src = held[pos].state, held[pos]
             else:
                 prov, src = State.COMMITTED, here
             final[pos] = replace(src, state=prov, tok=tok, text=text_of(pos, tok), emitted=True, held=False,
                                  committed_step=step)
             held.pop(pos, None)
+            noise.pop(pos, None)
             committed[pos] = Cell(State.COMMITTED, tok=tok, text=text_of(pos, tok), committed_step=step)
-        # carried-over cells: committed positions and held unmasked tokens not touched this step
+            if tok in self.eos_ids and (self._eos_emitted is None or pos < self._eos_emitted):
+                self._eos_emitted = pos
+        # carried-over cells: committed positions, held tokens, the noise or MASK of a canvas's other positions
         for pos, cell in committed.items():
-            if (step, pos) not in cells:
-                cells[(step, pos)] = cell
+            cells.setdefault(pos, cell)
         for pos, cell in held.items():
-            if (step, pos) not in cells:
-                cells[(step, pos)] = replace(cell, held=True, kinds=(), emitted=False)
+            if pos not in cells:
+                cells[pos] = replace(cell, held=True, kinds=(), emitted=False)
+        for pos in range(self.canvas_len):
+            if pos not in cells:
+                cells[pos] = noise.get(pos, _MASKED)
+        # padding: every cell after the first EOS the canvas holds (emitted, or filled and held)
+        eos = [p for p, c in held.items() if c.tok in self.eos_ids] if self.eos_ids else []
+        if self._eos_emitted is not None:
+            eos.append(self._eos_emitted)
+        if eos:
+            row.eos_pos = first = min(eos)
+            for pos, cell in cells.items():
+                if pos > first:
+                    cells[pos] = replace(cell, state=State.PADDING, held=False)
+        g.cells.update(((step, pos), cell) for pos, cell in cells.items())
         # text segments, one per token when the token's text is known, else one per emit event
         pos_text = self.pos_text
         for e in emits_now:

@@ -18,7 +18,8 @@ class StepPoint:
     ms: float | None          # the step's last event time
     wall_ms: float | None     # forward time
     emitted: int              # tokens emitted at this step
-    unmasked: int             # tokens unmasked at this step and not emitted at it (emitted later)
+    unmasked: int             # tokens unmasked at this step and emitted at a later one (counted as they are
+                              # emitted: the padding after an early EOS, never emitted, never counts)
     progressed: bool          # the step emitted, unmasked, proposed or verified something
     tokens: int               # cumulative emitted tokens
     forwards: int             # cumulative forwards (prefill excluded, as in summarize)
@@ -27,6 +28,7 @@ class StepPoint:
     verified: int             # cumulative verified drafts
     accept_rate: float | None  # running acceptance (None before anything was verified)
     kv_len: int | None        # KV length after the step's last kv event
+    refreshed: tuple[tuple[int, int], ...] = ()   # KV slot ranges [from, to) recomputed at this step
 
 
 def progress(events: Iterable[Mapping[str, Any]]) -> list[StepPoint]:
@@ -44,6 +46,7 @@ class Tracker:
         self.points: list[StepPoint] = []
         self.tally = Tally()
         self._kv_len: int | None = None
+        self._filled_at: dict[int, StepPoint] = {}   # pos -> the point of the step that unmasked it (not emitted)
 
     @property
     def acceptance(self) -> Acceptance:
@@ -63,6 +66,7 @@ class Tracker:
         emitted = 0
         unmasked: set[int] = set()
         emitted_pos: set[int] = set()
+        refreshed: list[tuple[int, int]] = []
         progressed = False
         for e in step_events:
             self.tally.feed(e)
@@ -80,15 +84,28 @@ class Tracker:
             elif t == "unmask":
                 unmasked.update(e["pos"])
                 progressed = progressed or bool(e["pos"])
-            elif t in ("propose", "resample", "bonus", "accept", "reject"):
+            elif t == "remask":   # filled tokens gone (noise or MASK again): not emitted later
+                unmasked.difference_update(e["pos"])
+                for p in e["pos"]:
+                    self._filled_at.pop(p, None)
                 progressed = True
-            elif t == "kv" and e["op"] != "refresh":   # a refresh recomputes slots; the length stays
+            elif t in ("propose", "resample", "bonus", "accept", "reject", "edit"):
+                progressed = True
+            elif t == "kv" and e["op"] == "refresh":   # a refresh recomputes slots; the length stays
+                refreshed.append((e["from_len"], e["to_len"]))
+            elif t == "kv":
                 self._kv_len = e["to_len"]
         self.tally.end_step()
         tally, acc = self.tally, self.tally.acceptance
-        return StepPoint(step, role, ms, wall, emitted, len(unmasked - emitted_pos), progressed, tally.n_tokens,
-                         tally.forwards, tally.tpf if tally.forwards else None, acc.accepted, acc.verified,
-                         acc.rate if acc.verified else None, self._kv_len)
+        for p in emitted_pos:   # tokens an earlier step unmasked, emitted now
+            earlier = self._filled_at.pop(p, None)
+            if earlier is not None:
+                earlier.unmasked += 1
+        point = StepPoint(step, role, ms, wall, emitted, 0, progressed, tally.n_tokens, tally.forwards,
+                          tally.tpf if tally.forwards else None, acc.accepted, acc.verified,
+                          acc.rate if acc.verified else None, self._kv_len, tuple(refreshed))
+        self._filled_at.update((p, point) for p in unmasked - emitted_pos)
+        return point
 
 
 def stalled_steps(points: list[StepPoint]) -> list[StepPoint]:

@@ -12,7 +12,7 @@ from itertools import pairwise
 from typing import Any
 
 from studio.viz.grid import Grid
-from studio.viz.palette import OKABE_ITO, PALETTE, RUN_COLORS, State, tint
+from studio.viz.palette import OKABE_ITO, PALETTE, RUN_COLORS, State, fill, tint
 from studio.viz.stats import acceptance, progress
 
 ROLE_COLORS = {"prefill": "#9E9E9E", "cold": OKABE_ITO["sky_blue"], "verify": OKABE_ITO["blue"],
@@ -190,27 +190,25 @@ def trajectory_svg(grid: Grid, width: int = 1200) -> str:
     row_of = {s: i for i, s in enumerate(grid.steps)}
     top = 30
     height = int(top + rh * n_rows + 34)
-    grey = PALETTE[State.COMMITTED][0]
-    tips = sum(1 for c in grid.cells.values() if not (c.state is State.COMMITTED and not c.emitted)) <= MAX_TIPS
+    tips = sum(1 for c in grid.cells.values() if not _background(c)) <= MAX_TIPS
     marks: list[str] = []
-    carried: dict[int, list[int]] = {}   # row -> positions committed at an earlier step
+    carried: dict[tuple[int, State], list[int]] = {}   # (row, state) -> positions of background cells
     for (step, pos), c in sorted(grid.cells.items()):
-        if c.state is State.COMMITTED and not c.emitted:
-            carried.setdefault(step, []).append(pos)
+        if _background(c):
+            carried.setdefault((step, c.state), []).append(pos)
             continue
         x, y = left + pos * cw, top + row_of[step] * rh
-        color = tint(PALETTE[c.state][0], 0.55) if c.held and c.state is State.UNMASKED else PALETTE[c.state][0]
         tip = f"<title>{esc(chr(10).join([f'step {step} · position {pos}', *c.describe()]))}</title>" if tips else ""
-        marks.append(f'<rect x="{_n(x)}" y="{_n(y)}" width="{_n(cw)}" height="{_n(rh)}" fill="{color}" '
+        marks.append(f'<rect x="{_n(x)}" y="{_n(y)}" width="{_n(cw)}" height="{_n(rh)}" fill="{fill(c.state, c.held)}" '
                      f'stroke="#fff" stroke-width="{0.5 if cw >= 4 else 0}">{tip}</rect>')
         if glyphs:
             marks.append(f'<text x="{_n(x + cw / 2)}" y="{_n(y + rh - 3)}" font-size="9" text-anchor="middle" '
                          f'pointer-events="none">{esc(c.glyph)}</text>')
-    for step, positions in carried.items():
+    for (step, state), positions in carried.items():
         y = top + row_of[step] * rh
         for start, end in _runs(positions):
             marks.append(f'<rect x="{_n(left + start * cw)}" y="{_n(y)}" width="{_n((end - start) * cw)}" '
-                         f'height="{_n(rh)}" fill="{grey}"/>')
+                         f'height="{_n(rh)}" fill="{PALETTE[state][0]}"/>')
     for b in grid.blocks:
         close = b.close_step if b.close_step is not None else grid.steps[-1]
         y0, y1 = top + row_of.get(b.open_step, 0) * rh, top + (row_of.get(close, n_rows - 1) + 1) * rh
@@ -224,13 +222,19 @@ def trajectory_svg(grid: Grid, width: int = 1200) -> str:
     step_px = max(1, round(60 / cw))
     axis = [f'<text x="{_n(left + p * cw)}" y="{height - 18}" font-size="10" fill="#555">{p}</text>'
             for p in range(0, n_pos, step_px)]
-    total_w = int(left + cw * n_pos + 10)
+    total_w = int(max(left + cw * n_pos + 10, 440))   # room for the title over a short run
     return (f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" viewBox="0 0 {total_w} {height}" '
             f'width="{total_w}" height="{height}" role="img" aria-label="decoding trajectory" '
             f'font-family="system-ui, sans-serif">'
             f'<text x="4" y="18" font-size="15" font-weight="600">Decoding trajectory: steps × output positions'
             f"</text>{''.join(marks)}{''.join(heads)}{''.join(axis)}"
             f'<text x="{left}" y="{height - 4}" font-size="11" fill="#444">output position →</text></svg>')
+
+
+def _background(c) -> bool:
+    """A cell of the bulk of a run, drawn in runs of one colour: committed at an earlier step, or a canvas's cell
+    nothing touched at this step (still masked, or padding)."""
+    return c.state in (State.COMMITTED, State.MASKED, State.PADDING) and not c.emitted and not c.kinds
 
 
 def _runs(positions: list[int]) -> list[tuple[int, int]]:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from studio.events.metrics import prefill_tokens
 from studio.viz.grid import Grid, show_text
-from studio.viz.palette import PALETTE, RICH_FG, RICH_STYLE, RICH_TEXT, TEXT_CUE, State, legend_text
+from studio.viz.palette import HELD_GLYPH, RICH_FG, RICH_STYLE, RICH_TEXT, TEXT_CUE, State, legend_items, legend_text
 
 if TYPE_CHECKING:
     from rich.text import Text
@@ -43,12 +43,13 @@ def _head(grid: Grid, step: int) -> str:
 
 def _tail(grid: Grid, step: int, max_text: int) -> str:
     row = grid.rows[step]
+    refresh = "".join(f"  ⟳ refresh [{a},{b})" for a, b in row.refreshes)
     if not row.emitted:
-        return ""
+        return refresh
     text = show_text(row.text)
     if len(text) > max_text:
         text = text[: max_text - 1] + ELLIPSIS
-    return f"  +{len(row.emitted)} {text}"
+    return f"  +{len(row.emitted)} {text}{refresh}"
 
 
 def step_line(grid: Grid, step: int, width: int | None = None, max_text: int = 40) -> str:
@@ -63,7 +64,7 @@ def step_line(grid: Grid, step: int, width: int | None = None, max_text: int = 4
 def render_plain(grid: Grid, width: int | None = None, legend: bool = True) -> str:
     lines = [step_line(grid, s, width) for s in grid.steps]
     if legend:
-        lines.append("legend: " + legend_text())
+        lines.append("legend: " + legend_text(grid.canvas is not None))
     return "\n".join(lines)
 
 
@@ -79,7 +80,7 @@ def rich_step_line(grid: Grid, step: int, width: int | None = None, max_text: in
         c = grid.cell(step, p)
         style = RICH_STYLE[c.state] + (" underline" if c.emitted and c.state is not State.COMMITTED else "")
         if c.held:
-            style = RICH_FG[State.UNMASKED]
+            style = RICH_FG[c.state]
         out.append(c.glyph, style=style)
     tail = _tail(grid, step, max_text)
     if tail:
@@ -110,16 +111,22 @@ def rich_text_legend() -> "Text":
     return out
 
 
-def rich_legend() -> "Text":
+def rich_legend(canvas: bool | None = False) -> "Text":
+    """The glyphs of a run's states (`palette.legend_items`), each in its style."""
     from rich.text import Text
 
     out = Text()
-    for s in State:
-        if s is State.EMPTY:
-            continue
-        out.append(PALETTE[s][1], style=RICH_STYLE[s])
-        out.append(f" {PALETTE[s][2]}  ", style="default")
+    for s, g, lab in legend_items(canvas):
+        out.append(g, style=RICH_FG[s] if g == HELD_GLYPH else RICH_STYLE[s])
+        out.append(f" {lab}  ", style="default")
     return out
+
+
+def skipped_note(trace) -> str:
+    """What a viewer says of a trace whose newer minor version added event kinds this build skipped
+    (`Trace.skipped`)."""
+    return (f"{trace.skipped} event(s) of kinds {trace.header.get('schema')} added skipped: a newer dlm-studio "
+            "shows them")
 
 
 def run_summary_line(footer: dict, label: str, events: list[dict]) -> str:

@@ -53,7 +53,7 @@ class RunView:
         self.header = dict(header or {})
         self.events: list[Mapping[str, Any]] = []
         self.footer: Mapping[str, Any] | None = None   # set when the run has finished
-        self._builder = GridBuilder(token_text)
+        self._builder = GridBuilder(token_text, header=header)
         self._tracker = Tracker()
 
     @classmethod
@@ -65,7 +65,7 @@ class RunView:
             from studio.engine.model_cache import trace_token_text
             token_text = trace_token_text(trace.header)
         view = cls(header=trace.header)
-        view._builder = GridBuilder.of_events(trace.events, token_text)
+        view._builder = GridBuilder.of_events(trace.events, token_text, trace.header)
         view.feed(trace.events)
         view.footer = trace.footer
         return view
@@ -80,6 +80,11 @@ class RunView:
     @property
     def grid(self) -> Grid:
         return self._builder.grid
+
+    @property
+    def is_canvas(self) -> bool:
+        """A canvas run (masked diffusion): its legend is the canvas states'."""
+        return self.grid.canvas is not None
 
     @property
     def points(self) -> list[StepPoint]:
@@ -103,5 +108,7 @@ class RunView:
         steps = self.grid.steps
         if steps and step >= steps[-1]:
             return self.numbers
-        return RunNumbers([p for p in self.points if p.step <= step],
-                          Tally().feed_all(e for e in self.events if e["step"] <= step))
+        # counted again, not cut: a point's count of tokens emitted later grows when they are
+        tracker = Tracker()
+        tracker.feed(e for e in self.events if e["step"] <= step)
+        return RunNumbers(tracker.points, tracker.tally)

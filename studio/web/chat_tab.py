@@ -103,7 +103,7 @@ def build(engine, initial: RunConfig, chat_template: bool, downloads: Downloads,
             return
         history = list(tab.session.conversation.messages) + [{"role": "user", "content": text}]
         tab.text = text
-        tab.trajectory = traj = Trajectory.live(run.token_text, title=tab.session.choice.label)
+        tab.trajectory = traj = Trajectory.live(run.token_text, title=tab.session.choice.label, header=run.header)
         tab.worker = worker = Worker([run], step_mode=(pace_ms or 0) > 0).start()
         yield {state: tab, message: "", status: "", trajectory: traj.frame(), metrics: traj.metrics(),
                chatbot: render.chat_messages(history + [{"role": "assistant", "content": ""}]), **turn_panels}

@@ -88,7 +88,8 @@ def build(engine, chat_template: bool, downloads: Downloads, engine_queue: dict)
             tab.views = []
             yield {status: render.note_html(str(e), "error"), state: tab, **cleared}
             return
-        tab.views = views = [Trajectory.live(run.token_text, title=label) for label, run in zip(labels, runs)]
+        tab.views = views = [Trajectory.live(run.token_text, title=label, header=run.header)
+                             for label, run in zip(labels, runs)]
         tab.worker = worker = Worker(runs, step_mode=(pace_ms or 0) > 0).start()
         shown = {col: gr.Column(visible=i < len(runs)) for i, col in enumerate(columns)}
         yield {state: tab, status: render.note_html("running " + ", ".join(labels) + " in lock-step"), **cleared,

@@ -2,8 +2,9 @@
 appends the rows a new value adds (or drops rows a shorter value no longer has: replay going back).
 
 Its value is `{"run": id, "rows": [row html, ...]}` (`live.Trajectory.frame`). Rows are HTML rendered and
-escaped on the server (`render.row_html`); the script only inserts them. Clicking a cell fires the
-component's `inspect` event with `{pos}`.
+escaped on the server (`render.row_html`); the script only inserts them. Clicking a cell, or a bar of cells
+(the committed prefix, a canvas's masked tail: `data-lo`, `data-n`), fires the component's `inspect` event
+with `{pos}`.
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ box.addEventListener('click', (e) => {
   const cell = e.target.closest('[data-pos]');
   const bar = e.target.closest('.cb');
   if (cell) trigger('inspect', {pos: Number(cell.dataset.pos)});
-  else if (bar) trigger('inspect', {pos: Math.floor(e.offsetX / bar.offsetWidth * Number(bar.dataset.n))});
+  else if (bar) trigger('inspect', {pos: Number(bar.dataset.lo || 0)
+                                         + Math.floor(e.offsetX / bar.offsetWidth * Number(bar.dataset.n))});
 });
 """
 

@@ -33,9 +33,11 @@ class Trajectory:
         self.rows = [render.row_html(view.grid, step) for step in view.grid.steps]
 
     @classmethod
-    def live(cls, token_text: Callable[[int], str | None] | None = None, title: str = "") -> Trajectory:
-        """An empty trajectory that a run's steps will be fed into."""
-        return cls(RunView(token_text), title)
+    def live(cls, token_text: Callable[[int], str | None] | None = None, title: str = "",
+             header: Mapping | None = None) -> Trajectory:
+        """An empty trajectory that a run's steps will be fed into (its header: a canvas run's canvas is laid out
+        from the first step)."""
+        return cls(RunView(token_text, header), title)
 
     @classmethod
     def of_trace(cls, trace: Trace, title: str = "",

@@ -6,8 +6,8 @@ through `esc` before it becomes HTML; everything else is numbers and fixed marku
 
 The trajectory is one `<div class="r">` per step, rendered once when its step arrives and never again (a
 step's cells do not change later), so a live view only ever appends rows. Positions already committed
-before the step are one grey bar, not a cell each, so a row costs the size of its open window, not of
-the whole output.
+before the step are one grey bar, not a cell each, and so are the masked (or padding) cells a canvas run has
+past its open block, so a row costs the size of its open window, not of the whole output or canvas.
 """
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from studio.viz.grid import Grid, show_text
-from studio.viz.palette import FORWARD_ROLES, INK, PALETTE, State, label, tint
+from studio.viz.grid import Cell, Grid, show_text
+from studio.viz.palette import (DRAFT_STATES, FORWARD_ROLES, HELD_GLYPH, HOLDS, INK, PALETTE, State, fill, label,
+                                legend_items)
 from studio.viz.stats import Acceptance, StepPoint
 from studio.viz.view import RunNumbers
 
@@ -37,13 +38,18 @@ def num(v: float | None, fmt: str) -> str:
 # -- the trajectory ---------------------------------------------------------------------------------
 def row_html(grid: Grid, step: int) -> str:
     """One step of the trajectory: its head (step, forward role), the committed prefix as one bar, one cell
-    per position of the open window (colour + glyph + hover text, block outlines), the text it emitted."""
+    per position of the open window (colour + glyph + hover text, block outlines), a canvas's quiet tail (masked
+    or padding cells nothing touched) as one bar, a KV refresh's mark, the text it emitted."""
     row = grid.rows[step]
     done = _committed_before(grid, step)
     blocks = [b for b in grid.blocks if b.open_step <= step and (b.close_step is None or b.close_step >= step)]
     lo = min([done] + [b.start for b in blocks])
     hi = max([done] + [p + 1 for p in range(done, grid.n_pos) if grid.cell(step, p).state is not State.EMPTY]
              + [b.end for b in blocks])
+    quiet = hi   # the tail [quiet, hi) of cells in one quiet state
+    tail_state = grid.cell(step, hi - 1).state if hi > lo else None
+    while quiet > max([lo] + [b.end for b in blocks]) and _quiet(grid.cell(step, quiet - 1), tail_state):
+        quiet -= 1
     edges: dict[int, str] = {}
     for b in blocks:
         for p in range(b.start, b.end):
@@ -54,18 +60,31 @@ def row_html(grid: Grid, step: int) -> str:
     if lo:
         parts.append(f'<span class="cb" data-n="{lo}" style="width:{lo * CELL_PX}px" title="step {step} · '
                      f'positions 0–{lo - 1} committed earlier (click one to inspect it)"></span>')
-    for p in range(lo, hi):
+    for p in range(lo, quiet):
         c = grid.cell(step, p)
         empty = c.state is State.EMPTY
         cls = f"c s-{c.state.value}" + (" held" if c.held else "") + (" em" if c.emitted else "") + edges.get(p, "")
         tip = "\n".join([f"step {step} · position {p}"] + (["empty"] if empty else c.describe()))
         parts.append(f'<span class="{cls}" data-pos="{p}" title="{esc(tip)}">{"" if empty else c.glyph}</span>')
+    if quiet < hi:
+        n, what = hi - quiet, label(tail_state)
+        parts.append(f'<span class="cb s-{tail_state.value}" data-lo="{quiet}" data-n="{n}" '
+                     f'style="width:{n * CELL_PX}px" title="step {step} · positions {quiet}–{hi - 1} {esc(what)} '
+                     f'(click one to inspect it)"></span>')
+    for a, b in row.refreshes:
+        parts.append(f'<span class="kvr" title="a KV cache refresh recomputed slots {a} to {b - 1}; the KV length '
+                     f'does not change">⟳ refresh [{a},{b})</span>')
     if row.emitted:
         text = show_text(row.text)
         text = text if len(text) <= MAX_TAIL_CHARS else text[:MAX_TAIL_CHARS - 1] + "…"
         parts.append(f'<span class="t">+{len(row.emitted)} {esc(text)}</span>')
     parts.append("</div>")
     return "".join(parts)
+
+
+def _quiet(c: Cell, state: State | None) -> bool:
+    """A canvas cell nothing touched at this step, still masked or padding (drawn in one bar with its like)."""
+    return c.state is state and state in (State.MASKED, State.PADDING) and not c.kinds
 
 
 def _committed_before(grid: Grid, step: int) -> int:
@@ -75,10 +94,17 @@ def _committed_before(grid: Grid, step: int) -> int:
 
 
 def legend_html() -> str:
-    items = [f'<span><span class="c s-{s.value}">{PALETTE[s][1]}</span>{esc(label(s))}</span>'
-             for s in State if s is not State.EMPTY]
-    items.append('<span><span class="c s-unmasked held">◇</span>held in an open block</span>')
+    """Every state a trajectory shows: a drafting run's, then what a canvas run adds, the held tokens, a block and
+    a cache refresh."""
+    def item(state: State, glyph: str, text: str, held: bool = False) -> str:
+        return f'<span><span class="c s-{state.value}{" held" if held else ""}">{glyph}</span>{esc(text)}</span>'
+
+    items = [item(*i) for i in legend_items(False)]
+    items.append(item(State.UNMASKED, HELD_GLYPH, "held in an open block", held=True))
+    items.append('<span class="sub">canvas runs:</span>')
+    items += [item(*i) for i in legend_items(True) if i[0] not in DRAFT_STATES]
     items.append('<span><span class="c bl br b"></span>open block</span>')
+    items.append('<span><span class="kvr">⟳ refresh [a,b)</span>KV slots recomputed</span>')
     roles = "".join(f"<li><b>{esc(role)}</b>: {esc(what)}</li>" for role, what in FORWARD_ROLES.items())
     return ('<div class="legend">' + "".join(items) + "</div>"
             '<details class="roles"><summary>Forward roles (the word after each step number: cold, verify, …)'
@@ -94,26 +120,39 @@ def _rejected_draft(c) -> str:
 
 
 def inspector_html(grid: Grid | None, pos: int | None, run: str = "") -> str:
-    """Every step that did something at output position `pos`, oldest first, and what it became."""
+    """Every step that did something at output position `pos`, oldest first, and what it became. A canvas run's
+    table has the model's guess (q) and why each step changed the cell (filled, edited, re-noised, padding), and
+    the head says when the token was filled and edited, or that the cell is padding after an EOS."""
     if grid is None or not grid.steps or pos is None:
         return '<div class="note">Click a cell of the trajectory (or enter a position) to see its history.</div>'
     if not 0 <= pos < grid.n_pos:
         return f'<div class="note">Position must be between 0 and {grid.n_pos - 1}.</div>'
+    canvas = grid.canvas is not None
     rows = []
     for step in grid.steps:
         c = grid.cell(step, pos)
-        if c.state is State.EMPTY or (c.state is State.COMMITTED and not c.emitted):
+        if c.state is State.EMPTY or (c.state is State.COMMITTED and not c.emitted) or (canvas and not c.kinds
+                                                                                         and not c.held):
             continue   # nothing happened here at this step
-        cells = (step, esc(grid.rows[step].role or ""),
-                 f'<span class="c s-{c.state.value}">{c.glyph}</span> {esc(label(c.state))}',
-                 esc(_token(c.tok, c.text)), esc(_rejected_draft(c)),
-                 num(c.p, ".3g"), num(c.q, ".3g"), num(c.ratio, ".3g"), num(c.conf, ".3g"), esc(", ".join(c.kinds)))
+        head = (step, esc(grid.rows[step].role or ""),
+                f'<span class="c s-{c.state.value}">{c.glyph}</span> {esc(label(c.state))}', esc(_token(c.tok, c.text)))
+        if canvas:
+            cells = (*head, esc("; ".join(c.reasons(True))), num(c.q, ".3g"), num(c.conf, ".3g"),
+                     esc(", ".join(c.kinds)))
+        else:
+            cells = (*head, esc(_rejected_draft(c)), num(c.p, ".3g"), num(c.q, ".3g"), num(c.ratio, ".3g"),
+                     num(c.conf, ".3g"), esc(", ".join(c.kinds)))
         rows.append("<tr>" + "".join(f"<td>{x}</td>" for x in cells) + "</tr>")
     final = grid.final.get(pos)
+    eos = grid.eos_before(pos)
     fate = (f"final token {esc(_token(final.tok, final.text))}, {esc(label(final.state))}, committed at step "
-            f"{final.committed_step}" if final else "not emitted (yet)")
-    head = f"{esc(run) + ' · ' if run else ''}position {pos}: {fate}"
-    columns = ("step", "forward", "state", "token", "rejected draft", "p", "q", "min(1,p/q)", "conf", "events")
+            f"{final.committed_step}" if final else
+            f"padding after the EOS at position {eos}: never output" if eos is not None else "not emitted (yet)")
+    history = "".join(f"<li>{esc(line)}</li>" for line in grid.fill_history(pos)) if canvas else ""
+    head = (f"{esc(run) + ' · ' if run else ''}position {pos}: {fate}"
+            + (f'<ul class="fills">{history}</ul>' if history else ""))
+    columns = (("step", "forward", "state", "token", "why", "q (guess)", "conf", "events") if canvas else
+               ("step", "forward", "state", "token", "rejected draft", "p", "q", "min(1,p/q)", "conf", "events"))
     table = ('<table class="tbl"><tr>' + "".join(f"<th>{c}</th>" for c in columns) + "</tr>" + "".join(rows)
              + "</table>")
     return f'<div class="inspector"><div class="head">{head}</div>{table if rows else ""}</div>'
@@ -184,8 +223,9 @@ def comparison_html(table_rows: Sequence[Mapping[str, Any]]) -> str:
     return f'<table class="tbl">{head and "<tr>" + head + "</tr>"}{"".join(body)}</table>{texts}'
 
 
-def trace_info_html(name: str, header: Mapping[str, Any], metrics: Mapping[str, Any]) -> str:
-    """What a loaded trace is: file, strategy and parameters, model, prompt, and its headline numbers."""
+def trace_info_html(name: str, header: Mapping[str, Any], metrics: Mapping[str, Any], warning: str = "") -> str:
+    """What a loaded trace is: file, strategy and parameters (a canvas run's canvas), model, prompt, its headline
+    numbers, and a warning (events a newer schema added, skipped) when there is one."""
     model = header.get("model", {})
     params = ", ".join(f"{k}={v}" for k, v in header.get("params", {}).items())
     rows = [("file", name), ("strategy", f"{header.get('strategy')} ({params})"),
@@ -194,6 +234,11 @@ def trace_info_html(name: str, header: Mapping[str, Any], metrics: Mapping[str, 
             ("prompt", header.get("prompt", {}).get("text", "")), ("seed", header.get("seed")),
             ("result", (f"{metrics.get('n_tokens')} tokens · {metrics.get('forwards')} forwards · "
                         f"TPF {num(metrics.get('tpf'), '.2f')} · stop: {metrics.get('stop_reason')}"))]
+    canvas = header.get("canvas")
+    if isinstance(canvas, Mapping):
+        rows.insert(2, ("canvas", f"{canvas.get('length')} positions, filled in blocks of {canvas.get('block_size')}"))
+    if warning:
+        rows.append(("warning", warning))
     return '<table class="tbl kv">' + "".join(f"<tr><th>{k}</th><td>{esc(v)}</td></tr>" for k, v in rows) + "</table>"
 
 
@@ -232,8 +277,9 @@ def _state_rules() -> str:
     for s in State:
         col = PALETTE[s][0]
         rules.append(f".c.s-{s.value}{{background:{col};color:{INK[s]}}}")
-    rules.append(f".c.s-unmasked.held{{background:{tint(PALETTE[State.UNMASKED][0], 0.55)};color:#000}}")
+    rules += [f".c.s-{s.value}.held{{background:{fill(s, True)};color:#000}}" for s in HOLDS]
     rules.append(f".c.s-empty{{background:transparent}} .cb{{background:{PALETTE[State.COMMITTED][0]}}}")
+    rules += [f".cb.s-{s.value}{{background:{PALETTE[s][0]}}}" for s in (State.MASKED, State.PADDING)]
     return "\n".join(rules)
 
 
@@ -256,6 +302,9 @@ CSS = f"""
 .c.bl {{ border-left-color: #222; }} .c.br {{ border-right-color: #222; }}
 .cb {{ flex: none; display: inline-block; height: {CELL_PX - 2}px; margin: 1px 0; cursor: pointer; }}
 .traj .t {{ margin-left: 8px; color: #333; }}
+.kvr {{ flex: none; margin-left: 6px; padding: 0 4px; border-radius: 3px; font-size: 10px; color: #000;
+        background: #FBE3B0; border: 1px solid #E69F00; }}   /* the TUI's refresh orange, lightened */
+.c.s-noise {{ font-style: italic; }}
 .legend {{ display: flex; flex-wrap: wrap; gap: 4px 12px; font-size: 12px; margin: 4px 0; }}
 .legend > span {{ display: inline-flex; align-items: center; gap: 4px; }}
 .roles {{ font-size: 12px; margin: 0 0 4px; color: #333; }}
@@ -272,6 +321,8 @@ CSS = f"""
 .tbl th, .tbl td {{ border-bottom: 1px solid #e3e3e3; padding: 2px 8px; text-align: left; vertical-align: top; }}
 .tbl.kv th {{ color: #555; font-weight: 500; }}
 .inspector .head {{ font-weight: 600; margin: 4px 0; }}
+.inspector .fills {{ font-weight: 400; margin: 2px 0 0 18px; padding: 0; }}
+.legend .sub {{ color: #555; margin-left: 6px; }}
 .note {{ font-size: 13px; padding: 4px 8px; border-radius: 4px; }}
 .note.error {{ background: #fdecea; border: 1px solid #D55E00; }}
 .note.info {{ color: #444; }}

@@ -17,6 +17,7 @@ from studio.viz.figures import (
     tpf_figure,
     trace_metrics,
 )
+from studio.viz.text import skipped_note
 from studio.web import components, render
 from studio.web.files import DOWNLOADS, Downloads, read_upload
 from studio.web.live import FPS, Trajectory
@@ -67,7 +68,8 @@ def build(engine, downloads: Downloads) -> None:
     def show(replay: Replay) -> dict:
         t = replay.trace
         n = replay.n_steps
-        return {info: render.trace_info_html(replay.name, t.header, trace_metrics(t)),
+        return {info: render.trace_info_html(replay.name, t.header, trace_metrics(t),
+                                             skipped_note(t) if t.skipped else ""),
                 step: gr.Slider(0, n, value=n, step=1), trajectory: replay.trajectory.frame(),
                 metrics: replay.trajectory.metrics(n),
                 inspector: render.inspector_html(replay.trajectory.view.grid, None),

@@ -2,6 +2,7 @@
 (its key layout and config.json), loaded by the engine, against that class's encoder and canvas passes."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -115,7 +116,7 @@ def test_a_prompt_encoded_in_pieces_gives_the_cache_of_one_pass_and_a_canvas_rea
     assert (from_pieces - first).abs().max().item() <= 1e-4   # fp32 rounding of other GEMM shapes only
 
 
-def test_the_text_model_loads_without_the_vision_tower_and_every_strategy_refuses_in_one_line(checkpoint, tmp_path):
+def test_the_text_model_loads_without_the_vision_tower_and_other_strategies_refuse_it_in_one_line(checkpoint, tmp_path):
     path, _ = checkpoint
     sd = load_file(path / "model.safetensors")
     assert any(k.startswith("model.encoder.vision_tower.") for k in sd)   # transformers saved one; it is skipped
@@ -124,10 +125,12 @@ def test_the_text_model_loads_without_the_vision_tower_and_every_strategy_refuse
     assert (cfg.family, cfg.attention, cfg.logit_shift, cfg.mask_token_id, cfg.block_size) == \
         ("diffusion_gemma", "canvas", False, None, CANVAS)
     assert cfg.layer_types == ["sliding"] * 5 + ["full"] and cfg.kv_geometry(5) == (1, 32)
-    for name in STRATEGIES:
-        with pytest.raises(BadInput, match="DiffusionGemma model: it denoises whole canvases") as e:
+    for name in set(STRATEGIES) - {"gemma-canvas"}:
+        with pytest.raises(BadInput, match=f"DiffusionGemma model: .* which strategy gemma-canvas runs and '{name}' "
+                                           "does not") as e:
             kv_length_needed(engine, make_strategy(name), Settings(max_new_tokens=4), [3, 4, 5])
         assert "\n" not in str(e.value)
+    assert kv_length_needed(engine, make_strategy("gemma-canvas"), Settings(max_new_tokens=4), [3, 4, 5]) == 3 + 4 + 6
     # an unknown tensor, and a variant the engine does not run: one line each
     save_file({**sd, "model.decoder.layers.0.mystery.weight": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
@@ -172,66 +175,94 @@ def test_the_random_shape_is_transformers_text_model_at_the_published_sizes():
     from studio.presets import load_model_preset
     preset, published = load_model_preset("diffusiongemma-26b-a4b-it"), ModelConfig.from_hf(raw)
     assert preset.overrides == {"block_size": published.block_size, "logit_shift": published.logit_shift}
-    assert (preset.strategy, preset.max_new_tokens, published.block_size) == (None, 256, 256)
+    assert (preset.strategy, preset.max_new_tokens, published.block_size) == ("diffusiongemma", 256, 256)
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
+
+    from studio.presets import load_strategy_preset
+    own = load_strategy_preset(preset.strategy)   # transformers' defaults (the checkpoint's generation_config.json)
+    p = make_strategy(own.strategy, own.params).params
+    theirs = DiffusionGemmaGenerationConfig._get_default_generation_params()
+    assert p == make_strategy("gemma-canvas").params   # they are the strategy's defaults too
+    assert (own.max_new_tokens, p.max_denoising_steps, p.entropy_bound, p.t_min, p.t_max, p.stability_threshold,
+            p.confidence_threshold) == (theirs["max_new_tokens"], theirs["max_denoising_steps"],
+                                        theirs["sampler_config"].entropy_bound, theirs["t_min"], theirs["t_max"],
+                                        theirs["stability_threshold"], theirs["confidence_threshold"])
 
 
-class TransformersPasses:
-    """The canvas loop's `Passes` on transformers' own forward: the loop is then checked against `generate` on
-    identical logits (an independent forward within 1e-4 still moves a sampled trajectory after a few steps)."""
+class TransformersKV:
+    """transformers' DynamicCache with the committed length a DecodeContext keeps: its encoder pass appends, its
+    decoder pass only reads."""
+    runner = None
 
     def __init__(self, hf):
-        self.hf, self.cache = hf, tf.DynamicCache(config=hf.config.text_config)
-        self.vocab_size = hf.config.text_config.vocab_size
+        self.cache, self.length = tf.DynamicCache(config=hf.config.text_config), 0
 
-    def encode(self, ids, start):
-        self.hf.model.encoder(input_ids=ids, past_key_values=self.cache, position_ids=torch.arange(start, start + ids.shape[1])[None])
+    def commit(self, n):
+        self.length += n
+        return self.length - n, self.length
 
-    def decode(self, canvas, start, sc):
-        return self.hf(past_key_values=self.cache, decoder_input_ids=canvas, self_conditioning_logits=sc,
-                       decoder_position_ids=torch.arange(start, start + canvas.shape[1])[None]).logits
+    def rollback(self, to_len):   # the context's first forward rolls back to what it may reuse: nothing here
+        assert to_len == self.length
+        return to_len, to_len
+
+
+class TransformersModel:
+    """transformers' DiffusionGemma behind the engine model's two passes, so the gemma-canvas strategy runs on its
+    forward: checked against `generate` on identical logits (an independent forward within 1e-4 could move a sampled
+    trajectory)."""
+
+    def __init__(self, hf, config):
+        self.hf, self.config, self.lm_head = hf, config, hf.lm_head
+
+    def modules(self):
+        return self.hf.modules()
+
+    def encode(self, tokens, positions, kv):
+        return self.hf.model.encoder(input_ids=tokens[None], past_key_values=kv.cache,
+                                     position_ids=positions[None]).last_hidden_state
+
+    def __call__(self, tokens, positions, kv, mask=None, lora_gate=None, logits_rows=None, self_conditioning=None):
+        return self.hf(past_key_values=kv.cache, decoder_input_ids=tokens[None], decoder_position_ids=positions[None],
+                       self_conditioning_logits=self_conditioning).logits
 
 
 @pytest.mark.parametrize("seed, params", [
-    (0, dict(max_steps=6)),                                             # 3 canvases of 6 steps, no EOS
-    (2, dict(max_steps=8, entropy_bound=5.0, confidence=100.0)),        # an EOS early in the third canvas
-    (2, dict(max_steps=8, entropy_bound=50.0, confidence=100.0)),       # every draw kept; an EOS in the first canvas
-    (2, dict(max_steps=4, entropy_bound=3.0, stability=0, confidence=100.0))])   # done after one step
-def test_the_canvas_loop_commits_what_transformers_generate_commits_with_the_same_seed(checkpoint, seed, params):
+    (0, dict(max_denoising_steps=6)),                                               # 3 canvases of 6 steps, no EOS
+    (2, dict(max_denoising_steps=8, entropy_bound=5.0, confidence_threshold=100.0)),   # an EOS in the third canvas
+    (2, dict(max_denoising_steps=8, entropy_bound=50.0, confidence_threshold=100.0)),  # every draw kept; an EOS early
+    (2, dict(max_denoising_steps=4, entropy_bound=3.0, stability_threshold=0, confidence_threshold=100.0))])   # 1 step
+def test_gemma_canvas_commits_what_transformers_generate_commits_with_the_same_seed(checkpoint, seed, params):
+    """The strategy on transformers' forward commits generate's tokens bit for bit (its decoder passes too); run by
+    the session on the engine's own passes and KV cache, it commits the same tokens."""
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
-    from studio.engine.gemma_canvas import CanvasParams, generate
-    _, hf = checkpoint
-    p = CanvasParams(**params)
+    from studio.engine.sampling import SamplingParams
+    from studio.engine.strategies import DecodeContext, Output
+    from studio.run.session import Session
+    from tests.support.tiny import TinyTokenizer
+    path, hf = checkpoint
+    strategy = make_strategy("gemma-canvas", params)
+    p, n = strategy.params, 3 * CANVAS
     prompt = [5, 9, 17, 3, 88, 41, 7, 12, 60, 2, 33]   # longer than the sliding window of 8
     torch.manual_seed(seed)
     with torch.no_grad():
-        want = hf.generate(input_ids=torch.tensor([prompt]), max_new_tokens=3 * CANVAS, max_denoising_steps=p.max_steps,
+        want = hf.generate(input_ids=torch.tensor([prompt]), max_new_tokens=n,
+                           max_denoising_steps=p.max_denoising_steps,
                            sampler_config=EntropyBoundSamplerConfig(entropy_bound=p.entropy_bound),
-                           stability_threshold=p.stability, confidence_threshold=p.confidence, t_min=p.t_min,
-                           t_max=p.t_max, pad_token_id=0, eos_token_id=1)
-        got = generate(TransformersPasses(hf), prompt, 3 * CANVAS, CANVAS, p, torch.Generator().manual_seed(seed), {1})
+                           stability_threshold=p.stability_threshold, confidence_threshold=p.confidence_threshold,
+                           t_min=p.t_min, t_max=p.t_max, pad_token_id=0, eos_token_id=1)
     new = want.sequences[0, len(prompt):].tolist()
-    assert new[:len(got.tokens)] == got.tokens and all(t == 0 for t in new[len(got.tokens):])   # pad after an EOS
-    assert want.tokens_per_forward.item() == pytest.approx(len(got.tokens) / got.decoder_passes)
-    for steps in got.canvases:
-        assert all(any(s.accepted) for s in steps)            # the entropy bound always accepts one position
-        assert steps[-1].done or len(steps) == p.max_steps
-
-
-def test_on_the_engines_own_passes_one_step_canvases_commit_what_transformers_generate_commits(checkpoint):
-    """One step per canvas commits the argmax over the same noise, which 1e-4 of logit noise does not move: the
-    engine's passes (ModelPasses, a KV cache of its own) generate what transformers generates."""
-    from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
-
-    from studio.engine.gemma_canvas import CanvasParams, ModelPasses, generate
-    path, hf = checkpoint
-    p = CanvasParams(max_steps=2, stability=0, confidence=100.0)
-    prompt = [5, 9, 17, 3, 88, 41, 7, 12, 60, 2, 33]
-    torch.manual_seed(4)
-    with torch.no_grad():
-        want = hf.generate(input_ids=torch.tensor([prompt]), max_new_tokens=4 * CANVAS, max_denoising_steps=2,
-                           sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1), stability_threshold=0,
-                           confidence_threshold=100.0, pad_token_id=0, eos_token_id=1)
-    got = generate(ModelPasses(ours(path), 64), prompt, 4 * CANVAS, CANVAS, p, torch.Generator().manual_seed(4), {1})
-    assert got.decoder_passes == len(got.canvases) and len(got.tokens) > CANVAS
-    assert want.sequences[0, len(prompt):len(prompt) + len(got.tokens)].tolist() == got.tokens
+    out = Output(TinyTokenizer(128), n, frozenset({1}))
+    ctx = DecodeContext(TransformersModel(hf, load_hf_dir(path)[0]), out.tokenizer, SamplingParams(), seed, out, None,
+                        0, kv=TransformersKV(hf))
+    strategy.start(ctx, prompt)
+    while not strategy.finished(ctx):
+        strategy.step(ctx)
+    decoder_passes = sum(e["t"] == "forward" and e["role"] == "draft" for e in ctx.drain())
+    got = out.token_ids
+    assert new[:len(got)] == got and all(t == 0 for t in new[len(got):])   # pad after an EOS
+    assert want.tokens_per_forward.item() == pytest.approx(len(got) / decoder_passes)
+    engine = Engine.load(str(path), device="cpu")
+    engine.config = engine.model.config = dataclasses.replace(engine.config, eos_ids=[1])
+    ours = Session(engine, make_strategy("gemma-canvas", params), Settings(max_new_tokens=n, seed=seed)).run("", prompt)
+    assert ours.token_ids == got

@@ -146,10 +146,12 @@ def test_a_bidirectional_forward_runs_through_the_decode_context_and_causal_stra
     assert (logits - want).abs().max().item() <= 1e-4
     assert ctx.drain()[0]["role"] == "prefill"
     settings = Settings(max_new_tokens=4)
-    for name in ("ar", "isd", "r-isd", "jacobi", "jacobi-mr"):
+    for name in ("isd", "r-isd", "jacobi", "jacobi-mr"):
         with pytest.raises(BadInput, match=r"needs a causal model .* bidirectional attention; strategies that fit: "
                                            r"blockdiff, canvas, s2d2, simsd"):
             kv_length_needed(engine, make_strategy(name), settings, IDS[:3])
+    with pytest.raises(BadInput, match=r"position-aligned logits: it has no AR mode .* strategies that fit: blockdiff"):
+        kv_length_needed(engine, make_strategy("ar"), settings, IDS[:3])
     run = Session(engine, make_strategy("blockdiff", {"block_size": 4}), settings).run("", IDS[:3])
     assert run.footer["n_tokens"] == 4 and make_strategy("blockdiff").causal_kv(engine.config) is False
 

@@ -13,11 +13,11 @@ def recording(model: Transformer) -> list[tuple]:
     forward."""
     calls, run = [], model.run
 
-    def spy(tokens, positions, kv, mask, gate, rows):
+    def spy(tokens, positions, kv, mask, gate, rows, embed_shift=None):
         gated = 0 if gate is None else (tokens.numel() if gate.rows is None else len(gate.rows))
         calls.append((tuple(tokens.shape), int(positions[0, 0]), kv.length, gated,
                       getattr(model, "active_adapter", None) is not None))
-        return run(tokens, positions, kv, mask, gate, rows)
+        return run(tokens, positions, kv, mask, gate, rows, embed_shift)
 
     model.run = spy
     return calls

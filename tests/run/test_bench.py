@@ -199,3 +199,23 @@ def test_bench_forwards_json_and_table(engine, monkeypatch, tmp_path):
     res = CliRunner().invoke(app, ["bench", "--forwards", "--repeats", "1"])
     assert res.exit_code == 0 and "x 1-token step" in res.stdout and "batch-8 1-token step" in res.stdout
     assert "copy bandwidth" in res.stdout and "verifying 7 sampled drafts" in res.stdout
+
+
+def test_bench_on_a_model_without_an_ar_mode_reports_its_baseline_and_each_cached_runs_exact_reference(monkeypatch,
+                                                                                                     tmp_path):
+    from tests.support.tiny import tiny_mdm
+    engine = tiny_mdm(seed=4)
+    monkeypatch.setattr(Engine, "load", staticmethod(lambda spec, adapter=None, **kw: engine))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("abc\npon\n")
+    res = CliRunner().invoke(app, ["bench", "--prompts", str(prompts), "--json", "-s", "canvas", "--preset",
+                                   "fast-dllm-prefix", "--max-new-tokens", "32",
+                                   "--repeats", "1", "--warmup", "0"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    by = {s["label"]: s for s in rep["strategies"]}
+    assert rep["baseline"] == "canvas" and rep["transformers_tok_s"] is None   # a diffusion model: no transformers
+    cached, exact = by["fast-dllm-prefix"], by["fast-dllm-prefix · cache=none"]
+    assert cached["reference"] == "fast-dllm-prefix · cache=none" and exact["reference"] is None
+    firsts = cached["reference_first_difference"]
+    assert len(firsts) == 2 and cached["exact_match_vs_reference"] == sum(k is None for k in firsts) / 2

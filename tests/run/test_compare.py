@@ -384,3 +384,35 @@ def test_table_keeps_long_labels_on_80_columns(engine):
     con = Console(width=80, record=True)
     con.print(render_table(rows(results), sampled=False))
     assert "│ jacobi-mr-cpu │" in con.export_text()
+
+
+# -- masked-diffusion models: the model's own baseline, the exact reference of a cached run -------------------------
+def test_a_model_without_an_ar_mode_is_compared_against_its_one_token_per_step_canvas(monkeypatch):
+    """LLaDA-like (bidirectional, position-aligned): no ar; the baseline row is canvas at one token per step with no
+    cache, and a cached canvas run is compared with its cache=none twin, which runs beside it."""
+    from tests.support.tiny import tiny_mdm
+    engine = tiny_mdm(seed=3)
+    monkeypatch.setattr(Engine, "load", staticmethod(lambda spec, adapter=None, **kw: engine))
+    res = CliRunner().invoke(app, ["compare", PROMPT, "-s", "canvas", "--preset", "fast-dllm-dual",
+                                   "--max-new-tokens", "32", "--json"])
+    assert res.exit_code == 0, res.output
+    table = {r["label"]: r for r in json.loads(res.stdout)}
+    assert list(table) == ["canvas", "fast-dllm-dual", "fast-dllm-dual · cache=none"]   # the listed canvas IS it
+    dual, twin = table["fast-dllm-dual"], table["fast-dllm-dual · cache=none"]
+    assert twin["params"]["cache"] == "none" and twin["params"]["threshold"] == dual["params"]["threshold"]
+    assert dual["reference"] == "fast-dllm-dual · cache=none" and twin["reference"] == "canvas"
+    assert dual["identical_to_reference"] == (dual["token_ids"] == twin["token_ids"])
+    assert table["canvas"]["speed_vs_ar"] == 1.0 and table["canvas"]["params"]["steps"] == 0
+
+
+def test_fit_baseline_keeps_ar_where_the_model_has_an_ar_mode_and_names_the_canvas_where_not():
+    from studio.run.compare import fit_baseline, with_references
+    from tests.support.tiny import tiny_mdm
+    configs = compare_configs("canvas,fast-dllm-prefix")
+    assert list(fit_baseline(tiny_mdm(shift=True), configs)) == ["ar", "canvas", "fast-dllm-prefix"]   # Dream: AR mode
+    llada = fit_baseline(tiny_mdm(), compare_configs("fast-dllm-prefix"))
+    assert list(llada) == ["canvas · 1 token/step", "fast-dllm-prefix"]
+    assert llada["canvas · 1 token/step"].strategy == "canvas" and not llada["canvas · 1 token/step"].params
+    listed, refs = with_references(compare_configs("fast-dllm-prefix,canvas"))
+    assert list(listed) == ["ar", "fast-dllm-prefix", "fast-dllm-prefix · cache=none", "canvas"]
+    assert refs == {"fast-dllm-prefix": "fast-dllm-prefix · cache=none"}

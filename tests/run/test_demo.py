@@ -39,14 +39,21 @@ def test_the_demo_runs_canvas_on_the_shipped_mdm_adapter_against_ar_on_the_base_
     console = Console(width=160, record=True)
     out = run_demo(mdm_shipped, "abcab", "isd,canvas-cpu", max_new_tokens=8, trace_dir=tmp_path / "tr", html=False,
                    console=console, err_console=Console(file=io.StringIO()))
-    assert list(out["results"]) == ["ar", "isd", "canvas-cpu"]          # no ar reference for a bidirectional model
-    row = next(r for r in out["rows"] if r["label"] == "canvas-cpu")
-    assert row["reference"] == "ar · tiny-mdm" and row["identical_to_reference"] is None
-    header = out["results"]["canvas-cpu"].header
+    twin = "canvas-cpu · cache=none"   # the cached canvas run's exact reference, beside it
+    assert list(out["results"]) == ["ar", "isd", "canvas-cpu", twin]   # no ar reference for a bidirectional model
+    rows = {r["label"]: r for r in out["rows"]}
+    cached, exact = rows["canvas-cpu"], rows[twin]
+    assert cached["reference"] == twin and cached["identical_to_reference"] is not None
+    assert exact["reference"] == "ar · tiny-mdm" and exact["identical_to_reference"] is None
+    header = out["results"][twin].header
     assert header["model"]["adapter_name"] == "tiny-mdm" and header["strategy"] == "canvas"
+    assert header["params"]["cache"] == "none" and out["results"]["canvas-cpu"].header["params"]["cache"] == "dual"
     assert out["results"]["ar"].header["model"]["adapter"] is None
     text = console.export_text()
     assert "— (ar · tiny-mdm did not run)" in text
-    k = row["first_difference"]
+    k = exact["first_difference"]
     against = "identical to ar on the base model" if k is None else f"differs from ar on the base model at token {k}"
-    assert f"── canvas-cpu (decodes tiny-mdm, which no ar run can decode; {against}):" in text
+    labels = f"{twin}, canvas-cpu" if cached["identical_to_reference"] else twin
+    assert f"── {labels} (decodes tiny-mdm, bidirectional: no ar run on it; {against}" in text
+    if not cached["identical_to_reference"]:
+        assert f"── canvas-cpu (differs from {twin} at token {cached['reference_first_difference']}):" in text

@@ -43,8 +43,8 @@ def test_credit_boosts_a_repeated_top1():
     opened(engine, strat, [1, 2, 3, 4])
     logits = torch.zeros(2, 16)
     logits[:, 5] = 1.0
-    first = strat._with_credit([0, 1], logits)
-    second = strat._with_credit([0, 1], logits)
+    first = strat.credit.fuse([0, 1], logits, strat.B)
+    second = strat.credit.fuse([0, 1], logits, strat.B)
     assert (first[:, 5] > logits[:, 5]).all() and (second[:, 5] > first[:, 5]).all()
     assert torch.equal(first[:, 6], logits[:, 6])   # only the top-1 earns credit
 

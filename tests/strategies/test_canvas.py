@@ -55,10 +55,12 @@ def test_canvas_decoding_fills_what_llada_s_loop_fills(shift, B, steps, threshol
     assert forwards == steps if not threshold else forwards <= steps
 
 
-def test_one_token_per_step_over_a_causal_canvas_is_greedy_ar():
+@pytest.mark.parametrize("engine", [tiny_engine("llama", vocab=16, seed=1), tiny_mdm(shift=True, seed=1)],
+                         ids=["ar-model", "dream-style"])
+def test_one_token_per_step_over_a_causal_canvas_is_greedy_ar(engine):
     """Block 1, one step per token and causal attention: each step predicts the next token from the prompt and the
-    tokens before it, as AR does (the canvas's MASKs after it are invisible)."""
-    engine = tiny_engine("llama", vocab=16, seed=1)
+    tokens before it, as AR does (the canvas's MASKs after it are invisible) -- on an AR model, and on a shifted
+    masked-diffusion model (Dream-style), whose ar is its AR mode under the same causal mask."""
     canvas = generate(engine, "canvas", {"block_size": 1, "attention": "causal"}, prompt=PROMPT, n=10)
     assert canvas.token_ids == generate(engine, "ar", prompt=PROMPT, n=10).token_ids
 
@@ -94,7 +96,9 @@ def test_an_ar_model_is_refused_unless_its_attention_is_named_and_bad_values_are
         kv_length_needed(tiny_engine(), make_strategy("canvas"), Settings(max_new_tokens=8), PROMPT)
     kv_length_needed(tiny_engine(), make_strategy("canvas", {"attention": "causal"}), Settings(max_new_tokens=8), PROMPT)
     for params, needle in (({"threshold": 1.5}, r"threshold must be in \[0, 1\]"), ({"factor": -1}, "factor"),
-                           ({"threshold": 0.9, "factor": 1.0}, "not both"), ({"remasking": "x"}, "remasking")):
+                           ({"threshold": 0.9, "factor": 1.0}, "not both"), ({"remasking": "x"}, "remasking"),
+                           ({"prefix_look": 4}, "refresh a cache"), ({"cache": "prefix", "after_look": 2}, "only cache=dual"),
+                           ({"credit_beta": 2}, "credit_beta")):
         with pytest.raises(BadInput, match=needle):
             make_strategy("canvas", params)
 
@@ -119,8 +123,8 @@ def test_the_prefix_cache_is_exact_under_block_causal_attention():
 
 def test_caches_on_a_bidirectional_canvas_rebuild_at_each_block_and_match_where_the_cache_is_fresh(tmp_path):
     """One step per block: every step is a block's first, a full forward, so prefix and dual equal no cache; with
-    more steps they decode the whole canvas from K/V up to a block old, each block opening with a rollback and a
-    commit (the refresh) in the trace."""
+    more steps they decode the whole canvas from K/V up to a block old, each block opening with a rebuild: a
+    rollback, a commit and the refresh of the slots it recomputed, in the trace."""
     from studio.events import read_trace
     engine = tiny_mdm(seed=6)
     none = generate(engine, "canvas", {"block_size": 4, "steps": 2}, prompt=PROMPT, n=8)
@@ -130,19 +134,21 @@ def test_caches_on_a_bidirectional_canvas_rebuild_at_each_block_and_match_where_
         run = generate(engine, "canvas", {"block_size": 4, "cache": cache}, prompt=PROMPT, n=8,
                        trace=str(tmp_path / f"{cache}.jsonl"))
         assert len(run.token_ids) == 8 and run.footer["forwards"] == 8
-        kv = [(e["op"], e["to_len"]) for e in read_trace(tmp_path / f"{cache}.jsonl").events if e["t"] == "kv"]
-        kept = {"prefix": [5, 9], "dual": [13, 13]}[cache]    # the prefix before each block, or all 13 slots
-        assert kv == [("commit", kept[0]), ("rollback", 0), ("commit", kept[1])]
+        kv = [(e["op"], e["from_len"], e["to_len"]) for e in read_trace(tmp_path / f"{cache}.jsonl").events
+              if e["t"] == "kv"]
+        a, b = {"prefix": [5, 9], "dual": [13, 13]}[cache]    # the prefix before each block, or all 13 slots
+        assert kv == [("commit", 0, a), ("refresh", 0, a), ("rollback", a, 0), ("commit", 0, b), ("refresh", 0, b)]
 
 
-@pytest.mark.parametrize("cache, attention", [("prefix", "bidirectional"), ("dual", "bidirectional"),
-                                              ("prefix", "block")])
-def test_a_cached_step_over_an_unchanged_canvas_gives_the_full_forwards_logits(cache, attention):
+@pytest.mark.parametrize("cache, attention, shift", [("prefix", "bidirectional", False), ("dual", "bidirectional", False),
+                                                     ("prefix", "block", False), ("prefix", "bidirectional", True),
+                                                     ("dual", "bidirectional", True)])
+def test_a_cached_step_over_an_unchanged_canvas_gives_the_full_forwards_logits(cache, attention, shift):
     """The cached forward (the block and what follows it against the prefix's K/V, or the block alone written into
     the cached K/V) reproduces the rebuilding forward's rows while nothing has changed since the rebuild."""
     from studio.engine.sampling import SamplingParams
     from studio.engine.strategies import DecodeContext, Output
-    engine = tiny_mdm(attention=attention, block=4 if attention == "block" else None, seed=7)
+    engine = tiny_mdm(attention=attention, block=4 if attention == "block" else None, shift=shift, seed=7)
     strategy = make_strategy("canvas", {"block_size": 4, "cache": cache})
     ctx = DecodeContext(engine.model, engine.tokenizer, SamplingParams(), 0, Output(engine.tokenizer, 12, frozenset()),
                         engine.config.mask_token_id, 64)
@@ -151,7 +157,7 @@ def test_a_cached_step_over_an_unchanged_canvas_gives_the_full_forwards_logits(c
     slots = list(range(strategy.block_start, strategy.block_start + 4))
     full = strategy._logits(ctx, slots)
     assert ctx.kv.length == {"prefix": 14 if attention == "bidirectional" else 12, "dual": len(strategy.tokens)}[cache]
-    cached = strategy._logits(ctx, slots)
+    cached = strategy._logits(ctx, slots)   # a shifted model's first slot: the row before the block, recomputed
     torch.testing.assert_close(cached, full, atol=1e-5, rtol=0)
 
 
@@ -196,3 +202,115 @@ def test_dream_s_origin_and_sampled_positions_run_and_follow_the_seed():
                    {"remasking": "origin", "block_size": 4, "steps": 4}):   # origin at the linear schedule's share
         runs = [generate(engine, "canvas", params, prompt=PROMPT, n=8, seed=s).token_ids for s in (3, 3)]
         assert runs[0] == runs[1] and len(runs[0]) == 8
+
+
+def test_each_step_proposes_the_open_blocks_masks_and_fills_some_of_them():
+    """The trace shows the model's guess for every MASK of the open block at each step (propose, src diffusion,
+    unverified) and the ones the rule filled (unmask), with the same token and confidence; the header lays out the
+    canvas."""
+    run = generate(tiny_mdm(seed=3), "canvas", {"block_size": 4, "threshold": 0.3}, prompt=PROMPT, n=8)
+    assert run.header["canvas"] == {"length": 8, "block_size": 4}
+    masked, guesses = set(range(8)), None
+    for e in run.events:
+        if e["t"] == "propose":
+            assert e["src"] == "diffusion" and set(e["pos"]) == {p for p in masked if p < (min(masked) // 4 + 1) * 4}
+            guesses = dict(zip(e["pos"], zip(e["tok"], e["q"])))
+        elif e["t"] == "unmask":
+            assert e["pos"] and all(guesses[p] == (t, c) for p, t, c in zip(e["pos"], e["tok"], e["conf"]))
+            masked -= set(e["pos"])
+    assert not masked and not any(e["t"] in ("accept", "reject") for e in run.events)
+
+
+@pytest.mark.parametrize("decoder", ["hierarchical", "credit"])
+def test_dinfer_decoders_fill_on_a_block_causal_canvas_what_blockdiff_fills(decoder):
+    """Under LLaDA2's block-causal grid a canvas block aligned with the grid sees what blockdiff's draft sees, so the
+    shared dInfer decoders (hierarchical runs, credit-fused logits) fill the same tokens in both."""
+    engine = tiny_mdm(attention="block", block=4, vocab=24, seed=9)
+    params = {"block_size": 4, "threshold": 0.2, "decoder": decoder, "low_threshold": 0.05}
+    canvas = generate(engine, "canvas", dict(params, cache="prefix"), prompt=PROMPT[:4], n=12)
+    assert canvas.token_ids == generate(engine, "blockdiff", params, prompt=PROMPT[:4], n=12).token_ids
+    assert canvas.footer["forwards"] < 12   # the thresholds filled several tokens in some steps
+
+
+@pytest.mark.parametrize("cache, look", [("prefix", {"prefix_look": 64}), ("dual", {"prefix_look": 64, "after_look": 64}),
+                                         ("dual", {"warmup_steps": 64})])
+def test_a_vicinity_covering_the_whole_canvas_or_a_warmup_as_long_as_the_run_is_no_cache(cache, look):
+    engine = tiny_mdm(seed=4)
+    none = generate(engine, "canvas", {"block_size": 4, "steps": 12}, prompt=PROMPT, n=12)
+    cached = generate(engine, "canvas", {"block_size": 4, "steps": 12, "cache": cache, **look}, prompt=PROMPT, n=12)
+    assert cached.token_ids == none.token_ids
+
+
+def test_the_vicinity_is_recomputed_every_step_and_each_refresh_is_in_the_trace():
+    engine = tiny_mdm(seed=4)
+    run = generate(engine, "canvas", {"block_size": 4, "cache": "dual", "prefix_look": 2, "after_look": 1},
+                   prompt=PROMPT, n=12)
+    refreshes = [(e["step"], e["from_len"], e["to_len"]) for e in run.events if e["t"] == "kv" and e["op"] == "refresh"]
+    assert [r for r in refreshes if r[1] == 0] == [(1, 0, 17), (5, 0, 17), (9, 0, 17)]   # a rebuild per block
+    # the other steps: the window [block - 2, block + 4 + 1) around each block (absolute slots, 5 prompt tokens)
+    assert [r[1:] for r in refreshes if r[1]] == [(3, 10)] * 3 + [(7, 14)] * 3 + [(11, 17)] * 3
+
+
+def test_after_an_early_eos_the_canvas_is_decoded_as_padding_unless_early_stop_and_never_counted():
+    plain = generate(tiny_mdm(seed=3), "canvas", {"block_size": 4}, prompt=PROMPT, n=12).token_ids
+    eos = plain[2]
+    engine = tiny_mdm(seed=3, eos_ids=[eos])
+    full = generate(engine, "canvas", {"block_size": 4}, prompt=PROMPT, n=12)
+    early = generate(engine, "canvas", {"block_size": 4, "early_stop": True}, prompt=PROMPT, n=12)
+    cut = plain.index(eos) + 1
+    assert full.token_ids == early.token_ids == plain[:cut] and full.footer["stop_reason"] == "eos"
+    assert full.footer["forwards"] == 12 and early.footer["forwards"] == 4   # a token a step, to the canvas end
+    assert full.footer["n_tokens"] == cut and full.footer["tpf"] == cut / 12   # padding is never output
+    padded = {p for e in full.events if e["t"] == "unmask" for p in e["pos"]}
+    assert padded == set(range(12))   # the whole canvas was filled, the padding after EOS too
+
+
+def test_ar_is_the_ar_mode_of_a_masked_diffusion_model_where_it_has_one():
+    """Block-causal and position-aligned (LLaDA2): block size 1, a MASK after the pending token whose row is the next
+    token; shifted and bidirectional (Dream): its next-token rows under a causal mask, i.e. the same weights' AR."""
+    from tests.support.dlm import block_size_one_greedy
+    llada2 = tiny_mdm(attention="block", block=4, vocab=24, seed=2)
+    assert generate(llada2, "ar", prompt=PROMPT, n=12).token_ids == block_size_one_greedy(llada2, PROMPT, 12)
+    dream, same_weights_ar = tiny_mdm(shift=True, seed=2), tiny_engine("llama", seed=2)
+    assert generate(dream, "ar", prompt=PROMPT, n=12).token_ids == \
+        generate(same_weights_ar, "ar", prompt=PROMPT, n=12).token_ids
+
+
+def smoothing_reference(engine, G: int, threshold: float, cw=0.3, init=0.15, growth=0.02, decay=0.02) -> list[int]:
+    """dInfer's iteration smoothing over one canvas block, greedy, written out: step t forwards the canvas with every
+    still-MASK position fed E[MASK] + w_t * softmax(logits) @ E from the step before, fills (threshold rule) every MASK
+    above max(1 - decay * t, threshold), at least the best, and sets w_t = min(init + growth * t, cw) for the rest."""
+    model, M = engine.model, engine.config.mask_token_id
+    x, P = PROMPT + [M] * G, len(PROMPT)
+    E = model.model.embed_tokens.weight
+    soft: dict[int, torch.Tensor] = {}
+    t = 0
+    while masked := [i for i in range(P, P + G) if x[i] == M]:
+        shift = torch.zeros(len(x), E.shape[1])
+        for i, v in soft.items():
+            shift[i] = v
+        with torch.inference_mode():
+            logits = model(torch.tensor(x), torch.arange(len(x)), model.new_cache(len(x)),
+                           mask=bidirectional(len(x), 0), embed_shift=shift)[0]
+        logits = logits.index_fill(-1, torch.tensor([M]), float("-inf"))
+        probs = torch.softmax(logits.float(), dim=-1)
+        conf, tok = probs.max(dim=-1)
+        bar = max(1 - decay * t, threshold)
+        chosen = [i for i in masked if conf[i] > bar] or [max(masked, key=lambda i: conf[i].item())]
+        w = min(init + growth * t, cw)
+        for i in masked:
+            soft[i] = w * (probs[i] @ E[:probs.shape[-1]])
+        for i in chosen:
+            x[i] = int(tok[i])
+            soft.pop(i)
+        t += 1
+    return x[P:]
+
+
+def test_iteration_smoothing_feeds_open_masks_their_expected_embedding_as_dinfer_does():
+    engine = tiny_mdm(seed=5)
+    params = {"threshold": 0.3, "cont_weight": 0.3}
+    run = generate(engine, "canvas", params, prompt=PROMPT, n=8)
+    assert run.token_ids == smoothing_reference(engine, 8, 0.3)
+    # the expected embeddings matter here: without them (w = 0, the same threshold decay) other tokens are filled
+    assert run.token_ids != smoothing_reference(engine, 8, 0.3, cw=0.0, init=0.0, growth=0.0)

@@ -349,8 +349,9 @@ def test_footer_metrics_roundtrip_all_formats(tmp_path):
 # -- real traces from every registered strategy (tiny engine), and the real `dlm-studio` entry point -------
 def _strategy_names():
     from studio.engine.strategies import STRATEGIES
-    # jacobi-mr through its CPU preset: its default blocks do not fit the tiny model's 128-token context
-    return [s if s != "jacobi-mr" else "jacobi-mr-cpu" for s in STRATEGIES]
+    # jacobi-mr through its CPU preset: its default blocks do not fit the tiny model's 128-token context; gemma-canvas
+    # decodes DiffusionGemma only (its trace: tests/strategies/test_gemma_canvas.py)
+    return [s if s != "jacobi-mr" else "jacobi-mr-cpu" for s in STRATEGIES if s != "gemma-canvas"]
 
 
 @pytest.fixture(scope="module")

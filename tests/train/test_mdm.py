@@ -109,7 +109,8 @@ def test_train_mdm_writes_an_adapter_that_makes_the_model_bidirectional_for_canv
     out = Session(view, canvas, Settings(max_new_tokens=8)).run("", seqs[0].tokens[:4])
     assert out.token_ids and canvas.mode == "bidirectional" and canvas.shift
     assert any(e["t"] == "unmask" for e in out.events)
-    for name in ("ar", "isd", "jacobi"):                              # the causal strategies refuse it, in one line
+    assert Session(view, make_strategy("ar"), Settings(max_new_tokens=4)).run("", [4, 5, 6]).token_ids  # its AR mode
+    for name in ("isd", "jacobi"):                                    # the causal strategies refuse it, in one line
         with pytest.raises(BadInput, match=f"strategy '{name}' needs a causal model .* bidirectional attention"):
             Session(view, make_strategy(name), Settings(max_new_tokens=8)).run("", [4, 5, 6])
 

@@ -38,9 +38,11 @@ def test_palette_covers_every_state_with_distinct_colour_and_glyph():
     assert [PRIORITY[s] for s in order] == sorted((PRIORITY[s] for s in order), reverse=True)
     assert glyph(U, held=True) != glyph(U)
     assert tint("#000000", 1.0) == "#FFFFFF" and tint("#0072B2", 0.0) == "#0072B2"
-    for s in State:
-        assert s.value in legend_text() or s is State.EMPTY or PALETTE[s][2] in legend_text()
+    legends = legend_text() + legend_text(canvas=True)
+    for s in State:   # every state is in the legend of the runs that show it
+        assert s is State.EMPTY or f"{PALETTE[s][1]} " in legends
         assert INK[s].startswith("#")
+    assert "░ masked" in legend_text(canvas=True) and "░" not in legend_text()
 
 
 def test_rich_styles_parse():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 import socket
 import threading
 from contextlib import contextmanager
@@ -383,6 +384,19 @@ def test_an_uploaded_trace_replays_and_downloads_in_every_format(server, engine,
         assert check(file_path(out["trace-file"])), label
     again = named(app, "load_traces", c.predict(paths=[handle_file(str(src))], api_name="/load_traces"))
     assert again["trace-file"]["visible"] is False   # the last download was of the trace loaded before
+
+
+def test_a_canvas_trace_of_a_newer_minor_shows_its_canvas_and_says_what_it_skipped(server, tmp_path):
+    from tests.support.fixtures.traces import newer_minor
+    app, url, _ = server
+    src = newer_minor(Path(__file__).parents[1] / "support" / "fixtures" / "canvas_synthetic.jsonl",
+                      tmp_path / "canvas.jsonl")
+    loaded = named(app, "load_traces", client(url).predict(paths=[handle_file(str(src))], api_name="/load_traces"))
+    rows = loaded["trace-trajectory"]["rows"]
+    assert len(rows) == 10 and "s-noise" in rows[4] and "s-edited" in rows[3] and "s-padding" in rows[9]
+    assert "refresh [4,16)" in rows[4] and "12 positions, filled in blocks of 4" in loaded["trace-info"]
+    assert "1 event(s) of kinds dlm-studio.trace/1.2 added skipped" in loaded["trace-info"]
+    assert "<b>10</b> tokens" in loaded["trace-metrics"]   # the padding after the EOS is no output
 
 
 def test_a_bad_trace_is_a_one_line_message(server, tmp_path):

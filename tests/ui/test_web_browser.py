@@ -27,6 +27,7 @@ pytestmark = _same_warning_filters
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]
 SHOTS = Path("/tmp/web-shots")
+CANVAS = Path(__file__).parents[1] / "support" / "fixtures" / "canvas_synthetic.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +148,21 @@ def test_an_uploaded_trace_replays_with_play_and_pause(page, site, shots, tmp_pa
     pg.wait_for_timeout(500)
     assert rows(pg, "#trace-trajectory") == paused
     pg.screenshot(path=str(shots / "replay.png"), full_page=True)
+
+
+def test_a_canvas_trace_shows_the_whole_canvas_and_the_inspector_explains_its_cells(page, shots):
+    pg = page
+    pg.click("#tab-traces-button")
+    pg.set_input_files("#trace-upload input[type=file]", str(CANVAS))
+    pg.wait_for_function("document.querySelectorAll('#trace-trajectory .r').length === 10")
+    traj = pg.locator("#trace-trajectory")
+    assert traj.locator(".c.s-noise").count() == 3 and traj.locator(".kvr").count() == 2
+    # the canvas past the open block is one bar: a click on its left end is its first position
+    traj.locator(".r").nth(0).locator(".cb.s-masked").click(position={"x": 3, "y": 5})
+    status_has(pg, "#trace-inspector", "position 4:")
+    traj.locator(".r").nth(8).locator(".c[data-pos='10']").click()
+    status_has(pg, "#trace-inspector", "padding after the EOS at position 9: never output")
+    pg.screenshot(path=str(shots / "canvas-replay.png"), full_page=True)
 
 
 # -- issue 22: input, queue, stale panels, markdown ---------------------------------------------------

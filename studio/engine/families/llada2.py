@@ -17,6 +17,7 @@ from studio.errors import BadInput
 
 NAME = "llada2"   # ModelConfig.family
 MASK_ID, EOS_ID = 156895, 156892
+BLOCK = 32   # the block grid it was trained on and its generate() decodes with (block_length)
 
 _RENAMES = {"model.word_embeddings.weight": "model.embed_tokens.weight"}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -55,6 +56,7 @@ def config(raw: dict, name: str = "") -> ModelConfig:
             logit_shift=False,
             mask_token_id=raw.get("mask_token_id", MASK_ID),
             attention="block",
+            block_size=int(raw.get("block_size", BLOCK)),
             n_experts=raw["num_experts"],
             n_experts_per_tok=raw["num_experts_per_tok"],
             moe_ffn_dim=raw["moe_intermediate_size"],

@@ -127,11 +127,14 @@ class DecodeContext:
 
     # -- model ----------------------------------------------------------------------------
     def forward(self, role: str, tokens: list[int], positions: list[int] | torch.Tensor | None = None,
-                mask=None, lora_gate: list[bool] | None = None, logits_rows=None, model=None, kv=None) -> torch.Tensor:
+                mask=None, lora_gate: list[bool] | None = None, logits_rows=None, model=None, kv=None,
+                embed_shift: torch.Tensor | None = None) -> torch.Tensor:
         """One model forward over new tokens written after the committed KV. Returns logits [R, V].
         `positions` (default: the slots) may be a tensor already on the device (a mask builder's).
         `lora_gate`: per row, whether the adapter applies; None = every row is a clean row (`clean_gate`).
-        `model`/`kv` default to the run's own; a second model (SimSD's drafter) passes its own pair."""
+        `model`/`kv` default to the run's own; a second model (SimSD's drafter) passes its own pair.
+        `embed_shift` [T, D]: added to the rows' token embeddings (`Transformer.forward`; such a forward runs
+        eagerly, never through a CUDA graph)."""
         model, kv = model or self.model, kv or self.kv
         if role != "prefill":
             self.step += 1
@@ -147,10 +150,12 @@ class DecodeContext:
         if lora_gate is not None and self._has_adapter(model):
             gate = torch.tensor(lora_gate, dtype=torch.bool, device=self.device)
         t = time.perf_counter()
-        run = self._runner.forward if self._runner is not None and model is self.model else model
+        graphed = self._runner is not None and model is self.model and embed_shift is None
+        run = self._runner.forward if graphed else model
+        shift = {} if embed_shift is None else {"embed_shift": embed_shift}
         with torch.inference_mode():
             logits = run(torch.tensor(tokens, device=self.device), pos, kv, mask=mask, lora_gate=gate,
-                         logits_rows=logits_rows)[0]
+                         logits_rows=logits_rows, **shift)[0]
         if torch.isnan(logits).any():
             raise BadInput(f"model produced NaN logits at forward {self.step} ({role})")
         moe = self._moe_layers(model)
@@ -275,6 +280,22 @@ class Strategy:
     needs_causal_model: ClassVar[bool] = True
     # decodes a plain AR model (no MASK-trained attention of its own) as it is; canvas does not
     decodes_ar_models: ClassVar[bool] = True
+    # samples at a schedule of its own (DiffusionGemma's temperatures): --temperature, --top-k, --top-p do not apply
+    own_sampling: ClassVar[bool] = False
+
+    @classmethod
+    def fits(cls, config) -> bool:
+        """Whether this strategy decodes a model of this kind at all (a one-line refusal, `misfit`, otherwise). A
+        DiffusionGemma model (canvas attention) runs its own loop only."""
+        return config.attention != "canvas" and (not cls.needs_causal_model or config.attention == "causal")
+
+    @classmethod
+    def misfit(cls, config, name: str) -> str:
+        """Why `fits` is False for the model `name`."""
+        if config.attention == "canvas":
+            return (f"{name!r} is a DiffusionGemma model: it denoises noise canvases with its own encoder/decoder loop, "
+                    f"which strategy gemma-canvas runs and {cls.name!r} does not")
+        return f"strategy {cls.name!r} needs a causal model and {name!r} was trained with {config.attention} attention"
 
     @dataclass
     class Params:
@@ -308,6 +329,11 @@ class Strategy:
     def header_fields(self, config, max_new_tokens: int) -> dict:
         """Optional header fields a run of this strategy adds (a canvas strategy: `canvas`)."""
         return {}
+
+    def exact_reference(self) -> dict | None:
+        """Parameter overrides that turn this run into the exact decode it approximates (a canvas cache: cache=none),
+        which a comparison runs beside it; None when the run is exact itself."""
+        return None
 
     def finished(self, ctx: DecodeContext) -> bool:
         """Whether the run is over: by default once the output is (EOS, a stop string, --max-new-tokens). A canvas

@@ -1,6 +1,6 @@
-"""Block diffusion with confidence-threshold unmasking (dInfer / Fast-dLLM / SDAR), the baseline S2D2 and SimSD
-are measured against, and the machinery they share: blocks at multiples of B, one forward of the open block per
-step, an unmasking rule, and a commit forward that writes each finished block's KV.
+"""Block diffusion with confidence-threshold unmasking (dInfer / Fast-dLLM / SDAR / LLaDA2), the baseline S2D2 and
+SimSD are measured against, and the machinery they share: blocks at multiples of B, one forward of the open block per
+step, an unmasking rule, LLaDA2.1's token editing, and a commit forward that writes each finished block's KV.
 
 Design: docs/strategies.md#blockdiff
 """
@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from studio.engine.masks import block_causal, causal, partially_causal_draft
+from studio.engine.masks import bidirectional, block_causal, causal, partially_causal_draft
 from studio.engine.sampling import Proposal, SamplingParams, process_logits, sample, sample_token
 from studio.engine.strategies.base import DecodeContext, Strategy
+from studio.engine.strategies.editing import select_edits
 from studio.engine.strategies.params import N, TAU, param
 from studio.errors import BadInput
 
@@ -30,6 +31,8 @@ class OpenBlock:
     masked: list[bool]
     n_masked_at_open: int
     step: int = 0           # denoising steps taken in this block
+    post_steps: int = 0     # editing: forwards taken after the block was full
+    settled: bool = False   # editing: a forward of the full block edited nothing
 
     @property
     def size(self) -> int:
@@ -85,6 +88,52 @@ def select_dynamic(conf: list[float], quota: int, threshold: float) -> list[int]
     return hi if len(hi) >= quota else top_k(conf, quota)
 
 
+@dataclass
+class DecoderParams:
+    """dInfer's decoders, shared by blockdiff and canvas (their Params extend this)."""
+    decoder: str = param("threshold", "threshold | hierarchical | credit (dInfer)", choices=DECODERS)
+    low_threshold: float = param(0.62, "hierarchical decoder: dInfer eval guide (with threshold 0.92)")
+    credit_alpha: float = param(0.7, "credit decoder α (dInfer default)")
+    credit_gamma: float = param(0.2, "credit decoder γ (dInfer default)")
+    credit_beta: float = param(0.8, "credit decoder β (dInfer default)")
+
+    @staticmethod
+    def check(name: str, p) -> None:
+        if p.decoder not in DECODERS:
+            raise BadInput(f"{name} decoder must be one of {', '.join(DECODERS)}, got {p.decoder!r}")
+        for f in ("low_threshold", "credit_beta"):
+            if not 0.0 <= getattr(p, f) <= 1.0:
+                raise BadInput(f"{name} {f} must be in [0, 1], got {getattr(p, f)}")
+        if p.credit_alpha < 0 or p.credit_gamma < 0:
+            raise BadInput(f"{name} credit_alpha and credit_gamma must be >= 0")
+
+
+class Credit:
+    """dInfer's credit decoder: a block's [B, V] credit matrix, decayed by β each later step; a masked row's top-1
+    token earns (its probability)^γ; the fill rule reads logits + α·log(1 + credit)."""
+
+    def __init__(self, p: DecoderParams):
+        self.alpha, self.gamma, self.beta = p.credit_alpha, p.credit_gamma, p.credit_beta
+        self.matrix: torch.Tensor | None = None
+
+    def fuse(self, rows: list[int], logits: torch.Tensor, block_size: int) -> torch.Tensor:
+        """`logits` [n, V] of the block's rows `rows` (0..B-1), with their credit added (the credit updated first)."""
+        if self.matrix is None:
+            self.matrix = torch.zeros(block_size, logits.shape[-1], device=logits.device)
+        else:
+            self.matrix *= self.beta
+        top_p, top_v = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        self.matrix[index, top_v] += top_p ** self.gamma
+        return logits + self.alpha * torch.log1p(self.matrix[index])
+
+
+def is_d2f(config) -> bool:
+    """A bidirectional masked-diffusion model (Dream, LLaDA) with a block adapter attached (an adapter whose config
+    records the block size it was trained at): a D2F student, trained block-causal behind a bidirectional prompt."""
+    return config.attention == "bidirectional" and config.adapter_block_size is not None
+
+
 def select_hierarchical(conf: list[float], slots: list[int], threshold: float, low: float) -> list[int]:
     chosen = {i for i, c in enumerate(conf) if c > threshold}
     run: list[int] = []
@@ -104,26 +153,27 @@ class BlockDiffusion(Strategy):
     name = "blockdiff"
     needs_mask = True
     needs_causal_model = False   # its masks are its own: block-causal drafts fit a bidirectional model too
+    edits = True                 # its denoising step can run LLaDA2.1's token editing
 
     @dataclass
-    class Params:
+    class Params(DecoderParams):
         block_size: int = param(0, "B; 0 = the model's block_size (SDAR 4, Fast-dLLM v2 32), else the block "
                                    "adapter's training block size, else 4", role=N)
         steps: int = param(0, "S denoising steps per block; 0 = B (one token per step at least)")
         schedule: str = param("dynamic", "dynamic (threshold + quota) | static (quota only)", choices=SCHEDULES)
         threshold: float = param(0.9, "τ: the confidence that unmasks a slot; Fast-dLLM / dInfer serving default "
                                       "(S2D2's SDAR configs use 0.85)", role=TAU)
-        decoder: str = param("threshold", "threshold | hierarchical | credit (dInfer)", choices=DECODERS)
-        low_threshold: float = param(0.62, "hierarchical decoder: dInfer eval guide (with threshold 0.92)")
-        credit_alpha: float = param(0.7, "credit decoder α (dInfer default)")
-        credit_gamma: float = param(0.2, "credit decoder γ (dInfer default)")
-        credit_beta: float = param(0.8, "credit decoder β (dInfer default)")
         cache: str = param("auto", "prefill/commit attention: block (bidirectional in a block) | causal (S2D2 "
                                    'cache_ver, "AR-like caching") | auto: block for native dLLMs (the model has a '
                                    "block_size), causal for an AR model + adapter", choices=CACHES)
         causal_prefix: bool = param(False, "partially causal drafting: decoded prefix rows causal (S2D2 draft_ver)")
         adapter_rows: str = param("mask", "where an adapter applies: MASK rows only (R-ISD style) | all rows",
                                   choices=ADAPTER_ROWS)
+        edit_threshold: float = param(1.0, "τ_edit, LLaDA2.1's token editing: a filled slot of the open block whose "
+                                           "prediction differs and is more probable than this takes the prediction "
+                                           "(1 = no editing; LLaDA2.1 default 0.9)")
+        max_post_steps: int = param(16, "editing: forwards a full block may still take while they edit it (LLaDA2.1 "
+                                        "default)")
 
     @classmethod
     def validate(cls, p) -> None:
@@ -135,13 +185,26 @@ class BlockDiffusion(Strategy):
             raise BadInput(f"{cls.name} cache must be one of {', '.join(CACHES)}, got {p.cache!r}")
         if p.schedule not in SCHEDULES:
             raise BadInput(f"{cls.name} schedule must be one of {', '.join(SCHEDULES)}, got {p.schedule!r}")
-        if p.decoder not in DECODERS:
-            raise BadInput(f"{cls.name} decoder must be one of {', '.join(DECODERS)}, got {p.decoder!r}")
-        for f in ("threshold", "low_threshold", "credit_beta"):
+        for f in ("threshold", "edit_threshold"):
             if not 0.0 <= getattr(p, f) <= 1.0:
                 raise BadInput(f"{cls.name} {f} must be in [0, 1], got {getattr(p, f)}")
-        if p.credit_alpha < 0 or p.credit_gamma < 0:
-            raise BadInput(f"{cls.name} credit_alpha and credit_gamma must be >= 0")
+        DecoderParams.check(cls.name, p)
+        if p.max_post_steps < 0:
+            raise BadInput(f"{cls.name} max_post_steps must be >= 0, got {p.max_post_steps}")
+        if p.edit_threshold < 1 and not cls.edits:
+            raise BadInput(f"{cls.name} has no token editing: edit_threshold must be 1")
+        if p.edit_threshold < 1 and p.causal_prefix:
+            raise BadInput(f"{cls.name}: token editing reads every row of the block bidirectionally, causal_prefix "
+                           "makes the decoded rows causal: give one of them")
+
+    def check_run(self, config, max_new_tokens: int) -> None:
+        if self.editing and config.logit_shift:
+            raise BadInput(f"{self.name}: token editing (edit_threshold < 1) is LLaDA2.1's, for position-aligned "
+                           f"models; {config.name or 'this model'} is right-shifted")
+
+    @property
+    def editing(self) -> bool:
+        return self.params.edit_threshold < 1.0
 
     def block_size(self, config) -> int:
         """B: the params', else the native dLLM's, else the block adapter's training block, else 4."""
@@ -150,11 +213,14 @@ class BlockDiffusion(Strategy):
     def kv_headroom(self, config=None) -> int:
         return 3 * self.block_size(config)   # a block past the last token + a 2B-row verifier
 
-    def causal_kv(self, config) -> bool:
+    def causal_commits(self, config) -> bool:
         """The causal cache (S2D2's "AR-like caching"); block-attention KV depends on where blocks fall. `auto` is
         causal only for an AR model (no native block size, trained causal): a dLLM gets the block cache."""
         return self.params.cache == "causal" or (self.params.cache == "auto" and config.block_size is None
                                                  and config.attention == "causal")
+
+    def causal_kv(self, config) -> bool:
+        return self.causal_commits(config) and not is_d2f(config)   # a D2F prompt is bidirectional
 
     def prefill_gate(self, ctx: DecodeContext) -> bool:
         return self.params.adapter_rows == "all"   # `gate` of a clean token
@@ -165,10 +231,13 @@ class BlockDiffusion(Strategy):
         self.B = self.block_size(cfg)
         self.S = self.params.steps or self.B
         self.shift = cfg.logit_shift
-        self.causal_cache = self.causal_kv(cfg)
+        self.causal_cache = self.causal_commits(cfg)
         self.prompt_len = P = len(prompt)
         self.emitted_upto = P     # absolute position of the next token to emit
-        aligned = P // self.B * self.B
+        # blocks on a grid from position 0 (SDAR, Fast-dLLM v2, LLaDA2: the prompt's tail opens the first block), or
+        # from the prompt's end behind a bidirectional prompt (D2F)
+        self.d2f = is_d2f(cfg)
+        aligned = P if self.d2f else P // self.B * self.B
         pending = []
         if aligned:
             logits = self._prefill(ctx, prompt[:aligned])
@@ -178,8 +247,9 @@ class BlockDiffusion(Strategy):
 
     def _prefill(self, ctx: DecodeContext, tokens: list[int]) -> torch.Tensor:
         n = len(tokens)
-        logits = ctx.forward("prefill", tokens, mask=self._commit_mask(ctx, n, 0),
-                             lora_gate=self.gate(tokens, ctx.mask_id), logits_rows=[n - 1])
+        mask = bidirectional(n, 0, device=ctx.device) if self.d2f else self._commit_mask(ctx, n, 0)
+        logits = ctx.forward("prefill", tokens, mask=mask, lora_gate=self.gate(tokens, ctx.mask_id),
+                             logits_rows=[n - 1])
         ctx.commit(n)
         return logits
 
@@ -192,13 +262,18 @@ class BlockDiffusion(Strategy):
         n_mask = self.B - len(filled)
         self.block = OpenBlock(start, filled + [ctx.mask_id] * n_mask, [False] * len(filled) + [True] * n_mask,
                                n_mask)
-        self.credit = None
+        self.credit = Credit(self.params)
         ctx.event("block", op="open", start=max(0, start - self.prompt_len), end=start + self.B - self.prompt_len)
         self._emit_ready(ctx)
 
     def _close(self, ctx: DecodeContext) -> None:
-        """Commit forward: write the finished block's KV (and, right-shifted, predict the next block's slot 0)."""
+        """Commit forward: write the finished block's KV (and, right-shifted, predict the next block's slot 0). With
+        editing the block's tokens become final only now; nothing more is computed once they end the output."""
         b = self.block
+        if self.editing:
+            self._emit_ready(ctx, final=True)
+            if ctx.out.finished:
+                return
         logits = ctx.forward("commit", b.tokens, mask=self._commit_mask(ctx, b.size, b.start),
                              lora_gate=self.gate(b.tokens, ctx.mask_id), logits_rows=[b.size - 1])
         ctx.commit(b.size)
@@ -213,8 +288,11 @@ class BlockDiffusion(Strategy):
         tok, _ = sample_token(self._no_mask(ctx, row[None])[0], ctx.sampling, ctx.gen)
         return tok
 
-    def _emit_ready(self, ctx: DecodeContext) -> None:
-        """Emit the filled slots that continue the output without a gap."""
+    def _emit_ready(self, ctx: DecodeContext, final: bool = False) -> None:
+        """Emit the filled slots that continue the output without a gap (with editing, only when the block closes:
+        until then an edit may still change them)."""
+        if self.editing and not final:
+            return
         b, toks = self.block, []
         j = self.emitted_upto - b.start
         while 0 <= j < b.size and not b.masked[j]:
@@ -229,16 +307,52 @@ class BlockDiffusion(Strategy):
 
     # -- one denoising step -------------------------------------------------------------------------
     def step(self, ctx: DecodeContext) -> None:
-        if not any(self.block.masked):
+        if not any(self.block.masked) and not self._post_step():
             self._close(ctx)
             return
         self._denoise(ctx, role="draft")
 
+    def _post_step(self) -> bool:
+        """Whether a full block takes one more forward (LLaDA2.1: up to `max_post_steps`, until one edits nothing)."""
+        b = self.block
+        if not self.editing or b.settled or b.post_steps >= self.params.max_post_steps:
+            return False
+        b.post_steps += 1
+        return True
+
     def _denoise(self, ctx: DecodeContext, role: str) -> None:
         """One forward of the open block and the unmasking rule (the whole blockdiff step)."""
-        d = self._draft(ctx, role)
+        d = self._draft_step(ctx, role)
         self._unmask(ctx, d, self._select(d, self._quota()))
         self.block.step += 1
+
+    def _draft_step(self, ctx: DecodeContext, role: str) -> Draft:
+        """The step's forward of the open block: the drafter's view of its masked slots, and with editing on, LLaDA2.1's
+        edits of its filled slots read from the same forward, applied before anything else."""
+        if not self.editing:
+            return self._draft(ctx, role)
+        b = self.block
+        masked = b.masked_slots()
+        filled = [j for j in range(b.size) if not b.masked[j]]
+        both = self._draft(ctx, role, slots=masked + filled)
+        edited = self._edit(ctx, both.subset(list(range(len(masked), len(both.slots)))))
+        if not masked and not edited:
+            b.settled = True
+        return both.subset(list(range(len(masked))))
+
+    def _edit(self, ctx: DecodeContext, e: Draft) -> int:
+        """T2T: replace the filled slots of `e` whose prediction differs and beats τ_edit, the prompt's excepted.
+        Returns how many."""
+        b = self.block
+        old = [b.tokens[j] for j in e.slots]
+        editable = [b.start + j >= self.prompt_len for j in e.slots]
+        chosen = select_edits(old, e.tokens, e.conf, editable, self.params.edit_threshold)
+        for i in chosen:
+            b.tokens[e.slots[i]] = e.tokens[i]
+        if chosen:
+            ctx.event("edit", pos=[self.out_pos(e.slots[i]) for i in chosen], old=[old[i] for i in chosen],
+                      tok=[e.tokens[i] for i in chosen], conf=[e.conf[i] for i in chosen])
+        return len(chosen)
 
     def _draft(self, ctx: DecodeContext, role: str = "draft", model=None, kv=None, tokens: list[int] | None = None,
                slots: list[int] | None = None, mask_id: int | None = None, credit: bool = True) -> Draft:
@@ -254,7 +368,7 @@ class BlockDiffusion(Strategy):
                              logits_rows=rows, model=model, kv=kv)
         logits = self._no_mask(ctx, logits)
         if credit and self.params.decoder == "credit":
-            logits = self._with_credit(slots, logits)
+            logits = self.credit.fuse(slots, logits, self.B)
         return Draft.from_logits(slots, logits, ctx.sampling, ctx.gen)
 
     def gate(self, tokens: list[int], mask_id: int | None) -> list[bool]:
@@ -277,17 +391,6 @@ class BlockDiffusion(Strategy):
             logits = logits.clone()
             logits[..., ctx.mask_id] = float("-inf")
         return logits
-
-    def _with_credit(self, slots: list[int], logits: torch.Tensor) -> torch.Tensor:
-        p = self.params
-        if self.credit is None:
-            self.credit = torch.zeros(self.B, logits.shape[-1], device=logits.device)
-        else:
-            self.credit *= p.credit_beta
-        top_p, top_v = torch.softmax(logits.float(), dim=-1).max(dim=-1)
-        rows = torch.tensor(slots, dtype=torch.long, device=logits.device)
-        self.credit[rows, top_v] += top_p ** p.credit_gamma
-        return logits + p.credit_alpha * torch.log1p(self.credit[rows])
 
     def _quota(self) -> int:
         b = self.block

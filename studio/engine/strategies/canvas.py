@@ -22,7 +22,8 @@ import torch
 from studio.engine.kv_cache import WindowWrite
 from studio.engine.masks import bidirectional, block_causal, causal
 from studio.engine.strategies.base import DecodeContext, Strategy
-from studio.engine.strategies.blockdiff import BlockDiffusion, Draft, select_dynamic, top_k, transfer_counts
+from studio.engine.strategies.blockdiff import (BlockDiffusion, Credit, DecoderParams, Draft, select_dynamic,
+                                               select_hierarchical, top_k, transfer_counts)
 from studio.engine.strategies.params import N, TAU, param
 from studio.errors import BadInput
 
@@ -49,7 +50,7 @@ class Canvas(Strategy):
     decodes_ar_models = False    # an AR model has no canvas attention (-p attention=causal names one)
 
     @dataclass
-    class Params:
+    class Params(DecoderParams):
         block_size: int = param(0, "B: the canvas is filled block by block; 0 = the model's block size, else the "
                                    "whole canvas (LLaDA's block_length)", role=N)
         steps: int = param(0, "denoising steps over the whole canvas, shared equally by its blocks; 0 = one per "
@@ -76,6 +77,21 @@ class Canvas(Strategy):
                                    "(Fast-dLLM)", choices=CACHES)
         refresh_every: int = param(0, "prefix/dual: also rebuild the cache every n steps of a block (dInfer's "
                                       "cache_update_freq; 0 = at block starts only; 1 = every step, as cache=none)")
+        prefix_look: int = param(0, "prefix/dual: dInfer's vicinity refresh -- every step also recomputes the K/V of "
+                                    "this many positions before the block (dInfer's presets: 16)")
+        after_look: int = param(0, "dual: the vicinity refresh's positions after the block (dInfer's presets: 16)")
+        warmup_steps: int = param(0, "prefix/dual: the run's first n steps are full forwards without the cache "
+                                     "(dInfer's vicinity warmup; its presets: 4)")
+        cont_weight: float = param(0.0, "dInfer's iteration smoothing: a MASK still open after a step is fed its "
+                                        "MASK embedding + w times its expected token embedding (softmax(logits) @ E) "
+                                        "next step, w growing to this; the threshold then decays from 1 to its own "
+                                        "(0 = off; dInfer's presets: 0.3)")
+        cont_weight_init: float = param(0.15, "iteration smoothing: w at the run's first step")
+        cont_weight_growth: float = param(0.02, "iteration smoothing: w's growth per step")
+        threshold_decay: float = param(0.02, "iteration smoothing: the threshold is max(1 - this * step, threshold)")
+        early_stop: bool = param(False, "stop once the output reaches EOS (dInfer's early termination); off: the "
+                                        "canvas after an early EOS is decoded to its end as padding, as LLaDA, "
+                                        "Fast-dLLM and Dream do (the padding is never output)")
         attention: str = param("model", "the canvas forward's attention: the model's own (bidirectional for LLaDA and "
                                         "Dream, block-causal on its block grid for LLaDA2, SDAR and Fast-dLLM v2), or "
                                         "one named", choices=ATTENTIONS)
@@ -90,8 +106,19 @@ class Canvas(Strategy):
             raise BadInput(f"{cls.name} factor and cfg_scale must be >= 0")
         if p.threshold and p.factor:
             raise BadInput(f"{cls.name}: give threshold or factor, not both")
-        if p.refresh_every < 0:
-            raise BadInput(f"{cls.name} refresh_every must be >= 0")
+        if min(p.refresh_every, p.prefix_look, p.after_look, p.warmup_steps) < 0:
+            raise BadInput(f"{cls.name} refresh_every, prefix_look, after_look and warmup_steps must be >= 0")
+        if (p.prefix_look or p.after_look or p.warmup_steps) and p.cache == "none":
+            raise BadInput(f"{cls.name}: prefix_look, after_look and warmup_steps refresh a cache: give cache=prefix "
+                           "or dual")
+        if p.after_look and p.cache != "dual":
+            raise BadInput(f"{cls.name}: after_look refreshes K/V after the block, which only cache=dual keeps")
+        if min(p.cont_weight, p.cont_weight_init, p.cont_weight_growth, p.threshold_decay) < 0:
+            raise BadInput(f"{cls.name} cont_weight, cont_weight_init, cont_weight_growth and threshold_decay must be "
+                           ">= 0")
+        if p.cont_weight and p.cfg_scale:
+            raise BadInput(f"{cls.name}: iteration smoothing (cont_weight) and guidance (cfg_scale) do not combine")
+        DecoderParams.check(cls.name, p)
         if p.cfg_scale and p.cache != "none":
             raise BadInput(f"{cls.name}: guidance (cfg_scale) runs with cache=none only")
         if not 0 < p.eps < 1 or p.alg_temp < 0:
@@ -120,6 +147,12 @@ class Canvas(Strategy):
             raise BadInput("canvas: cache=dual keeps the K/V of the canvas after the block, which a block-causal or "
                            "causal forward never reads: give cache=prefix (exact under that attention)")
 
+    def exact_reference(self) -> dict | None:
+        p = self.params
+        if p.cache == "none":
+            return None
+        return {"cache": "none", "refresh_every": 0, "prefix_look": 0, "after_look": 0, "warmup_steps": 0}
+
     def header_fields(self, config, max_new_tokens: int) -> dict:
         return {"canvas": {"length": max_new_tokens, "block_size": self.block_size(config, max_new_tokens)}}
 
@@ -146,15 +179,18 @@ class Canvas(Strategy):
         self.mask_id = ctx.mask_id
         self.tokens = prompt + [ctx.mask_id] * G
         self.mode, self.model_block = self.attention(cfg), cfg.block_size or B
-        self.shift = cfg.logit_shift
+        self.shift = int(cfg.logit_shift)   # a shifted model's row for position i is i - 1
         self.emitted_upto = self.P
         self.block_start = self.P
+        self.steps_run = 0   # the run's steps (the vicinity warmup and iteration smoothing count them)
+        self.soft: dict[int, torch.Tensor] = {}   # iteration smoothing: position -> w * expected token embedding
         self._open(ctx)
 
     def _open(self, ctx: DecodeContext) -> None:
         self.block_step = 0
-        self.cached = False   # the block's first step (re)builds a prefix or dual cache
+        self.cached = False   # the block's first cached step (re)builds a prefix or dual cache
         self.at_open = self.B
+        self.credit = Credit(self.params)
         ctx.event("block", op="open", start=self.block_start - self.P, end=self.block_start + self.B - self.P)
 
     def _masked(self) -> list[int]:
@@ -163,51 +199,130 @@ class Canvas(Strategy):
     def kv_headroom(self, config=None) -> int:
         return 1   # the canvas is the run's --max-new-tokens: its K/V fit the run's slots
 
+    def finished(self, ctx: DecodeContext) -> bool:
+        """Over once the output is, except that after an early EOS the canvas is decoded to its end as padding
+        unless `early_stop`."""
+        return ctx.out.finished and not self._decoding_padding(ctx)
+
+    def _decoding_padding(self, ctx: DecodeContext) -> bool:
+        return (not self.params.early_stop and ctx.out.stop_reason == "eos"
+                and self.block_start < len(self.tokens))
+
     # -- one step ---------------------------------------------------------------------------------
     def step(self, ctx: DecodeContext) -> None:
         slots = self._masked()
-        d = Draft.from_logits(slots, self._logits(ctx, slots), ctx.sampling, ctx.gen)
+        logits = self._logits(ctx, slots)
+        if self.params.decoder == "credit":
+            logits = self.credit.fuse([s - self.block_start for s in slots], logits, self.B)
+        d = Draft.from_logits(slots, logits, ctx.sampling, ctx.gen)
+        ctx.event("propose", pos=[s - self.P for s in slots], tok=d.tokens, q=d.conf, src="diffusion")
         chosen = self._select(ctx, d)
         for i in chosen:
             self.tokens[d.slots[i]] = d.tokens[i]
+            self.soft.pop(d.slots[i], None)
         ctx.event("unmask", pos=[d.slots[i] - self.P for i in chosen], tok=[d.tokens[i] for i in chosen],
                   conf=[d.conf[i] for i in chosen])
         self.block_step += 1
+        self.steps_run += 1
         self._emit_ready(ctx)
-        if not self._masked() and not ctx.out.finished:
+        if not self._masked():
             ctx.event("block", op="close", start=self.block_start - self.P, end=self.block_start + self.B - self.P)
             self.block_start += self.B
-            if self.block_start < len(self.tokens):
+            if self.block_start < len(self.tokens) and (not ctx.out.finished or self._decoding_padding(ctx)):
                 self._open(ctx)
 
     def _logits(self, ctx: DecodeContext, slots: list[int]) -> torch.Tensor:
         """The rows predicting `slots` (MASK excluded): from one forward over prompt + canvas (two with guidance),
-        or, on a step that reuses the cache, over the part of the canvas the cache does not hold."""
-        rows = [s - 1 for s in slots] if self.shift else slots
+        or, on a step that reuses the cache, over the window of the canvas the cache does not hold."""
         p, n = self.params, len(self.tokens)
-        refresh = p.refresh_every and self.block_step % p.refresh_every == 0
-        if p.cache == "none" or not self.cached or refresh:
-            ctx.rollback(0)
-            logits = ctx.forward("draft", self.tokens, mask=self._mask_for(ctx, n, 0), logits_rows=rows)
-            if p.cache != "none":   # keep what later steps reuse: the prefix, or everything (dual)
-                ctx.commit(self._prefix_end() if p.cache == "prefix" else n)
-                self.cached = True
+        rebuild = not self.cached or (p.refresh_every and self.block_step % p.refresh_every == 0)
+        if p.cache == "none" or self.steps_run < p.warmup_steps or rebuild:
+            lo, hi = 0, n
+        elif p.cache == "prefix":   # a shifted model's first slot is predicted by the row before it
+            lo, hi = max(0, self._prefix_end() - max(p.prefix_look, self.shift)), n
         else:
-            start = self._prefix_end() if p.cache == "prefix" else self.block_start
-            rows = [r - start for r in rows]
-            if p.cache == "prefix":   # the block and the canvas after it, against the prefix's K/V
-                logits = ctx.forward("draft", self.tokens[start:], torch.arange(start, n, device=ctx.device),
-                                     mask=self._mask_for(ctx, n - start, start), logits_rows=rows)
-            else:                     # the block alone, its K/V written over the cached ones, the rest as cached
-                end = start + self.B
-                logits = ctx.forward("draft", self.tokens[start:end], torch.arange(start, end, device=ctx.device),
-                                     mask=torch.ones(self.B, n, dtype=torch.bool, device=ctx.device),
-                                     logits_rows=rows, kv=WindowWrite(ctx.kv, start))
+            lo = max(0, self.block_start - max(p.prefix_look, self.shift))
+            hi = min(n, self.block_start + self.B + p.after_look)
+        # iteration smoothing reads every MASK of the window, the fill rule the open block's
+        wanted = slots + ([i for i in range(max(lo, self.P), hi) if self.tokens[i] == self.mask_id and i not in slots]
+                          if p.cont_weight else [])
+        rows = [s - self.shift - lo for s in wanted]
+        shift = self._embed_shift(ctx, lo, hi)
+        if p.cache == "none" or self.steps_run < p.warmup_steps:
+            logits = self._full(ctx, rows, shift)
+        elif rebuild:   # keep what later steps reuse: the prefix, or everything (dual)
+            logits = self._full(ctx, rows, shift)
+            kept = self._prefix_end() if p.cache == "prefix" else n
+            ctx.commit(kept)
+            ctx.event("kv", op="refresh", from_len=0, to_len=kept)
+            self.cached = True
+        elif p.cache == "prefix":
+            logits = self._prefix_step(ctx, lo, rows, shift)
+        else:
+            logits = self._dual_step(ctx, lo, hi, rows, shift)
         if p.cfg_scale:
             unprompted = [ctx.mask_id] * self.P + self.tokens[self.P:]
             un = ctx.forward("draft", unprompted, mask=self._mask_for(ctx, n, 0), logits_rows=rows)
             logits = un + (p.cfg_scale + 1) * (logits - un)
-        return BlockDiffusion._no_mask(ctx, logits)
+        logits = BlockDiffusion._no_mask(ctx, logits)
+        if p.cont_weight:
+            self._smooth(ctx, wanted, logits)
+        return logits[:len(slots)]
+
+    def _full(self, ctx: DecodeContext, rows: list[int], shift) -> torch.Tensor:
+        """A fresh forward over prompt + canvas (nothing cached is read)."""
+        ctx.rollback(0)
+        return ctx.forward("draft", self.tokens, mask=self._mask_for(ctx, len(self.tokens), 0), logits_rows=rows,
+                           embed_shift=shift)
+
+    def _prefix_step(self, ctx: DecodeContext, lo: int, rows: list[int], shift) -> torch.Tensor:
+        """The block and the canvas after it against the cached prefix; the prefix's positions from `lo` on are
+        recomputed too and kept (dInfer's vicinity refresh, and a shifted model's row before the block)."""
+        n, start = len(self.tokens), self._prefix_end()
+        ctx.rollback(lo)
+        logits = ctx.forward("draft", self.tokens[lo:], torch.arange(lo, n, device=ctx.device),
+                             mask=self._mask_for(ctx, n - lo, lo), logits_rows=rows, embed_shift=shift)
+        if lo < start:
+            ctx.commit(start - lo)
+            ctx.event("kv", op="refresh", from_len=lo, to_len=start)
+        return logits
+
+    def _dual_step(self, ctx: DecodeContext, lo: int, hi: int, rows: list[int], shift) -> torch.Tensor:
+        """The window [lo, hi) -- the block, and around it dInfer's vicinity and a shifted model's row before it --
+        its K/V written over the cached ones, the rest as cached."""
+        n = len(self.tokens)
+        logits = ctx.forward("draft", self.tokens[lo:hi], torch.arange(lo, hi, device=ctx.device),
+                             mask=torch.ones(hi - lo, n, dtype=torch.bool, device=ctx.device),
+                             logits_rows=rows, kv=WindowWrite(ctx.kv, lo), embed_shift=shift)
+        if (lo, hi) != (self.block_start, self.block_start + self.B):
+            ctx.event("kv", op="refresh", from_len=lo, to_len=hi)
+        return logits
+
+    # -- iteration smoothing (dInfer) -----------------------------------------------------------------
+    def _smooth(self, ctx: DecodeContext, slots: list[int], logits: torch.Tensor) -> None:
+        """Each MASK read this step is fed, next step, its MASK embedding + w * softmax(its logits) @ E (dInfer's
+        H2Embed, τ = 1), w = min(init + growth * step, cont_weight); a filled position drops it."""
+        p = self.params
+        w = min(p.cont_weight_init + p.cont_weight_growth * self.steps_run, p.cont_weight)
+        table = ctx.model.model.embed_tokens.weight
+        expected = torch.softmax(logits.float(), dim=-1) @ table[:logits.shape[-1]].float()
+        self.soft.update(zip(slots, w * expected))
+
+    def _embed_shift(self, ctx: DecodeContext, lo: int, hi: int) -> torch.Tensor | None:
+        """The smoothing added to the embeddings of the forward over [lo, hi), or None."""
+        held = [i for i in range(lo, hi) if i in self.soft]
+        if not held:
+            return None
+        shift = torch.zeros(hi - lo, ctx.model.config.dim, device=ctx.device)
+        shift[[i - lo for i in held]] = torch.stack([self.soft[i] for i in held])
+        return shift
+
+    def _threshold(self) -> float:
+        """The fill threshold of this step: with iteration smoothing it decays from 1 to the set one."""
+        p = self.params
+        if not p.cont_weight:
+            return p.threshold
+        return max(1 - p.threshold_decay * self.steps_run, p.threshold)
 
     def _prefix_end(self) -> int:
         """Where a prefix cache ends: the open block's start, or under block-causal attention the start of the model's
@@ -225,8 +340,11 @@ class Canvas(Strategy):
 
     def _select(self, ctx: DecodeContext, d: Draft) -> list[int]:
         p = self.params
+        threshold = self._threshold()
+        if p.decoder == "hierarchical":   # threshold 0: its run rule alone, as dInfer's threshold=None
+            return select_hierarchical(d.conf, d.slots, threshold or 1.0, p.low_threshold)
         if p.threshold:
-            return select_dynamic(d.conf, 1, p.threshold)
+            return select_dynamic(d.conf, 1, threshold)
         if p.factor:
             return select_factor(d.conf, p.factor)
         n, last = len(d.slots), self.block_step >= self.steps_per_block - 1

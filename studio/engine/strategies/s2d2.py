@@ -1,6 +1,8 @@
 """S2D2: block-diffusion drafting + self-verification of the first masked span by the same model in block-size-1
 mode (the "2L trick" mask for position-aligned models, a plain causal forward for right-shifted ones). A routing
-policy (routing.py) decides at each step whether to verify; the verifier never writes the KV cache.
+policy (routing.py) decides at each step whether to verify; the verifier never writes the KV cache. Runs on SDAR /
+Fast-dLLM v2, an AR model + block adapter, LLaDA2 on its own block grid (with LLaDA2.1's token editing before the
+verification), and a bidirectional model (Dream, LLaDA) carrying a D2F block adapter.
 
 Design: docs/strategies.md#s2d2
 """
@@ -14,7 +16,7 @@ import torch
 from studio.engine.masks import s2d2_verifier
 from studio.engine.sampling import process_logits
 from studio.engine.strategies.base import DecodeContext
-from studio.engine.strategies.blockdiff import BlockDiffusion, Draft
+from studio.engine.strategies.blockdiff import BlockDiffusion, Draft, is_d2f
 from studio.engine.strategies.params import param
 from studio.engine.strategies.routing import POLICIES, RouteInput, make_policy
 from studio.errors import BadInput
@@ -46,13 +48,29 @@ class S2D2(BlockDiffusion):
         if not p.gamma > 0:
             raise BadInput(f"s2d2 gamma must be > 0, got {p.gamma}")
 
+    def check_run(self, config, max_new_tokens: int) -> None:
+        """A bidirectional model has no block-size-1 mode to verify with unless it carries a D2F block adapter, and
+        that adapter is the D2F student on every row."""
+        super().check_run(config, max_new_tokens)
+        name = config.name or "this model"
+        if config.attention == "bidirectional" and not is_d2f(config):
+            raise BadInput(f"s2d2: {name} was trained with bidirectional attention (LLaDA, Dream) and has no "
+                           "block-size-1 mode to verify with; attach a D2F-style block adapter (its "
+                           "adapter_config.json giving block_size), or decode it with canvas")
+        if is_d2f(config) and self.params.adapter_rows != "all":
+            raise BadInput(f"s2d2: {name} carries a D2F block adapter, which is the student on every row: give "
+                           "-p adapter_rows=all (the s2d2-d2f preset does)")
+
     def start(self, ctx: DecodeContext, prompt: list[int]) -> None:
         self.policy.reset()
         super().start(ctx, prompt)
 
     def _denoise(self, ctx: DecodeContext, role: str) -> None:
         b, p = self.block, self.params
-        d = self._draft(ctx, role)
+        d = self._draft_step(ctx, role)
+        if not d.slots:   # a full block's editing step (LLaDA2.1): nothing to route or verify
+            b.step += 1
+            return
         span = first_run(d.slots)
         n_hi = sum(c > p.threshold for c in d.conf)
         x = RouteInput(span_len=span, n_masked=len(d.slots), block_size=b.size, probs=d.dist[:span],

@@ -24,6 +24,7 @@ REVEAL = ("auto", "confidence", "left-to-right")
 
 class SimSD(BlockDiffusion):
     name = "simsd"
+    edits = False   # its speculation rounds have no T2T step
 
     @dataclass
     class Params(BlockDiffusion.Params):

@@ -169,6 +169,7 @@ class ChatScreen(Screen):
         conv.mount(self.answer)
         conv.scroll_end(animate=False)
         self.view = RunView(run.token_text, run.header)
+        self.query_one("#legend", Static).update(legend_text(self.view.is_canvas))
         self.redraw()   # the grid, metrics and inspector of the last turn go now, not at this turn's first step
         self._frames, self._pending, self.pacer = 0, False, FramePacer()
         self._prefill_shown, self._stopping = None, False

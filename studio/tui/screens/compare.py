@@ -22,7 +22,7 @@ from studio.run.worker import Worker
 from studio.tui.live import FRAME_S, FramePacer
 from studio.tui.widgets import StatusBar, TokenGrid
 from studio.tui.widgets.status import error_line
-from studio.viz.palette import legend_text
+from studio.viz.palette import legend_kind, legend_text
 from studio.viz.view import RunNumbers, RunView
 
 MAX_PANES = 4
@@ -195,6 +195,7 @@ class CompareScreen(Screen):
             return
         self.labels = labels
         self.views = [RunView(r.token_text, r.header) for r in runs]
+        self.query_one("#legend", Static).update(legend_text(legend_kind([v.is_canvas for v in self.views])))
         self.query_one("#panes", Horizontal).mount_all([ComparePane(label, view)
                                                         for label, view in zip(labels, self.views)])
         self.query_one("#compare-used", Static).update(used_line(runs[0].header))

@@ -16,6 +16,7 @@ from studio.tui.widgets import Inspector, MetricsPanel, StatusBar, TokenGrid
 from studio.tui.widgets.status import error_line
 from studio.tui.widgets.metrics import bar
 from studio.viz.palette import legend_text
+from studio.viz.text import skipped_note
 from studio.viz.view import RunView
 
 SPEEDS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
@@ -97,13 +98,17 @@ class ReplayScreen(Screen):
                               f" · {model.get('name')} · seed {h.get('seed')} · {len(self.view.grid.steps)} steps")
         if trace.truncated:
             title.append("  · truncated trace (the run did not finish)", style="bold #D55E00")
+        if trace.skipped:
+            title.append(f"  · {trace.skipped} event(s) of a newer schema skipped", style="bold #D55E00")
         self.query_one("#replay-title", Static).update(title)
+        self.query_one("#legend", Static).update(legend_text(self.view.is_canvas))
         self.query_one("#replay-path", Input).value = path
         grid = self.query_one(TokenGrid)
         grid.cursor = None
         grid.focus()
         self.redraw()
-        warning = " (truncated: no footer)" if trace.truncated else ""
+        warning = (" (truncated: no footer)" if trace.truncated else "") + (f" ({skipped_note(trace)})"
+                                                                            if trace.skipped else "")
         self.status(f"{path or 'trace'}{warning} · space plays, . and , step, + and - change speed")
 
     # -- drawing ---------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The step inspector: the whole history of one output position, read off the grid's cells — when it was
 proposed (by what, with q), verified (p, q, the acceptance ratio), unmasked (confidence), what replaced a
-rejected draft, and which forward committed it."""
+rejected draft, and which forward committed it. A canvas cell adds the model's guess at each step, when it was
+filled or edited (old → new) and why, and whether it is padding after an EOS (never output)."""
 from __future__ import annotations
 
 from rich.text import Text
@@ -17,14 +18,21 @@ def _num(v: float | None) -> str:
 def position_history(grid: Grid, pos: int, upto_step: int | None = None) -> Text:
     out = Text()
     final = grid.final.get(pos)
+    canvas = grid.canvas is not None
+    eos = grid.eos_before(pos, upto_step)
     out.append(f"position {pos}", style="bold")
     if final is not None and (upto_step is None or final.committed_step <= upto_step):
         row = grid.rows.get(final.committed_step)
         role = f" {row.role}" if row and row.role else ""
         out.append(f"  {show_text(final.text)}  committed at step {final.committed_step}{role} forward")
         out.append(f" · {label(final.state)}", style="dim")
+    elif eos is not None:
+        out.append(f"  padding after the EOS at position {eos}: never output", style="bold")
     else:
         out.append("  not committed yet", style="dim")
+    if canvas:
+        for line in grid.fill_history(pos, upto_step):
+            out.append(f"\n {line}")
     for step in grid.steps:
         if upto_step is not None and step > upto_step:
             break
@@ -35,8 +43,8 @@ def position_history(grid: Grid, pos: int, upto_step: int | None = None) -> Text
         out.append(f"\n step {step:>4} {role:<8}", style="dim")
         out.append(f"{cell.glyph} {cell.state.value:<9}", style=RICH_STYLE[cell.state] if cell.state is not State.COMMITTED else "")
         out.append(f" {show_text(cell.text)}")
-        details = []
-        if cell.src:
+        details = cell.reasons(canvas)
+        if cell.src and not (canvas and "propose" in cell.kinds):
             details.append(f"by {cell.src}")
         if cell.p is not None:
             details.append(f"p={_num(cell.p)}")

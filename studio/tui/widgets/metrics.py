@@ -1,6 +1,7 @@
 """The metrics panel: forwards, tokens, TPF (with a sparkline of tokens per forward over the steps),
-acceptance by draft position, tok/s, KV length and the current forward's role, all read off a run's
-`RunNumbers` (`studio.viz.view`): counted by `studio.events.metrics`, the one definition (docs/metrics.md).
+acceptance by draft position, tok/s, KV length (and the slots a cache refresh recomputed at this step) and the
+current forward's role, all read off a run's `RunNumbers` (`studio.viz.view`): counted by `studio.events.metrics`,
+the one definition (docs/metrics.md).
 
 One widget drawing one Text: it is redrawn every frame while a run decodes, and a single repaint (a
 layout pass only when a new draft slot adds a line) keeps the UI thread's share of the GIL small.
@@ -68,7 +69,9 @@ def metrics_text(numbers: RunNumbers, label: str, width: int) -> Text:
     out.append("TPF      ", style="dim").append(f"{tpf:.2f}\n" if tpf is not None else "—\n")
     out.append("tok/s    ", style="dim").append(f"{tok_s:.1f}\n" if tok_s is not None else "—\n")
     out.append("KV       ", style="dim").append(f"{last.kv_len if last.kv_len is not None else '—'}")
-    if prefill is not None and prefill.wall_ms is not None:
+    if last.refreshed:   # an approximate cache recomputed these slots at this step; the length stays (one line)
+        out.append("  ⟳ refresh " + " ".join(f"[{a},{b})" for a, b in last.refreshed), style="bold #E69F00")
+    elif prefill is not None and prefill.wall_ms is not None:
         out.append(f"  (prefill {prefill.wall_ms:.0f} ms)", style="dim")
     per_step = [p.emitted for p in points if p.role not in (None, "prefill")]
     out.append(f"\ntokens per forward, by step (max {max(per_step, default=0)})\n", style="dim")

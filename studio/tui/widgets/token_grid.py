@@ -2,8 +2,10 @@
 
 Position p always sits at row p // per_row, column p % per_row, so nothing reflows while a run decodes:
 proposals appear ahead of the committed text in their own cells and then snap in (accepted, resampled)
-or vanish (rejected). Each cell is a block-boundary mark, the state's glyph (colour is never the only
-cue; NO_COLOR keeps the glyphs) and the token's text with whitespace made visible.
+or vanish (rejected). A canvas run shows its whole canvas from the first step: masked cells ahead, the model's
+guesses in them, filled and edited tokens, noise, and the padding after an early EOS. Each cell is a
+block-boundary mark, the state's glyph (colour is never the only cue; NO_COLOR keeps the glyphs) and the token's
+text with whitespace made visible (none in a masked cell).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ TEXT_WIDTH = CELL - 2
 BLOCK_MARK = "▏"
 # committed tokens read as plain text; every other state is a coloured cell
 CELL_STYLE = {s: ("" if s is State.COMMITTED else RICH_STYLE[s]) for s in State}
+NO_TEXT = (State.EMPTY, State.MASKED)   # nothing to read in these (a remask to MASK shows the MASK, not its id)
 
 
 @lru_cache(maxsize=None)
@@ -127,10 +130,10 @@ class TokenGrid(Widget, can_focus=True):
         cells = []
         for p in range(y * per_row, min(grid.n_pos, (y + 1) * per_row)):
             cell = grid.cell(step, p)
-            style = RICH_FG[State.UNMASKED] if cell.held else CELL_STYLE[cell.state]
+            style = RICH_FG[cell.state] if cell.held else CELL_STYLE[cell.state]
             if p == self.cursor:
                 style = f"{style} reverse" if style else "reverse"
-            label = visible_token(cell.text, cell.tok, TEXT_WIDTH) if cell.state is not State.EMPTY else ""
+            label = visible_token(cell.text, cell.tok, TEXT_WIDTH) if cell.state not in NO_TEXT else ""
             cells.append((BLOCK_MARK if p in marks else " ", marks.get(p, ""), f"{cell.glyph}{label:<{TEXT_WIDTH}}",
                           style))
         key = (per_row, tuple(cells))
