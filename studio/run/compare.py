@@ -85,7 +85,7 @@ def with_references(configs: Mapping[str, RunConfig]) -> tuple[dict[str, RunConf
         if overrides is None:
             continue
         twin = dataclasses.replace(config, params={**config.params, **overrides})
-        refs[label] = listed.get(_signature(twin)) or f"{label} · cache=none"
+        refs[label] = listed.setdefault(_signature(twin), f"{label} · cache=none")   # one twin for runs sharing it
         if refs[label] not in configs:   # a listed exact run keeps its place in the list
             out[refs[label]] = twin
     return out, refs

@@ -416,3 +416,6 @@ def test_fit_baseline_keeps_ar_where_the_model_has_an_ar_mode_and_names_the_canv
     listed, refs = with_references(compare_configs("fast-dllm-prefix,canvas"))
     assert list(listed) == ["ar", "fast-dllm-prefix", "fast-dllm-prefix · cache=none", "canvas"]
     assert refs == {"fast-dllm-prefix": "fast-dllm-prefix · cache=none"}
+    listed, refs = with_references(compare_configs("fast-dllm-prefix,fast-dllm-dual"))   # one twin for both
+    assert list(listed) == ["ar", "fast-dllm-prefix", "fast-dllm-prefix · cache=none", "fast-dllm-dual"]
+    assert set(refs.values()) == {"fast-dllm-prefix · cache=none"}
