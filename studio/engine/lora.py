@@ -22,6 +22,12 @@ Which rows an adapter adapts (our convention on top of PEFT, written by `dlm-stu
                        any PEFT LoRA). The model an adapter makes is the LoRA on the rows it adapts, and that is
                        the model a run decodes on its clean rows (`Strategy.clean_gate`).
 
+The attention an adapter was trained with (our convention; `dlm-studio train mdm` writes it):
+
+  adapter_config.json  "attention": "bidirectional" (a masked-diffusion model made from an AR one, Dream's recipe:
+                       the adapted model is the one `canvas` decodes, and the causal strategies refuse it) or
+                       "causal". Absent: the base model's own attention. Attaching sets `ModelConfig.attention`.
+
 The MASK token (our convention on top of PEFT; a base AR model has none):
 
   adapter_config.json  "mask_token_id": the id the adapter was trained with.
@@ -58,6 +64,7 @@ from studio.errors import BadInput
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTED_ROWS = ("mask", "all")
+ATTENTIONS = ("causal", "bidirectional")   # what an adapter may declare it was trained with
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -82,6 +89,7 @@ class Adapter:
     embed_table: torch.Tensor | None = None              # [V + k, dim], rows >= V appended
     block_size: int | None = None                        # a block adapter's training block size
     adapted_rows: str = "all"                            # "mask" | "all": the rows it was trained on
+    attention: str | None = None                         # the attention it was trained with (None: the base's)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,6 +129,10 @@ def read_adapter(path: str | Path, base: ModelConfig | None = None) -> Adapter:
     if adapted not in ADAPTED_ROWS:
         raise BadInput(f"{root / CONFIG_FILE}: adapted_rows must be one of {', '.join(map(repr, ADAPTED_ROWS))}, "
                        f"got {_short(adapted)}")
+    attention = cfg.get("attention")
+    if attention is not None and attention not in ATTENTIONS:
+        raise BadInput(f"{root / CONFIG_FILE}: attention must be one of {', '.join(map(repr, ATTENTIONS))}, "
+                       f"got {_short(attention)}")
     mask_emb, table = extra.get(_MASK_KEY), extra.get(_EMBED_KEY)
     if mask_emb is not None and (mask_emb.dim() != 2 or mask_emb.shape[0] != 1):
         raise BadInput(f"adapter tensor {_MASK_KEY} must have shape [1, dim], got {tuple(mask_emb.shape)}")
@@ -132,7 +144,8 @@ def read_adapter(path: str | Path, base: ModelConfig | None = None) -> Adapter:
         raise BadInput(f"{weights} holds no LoRA weights")
     scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     return Adapter(path=root, r=r, alpha=alpha, scale=scale, lora=lora, mask_token_id=mask_id,
-                   mask_embedding=mask_emb, embed_table=table, block_size=block, adapted_rows=adapted)
+                   mask_embedding=mask_emb, embed_table=table, block_size=block, adapted_rows=adapted,
+                   attention=attention)
 
 
 def _read_config(root: Path) -> dict:
@@ -243,12 +256,16 @@ class LoadedAdapter:
     mask_token_id: int | None
     block_size: int | None = None   # a block adapter's training block size (blockdiff, s2d2, simsd default to it)
     adapted_rows: str = "all"       # "mask" | "all": with "all" the LoRA applies on clean rows too
+    attention: str | None = None    # the attention it was trained with; None keeps the model's
 
     def configure(self, config):
-        """`config` (a ModelConfig) as this adapter reads it: its MASK id and its training block size."""
+        """`config` (a ModelConfig) as this adapter reads it: its MASK id, its training block size and the
+        attention it was trained with (a masked-diffusion adapter makes its model bidirectional)."""
         over = {"adapter_block_size": self.block_size}
         if self.mask_token_id is not None:
             over["mask_token_id"] = self.mask_token_id
+        if self.attention is not None:
+            over["attention"] = self.attention
         return dataclasses.replace(config, **over)
 
 
@@ -264,7 +281,7 @@ def load_adapter(model: nn.Module, path: str | Path) -> LoadedAdapter:
     if rows is not None:
         rows = rows.to(device=w.device, dtype=model.model.embed_tokens.weight.dtype)
     return LoadedAdapter(str(adapter.path), pairs, float(adapter.scale), rows, adapter.mask_token_id,
-                         adapter.block_size, adapter.adapted_rows)
+                         adapter.block_size, adapter.adapted_rows, adapter.attention)
 
 
 def install(model: nn.Module, loaded: LoadedAdapter | None) -> None:
@@ -284,6 +301,8 @@ def attach_adapter(engine, path: str | Path) -> LoadedAdapter:
     """Load the adapter at `path` onto engine.model (replacing any attached one); sets engine.adapter,
     engine.lora and the MASK id of engine.config."""
     loaded = load_adapter(engine.model, path)   # checks everything before changing anything
+    if engine.lora is None:   # `with_adapter(None)` then still has the base model's config (its attention, MASK id)
+        engine._views[None] = dataclasses.replace(engine, adapter_choice="none")
     engine.lora, engine.adapter, engine.adapter_choice = loaded, loaded.path, loaded.path
     engine.config = loaded.configure(engine.config)
     engine.activate()
@@ -375,7 +394,8 @@ def merge_adapter_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 def save_adapter(model_or_tensors: nn.Module | Mapping[str, tuple[torch.Tensor, torch.Tensor]], path: str | Path,
                  r: int, alpha: float, targets: list[str] | str, mask_token_id: int | None = None,
                  mask_embedding: torch.Tensor | None = None, use_rslora: bool = False,
-                 block_size: int | None = None, adapted_rows: str | None = None) -> Path:
+                 block_size: int | None = None, adapted_rows: str | None = None,
+                 attention: str | None = None) -> Path:
     """Write a PEFT-format adapter directory. `model_or_tensors`: a model with LoRA attached, or
     {"model.layers.0.self_attn.q_proj": (A [r,in], B [out,r]), ...}. Nothing is checked here (tests write
     deliberately broken adapters); `attach_adapter` checks on the way in."""
@@ -401,6 +421,8 @@ def save_adapter(model_or_tensors: nn.Module | Mapping[str, tuple[torch.Tensor, 
         cfg["block_size"] = block_size
     if adapted_rows is not None:
         cfg["adapted_rows"] = adapted_rows
+    if attention is not None:
+        cfg["attention"] = attention
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     (root / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")

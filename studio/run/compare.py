@@ -5,8 +5,9 @@ DiffusionGemma) the model's own one-token-per-step decode (`fit_baseline`). Each
 reference: the exact decode a run approximates when it has one (a cached canvas run: the same run with
 cache=none, added beside it), else the `ar` run of the model it decodes (`Run.model_adapter`) -- the `ar` row for
 runs on the base model (no adapter, a MASK-row adapter, r-isd), and an extra `ar` run on the adapter for a run that
-decodes an adapter of every row (isd on smollm2-isd: `ar · smollm2-isd`), which `make_runs` adds -- else the
-baseline.
+decodes an adapter of every row (isd on smollm2-isd: `ar · smollm2-isd`), which `make_runs` adds
+(not on a model an adapter made bidirectional: canvas on smollm2-mdm, whose cached rows have their cache=none
+twin) -- else the baseline.
 """
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def with_references(configs: Mapping[str, RunConfig]) -> tuple[dict[str, RunConf
         if overrides is None:
             continue
         twin = dataclasses.replace(config, params={**config.params, **overrides})
-        refs[label] = listed.get(_signature(twin)) or f"{label} · cache=none"
+        refs[label] = listed.setdefault(_signature(twin), f"{label} · cache=none")   # one twin for runs sharing it
         if refs[label] not in configs:   # a listed exact run keeps its place in the list
             out[refs[label]] = twin
     return out, refs
@@ -236,15 +237,16 @@ def make_runs(engine, prompt: str, prompt_ids: list[int], configs: Mapping[str, 
     for label, config in configs.items():
         strategy, settings = built[label]
         model = decoded_model(view(config, strategy), strategy)
-        if ar_mode and strategy.name != "ar" and model not in with_ar and label not in exact:
+        causal = view(config, strategy).config.attention == "causal"   # not a model an adapter made bidirectional
+        if ar_mode and causal and strategy.name != "ar" and model not in with_ar and label not in exact:
             reference = dataclasses.replace(configs["ar"], adapter=model or "none")
             planned[reference_label(model)] = reference, reference.build()
         with_ar.add(model)
         planned[label] = config, (strategy, settings)
     if most is not None and len(planned) > most:
         raise BadInput(f"compare shows at most {most} runs (ar and references included): {', '.join(planned)}")
-    for strategy, settings in built.values():
-        kv_length_needed(engine, strategy, settings, prompt_ids)
+    for label, (strategy, settings) in built.items():
+        kv_length_needed(view(configs[label], strategy), strategy, settings, prompt_ids)
     if trace_dir and not force:
         from studio.files import check_writable
         for path in trace_paths(trace_dir, planned, trace_prefix).values():

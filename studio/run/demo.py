@@ -5,6 +5,11 @@ exists, e.g. `jacobi-mr-cpu`), greedy, one process, `ar` first as the baseline (
 run that decodes an adapter of every row, its reference): the compare table, one trace per run and the HTML
 report, with every path printed at the end. It is `dlm-studio compare`
 with demo defaults, built from the same pieces (`studio.run.compare`).
+
+A strategy that cannot decode the AR model itself (`canvas`) runs where an adapter is shipped for it on the
+model (smollm2-mdm makes the embedded model a bidirectional masked-diffusion model): it decodes that other model,
+on which no `ar` reference runs (`studio.run.compare`), so a cached canvas run is shown against its cache=none twin
+and the twin against `ar` on the base model, labelled so.
 """
 from __future__ import annotations
 
@@ -24,15 +29,17 @@ TRACE_PREFIX = "demo-"
 REPORT_NAME = "demo-report.html"
 
 
-def demo_configs(strategies: str | None, max_new_tokens: int) -> dict[str, RunConfig]:
-    """The demo's runs, greedy, seed 0: `None` or `all` is every registered strategy that decodes the embedded AR
-    model, in registry order (ar first), a strategy's `NAME-cpu` preset in its place where one exists; otherwise a
-    comma list as for compare."""
+def demo_configs(strategies: str | None, max_new_tokens: int, model: str = "default") -> dict[str, RunConfig]:
+    """The demo's runs, greedy, seed 0: `None` or `all` is every registered strategy that decodes `model` (the
+    embedded AR model, or what an adapter shipped for a strategy on it makes of it: canvas with smollm2-mdm), in
+    registry order (ar first), a strategy's `NAME-cpu` preset in its place where one exists; otherwise a comma
+    list as for compare."""
     from studio.presets import list_presets
+    from studio.presets.shipped import shipped_for
     if strategies is None or strategies.strip() in ("", "all"):
         presets = set(list_presets("strategies"))
         strategies = ",".join(f"{name}-cpu" if f"{name}-cpu" in presets else name
-                              for name, cls in STRATEGIES.items() if cls.decodes_ar_models)
+                              for name, cls in STRATEGIES.items() if cls.decodes_ar_models or shipped_for(model, name))
     return compare_configs(strategies, RunConfig(temperature=0.0, max_new_tokens=max_new_tokens))
 
 
@@ -47,7 +54,7 @@ def run_demo(engine, prompt: str = DEMO_PROMPT, strategies: str | None = None, m
         console = Console()
         console = console if console.is_terminal else Console(width=120)
     err = err_console or Console(stderr=True)
-    configs = demo_configs(strategies, max_new_tokens)
+    configs = demo_configs(strategies, max_new_tokens, engine.name)
     ids = encode_prompt(engine, prompt)
     trace_dir = Path(trace_dir)
     trace_dir.mkdir(parents=True, exist_ok=True)
@@ -55,7 +62,8 @@ def run_demo(engine, prompt: str = DEMO_PROMPT, strategies: str | None = None, m
     say(f"model: {engine.name} ({engine.config.arch}, {engine.source}; loaded in {engine.load_s:.1f}s"
         f"{' from cache' if engine.from_cache else ''})")
     say(f"runs:  {', '.join(configs)}  (greedy, seed 0, up to {max_new_tokens} new tokens; and ar on the model of "
-        "each run that decodes an adapter of every row, its reference)")
+        "each run that decodes an adapter of every row, its reference, unless that model is bidirectional; a cached "
+        "canvas run beside its cache=none twin)")
     console.print(f"prompt: {prompt}\n", highlight=False, markup=False)
 
     def done(label, r) -> None:
@@ -69,13 +77,12 @@ def run_demo(engine, prompt: str = DEMO_PROMPT, strategies: str | None = None, m
     table = rows(results)
     console.print(render_table(table, sampled=False))
     text = {r["label"]: r["text"].strip() for r in table}
-    for ref in dict.fromkeys(r["reference"] for r in table):   # each reference's text once, with its equals
-        same = [r["label"] for r in table if r["reference"] == ref and r["identical_to_reference"]]
-        console.print(f"── {', '.join(same)} (identical output):\n{text[ref]}", highlight=False, markup=False)
-    for r in table:
-        if not r["identical_to_reference"]:
-            console.print(f"── {r['label']} (differs from {r['reference']} at token "
-                          f"{r['reference_first_difference']}):\n{text[r['label']]}", highlight=False, markup=False)
+    for r in table:   # each distinct output once, with the runs identical to it
+        if r["identical_to_reference"] and r["reference"] != r["label"]:
+            continue   # shown with its reference
+        same = [x["label"] for x in table if x is not r and x["reference"] == r["label"] and x["identical_to_reference"]]
+        console.print(f"── {', '.join([r['label'], *same])} ({_origin(r, results[r['label']], same)}):\n"
+                      f"{text[r['label']]}", highlight=False, markup=False)
     traces = [trace_path(trace_dir, label, TRACE_PREFIX) for label in results]
     report = None
     if html:
@@ -87,6 +94,22 @@ def run_demo(engine, prompt: str = DEMO_PROMPT, strategies: str | None = None, m
     if report:
         console.print(f"report: {report}", highlight=False, markup=False)
     return {"results": results, "rows": table, "traces": traces, "report": report}
+
+
+def _origin(row: dict, result, same: list[str]) -> str:
+    """What a shown output is: a reference (with its equals), a run that differs from its reference (from which
+    token), or a run on a model an adapter made bidirectional, on which no ar reference runs (against ar on the
+    base model instead)."""
+    identical = ["identical output"] if same else []
+    if row["identical_to_reference"] is None:
+        model = result.header["model"]
+        name = model.get("adapter_name") or Path(model["adapter"] or model["name"]).name
+        k = row["first_difference"]
+        to_ar = "identical to ar on the base model" if k is None else f"differs from ar on the base model at token {k}"
+        return "; ".join([f"decodes {name}, bidirectional: no ar run on it", to_ar, *identical])
+    if row["reference"] == row["label"]:
+        return "; ".join(identical or ["reference"])
+    return "; ".join([f"differs from {row['reference']} at token {row['reference_first_difference']}", *identical])
 
 
 def demo_command(prompt: str, strategies: str | None, max_new_tokens: int, trace_dir: Path, html: bool = True,

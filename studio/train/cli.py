@@ -145,20 +145,21 @@ def _parse_budget(text: Optional[str]) -> Optional[float]:
 
 def _run_training(kind: str, data_dir: Path, out: Path, model: str, gate: str, resume: bool,
                   time_budget: Optional[str], device: str, dtype: str, **settings) -> None:
-    """Shared body of `train idlm` and `train block`: load, train with a progress bar, summarise."""
+    """Shared body of `train idlm`, `train block` and `train mdm`: load, train with a progress bar, summarise."""
     import time
 
     from studio.engine.engine import Engine
     from studio.errors import BadInput
     from studio.train import data
-    from studio.train.objectives import CLEAN_LOSSES, IDLM, Block
+    from studio.train.objectives import CLEAN_LOSSES, IDLM, MDM, Block
     from studio.train.trainer import TrainConfig, train
 
     if gate not in ("mask", "all"):
         raise BadInput(f"--gate must be 'mask' or 'all', got {gate!r}")
-    if settings["clean_loss"] not in CLEAN_LOSSES:
-        raise BadInput(f"--clean-loss must be one of {', '.join(CLEAN_LOSSES)}, got {settings['clean_loss']!r}")
-    if settings["clean_loss"] != "ce" and gate != "all":
+    clean_loss = settings.get("clean_loss", "ce")
+    if clean_loss not in CLEAN_LOSSES:
+        raise BadInput(f"--clean-loss must be one of {', '.join(CLEAN_LOSSES)}, got {clean_loss!r}")
+    if clean_loss != "ce" and gate != "all":
         raise BadInput("--clean-loss applies to --gate all (with --gate mask the clean rows are the base model's)")
     budget = _parse_budget(time_budget)
     cfg = TrainConfig(kind=kind, gate=gate, **settings)
@@ -167,20 +168,22 @@ def _run_training(kind: str, data_dir: Path, out: Path, model: str, gate: str, r
             raise BadInput(f"--{name.replace('_', '-')} must be >= 1")
     if not cfg.lr > 0 or not cfg.alpha > 0:
         raise BadInput("--lr and --alpha must be positive")
+    if kind == "idlm" and not 2 <= cfg.start_stride <= cfg.stride:
+        raise BadInput(f"the curriculum needs 2 <= --start-stride <= --stride, got {cfg.start_stride}..{cfg.stride}")
+    if kind == "block" and cfg.block_size < 2:
+        raise BadInput("--block-size must be >= 2")
     _check_train_out(out, resume)
     seqs = data.load_sequences(data_dir)
     engine = Engine.load(model, device=device, dtype=dtype)
     mask_id = engine.model.lm_head.weight.shape[0]
     if kind == "idlm":
-        if not 2 <= cfg.start_stride <= cfg.stride:
-            raise BadInput(f"the curriculum needs 2 <= --start-stride <= --stride, got {cfg.start_stride}..{cfg.stride}")
         objective = IDLM(mask_id, gate == "all", curriculum=tuple(range(cfg.start_stride, cfg.stride + 1)),
                          clean_loss=cfg.clean_loss)
-    else:
-        if cfg.block_size < 2:
-            raise BadInput("--block-size must be >= 2")
+    elif kind == "block":
         objective = Block(mask_id, gate == "all", cfg.block_size, shift=engine.config.logit_shift,
                           clean_loss=cfg.clean_loss)
+    else:
+        objective = MDM(mask_id, engine.eos_ids(), shift=engine.config.logit_shift)
     t0 = time.perf_counter()
     with _progress(f"train {kind} --gate {gate}", cfg.steps) as bar:
         task = bar.add_task("train", total=cfg.steps, info="")
@@ -247,6 +250,19 @@ def block_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("def
     _run_training("block", data, out, model, gate, resume, time_budget, device, dtype, block_size=block_size,
                   steps=steps, batch_size=batch_size, rows_per_seq=rows, lr=lr, r=rank, alpha=alpha, seed=seed,
                   save_every=save_every, init=_init_path(init), clean_loss=clean_loss)
+
+
+@train_app.command("mdm")
+def mdm_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("default", "--model"),
+            steps: int = STEPS, batch_size: int = typer.Option(4, "--batch-size", help="Sequences per step."),
+            lr: float = LR, rank: int = RANK, alpha: float = ALPHA, seed: int = SEED, save_every: int = SAVE_EVERY,
+            time_budget: Optional[str] = BUDGET, resume: bool = RESUME, init: Optional[Path] = INIT,
+            device: str = DEVICE, dtype: str = DTYPE):
+    """Masked diffusion (Dream's recipe): the AR model into a bidirectional MDM with the logit shift kept, LoRA on
+    every row and a MASK row: an adapter for canvas."""
+    _run_training("mdm", data, out, model, "all", resume, time_budget, device, dtype, steps=steps,
+                  batch_size=batch_size, lr=lr, r=rank, alpha=alpha, seed=seed, save_every=save_every,
+                  init=_init_path(init))
 
 
 def _init_path(init: Optional[Path]) -> Optional[str]:

@@ -5,10 +5,12 @@ TPF (all tokens / all forwards), acceptance overall and by draft position, decod
 ar's (pooled, and the median of per-prompt ratios), prompts whose output is identical to its reference's, and
 token agreement (the share of the reference's tokens that the run reproduces at the same position). A run's
 reference is `ar` on the model it decodes (`studio.run.compare`): for r-isd on an adapter of every row, the
-base model, whose `ar` run then joins the table.
+base model, whose `ar` run then joins the table. On an adapter that makes the model bidirectional (`train mdm`)
+no `ar` reference runs: `ar` runs on the base model, and the canvas runs are measured against it (another model).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from dataclasses import dataclass, field
@@ -22,7 +24,7 @@ from studio.events.metrics import Tally, tok_per_s
 
 # the runs that can use an adapter of each recipe (train_state.json's kind and gate)
 RUNS_FOR = {("idlm", "mask"): "r-isd", ("idlm", "all"): "isd,r-isd", ("block", "mask"): "blockdiff,s2d2,simsd",
-            ("block", "all"): "blockdiff,s2d2,simsd"}
+            ("block", "all"): "blockdiff,s2d2,simsd", ("mdm", "all"): "canvas"}
 EVERY_MASK_STRATEGY = "isd,r-isd,blockdiff,s2d2,simsd"
 
 
@@ -55,6 +57,8 @@ def evaluate(engine, prompts: list[str], configs: Mapping[str, RunConfig], progr
     """Returns {model, adapter, prompts, max_new_tokens, rows: [...]} (rows: ar first, as `compare_configs` puts
     it; the runs greedy)."""
     max_new_tokens = configs["ar"].build()[1].max_new_tokens
+    if engine.config.attention != "causal":   # an adapter made it bidirectional (train mdm): ar runs on the base model
+        configs = {**configs, "ar": dataclasses.replace(configs["ar"], adapter="none")}
     ids = [encode_prompt(engine, p) for p in prompts]
     for run in make_runs(engine, prompts[0], ids[0][:16], configs).values():   # warm-up, not counted
         drive([run])
@@ -66,7 +70,7 @@ def evaluate(engine, prompts: list[str], configs: Mapping[str, RunConfig], progr
             results[label] = run.result
             if progress and label in configs:
                 progress(i, label)
-        for row in compare_rows(results):
+        for row in _with_references(compare_rows(results), results):
             t, f = pooled.setdefault(row["label"], Pooled()), results[row["label"]].footer
             reference = results[row["reference"]].token_ids
             t.tally.feed_all(results[row["label"]].events)
@@ -77,7 +81,7 @@ def evaluate(engine, prompts: list[str], configs: Mapping[str, RunConfig], progr
             if row["speed_vs_ar"] is not None:
                 t.ratios.append(row["speed_vs_ar"])
     ar_rate = pooled["ar"].tok_s
-    reference_of = {row["label"]: row["reference"] for row in compare_rows(results)}
+    reference_of = {row["label"]: row["reference"] for row in _with_references(compare_rows(results), results)}
     rows = []
     for label, t in pooled.items():
         acc = t.tally.acceptance
@@ -91,6 +95,17 @@ def evaluate(engine, prompts: list[str], configs: Mapping[str, RunConfig], progr
                      "token_agreement": t.agree / max(1, t.ar_tokens)})
     return {"model": engine.name, "adapter": engine.adapter, "prompts": prompts, "max_new_tokens": max_new_tokens,
             "rows": rows}
+
+
+def _with_references(table: list[dict], results: dict) -> list[dict]:
+    """The compare rows, a row whose reference could not run (no ar decodes a bidirectional model) measured
+    against the `ar` baseline on the base model instead, and labelled so."""
+    out = []
+    for row in table:
+        if row["reference"] not in results:
+            row = {**row, "reference": "ar", "identical_to_reference": row["identical_to_ar"]}
+        out.append(row)
+    return out
 
 
 def render(report: dict) -> str:

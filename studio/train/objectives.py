@@ -1,4 +1,4 @@
-"""The two training objectives, as batches of noisy rows over a clean pass (see layout.py).
+"""The training objectives: batches of noisy rows and their loss (see layout.py).
 
 `IDLM` (the I-DLM paper, §3.1 and appendix E): noisy blocks of b MASKs, causal, logit shift: the MASK at position
 s+j (j < b) sees x_0[:s] and the block's earlier MASKs and predicts x_0[s+j+1] -- exactly what ISD's
@@ -7,10 +7,16 @@ stride curriculum N = 2 -> 3 -> 4 (b = N - 1).
 `Block` (SDAR-style block diffusion): a block of B slots at s, a random subset of them masked (ratio
 t ~ U(0, 1]), bidirectional inside; right-shifted for an AR model (slot 0 is the filled AR token, row
 j-1 predicts slot j) or position-aligned (row j predicts slot j), as `blockdiff` reads the model.
+Both run over a clean pass (two passes, `TwoPassKV`).
 
 Gate `mask`: LoRA on MASK rows only (R-ISD; the clean pass is the base model, run without gradient).
 Gate `all`: LoRA on every row (the I-DLM recipe), the clean pass trained too, with the clean
 next-token loss auto-balanced against the masked loss (Eq. 2: L = L_mask + (L_mask / L_clean)sg · L_clean).
+
+`MDM` (masked diffusion, Dream's recipe on an AR model): one bidirectional pass over [prompt | answer with a share t
+of its tokens MASKed], the logit shift kept (hidden i-1 predicts token i), the loss on the MASKed tokens only,
+each weighted 1/t (docs/training.md says why). The LoRA is on every row: the adapter makes a bidirectional model,
+which `canvas` decodes.
 """
 from __future__ import annotations
 
@@ -46,8 +52,15 @@ class TwoPassKV:
         return torch.cat([self.k[layer], k], dim=2), torch.cat([self.v[layer], v], dim=2)
 
 
+class OnDevice:
+    """A dataclass of tensors that moves to a device as a whole."""
+
+    def to(self, device):
+        return type(self)(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
+
+
 @dataclass
-class Batch:
+class Batch(OnDevice):
     clean: torch.Tensor          # [B, L] right-padded token ids
     clean_targets: torch.Tensor  # [B, L] next token of each answer row, IGNORE elsewhere
     noisy: torch.Tensor          # [B, R] noisy-row token ids (MASK or filled)
@@ -56,10 +69,6 @@ class Batch:
     gate: torch.Tensor           # [B, R] LoRA on
     targets: torch.Tensor        # [B, R] IGNORE where a row predicts nothing
     slot: torch.Tensor           # [B, R] 1-based draft slot of each target (accuracy by slot), 0 = none
-
-
-    def to(self, device) -> "Batch":
-        return Batch(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
 
 
 @dataclass
@@ -79,8 +88,13 @@ class Objective:
     clean_loss = "ce"            # gate all: ce (I-DLM Eq. 2, the clean tokens) | kl (the base model's law)
     mask_id: int
     bidirectional = False        # noisy rows see their whole block (block diffusion) or a causal prefix (I-DLM)
+    trained_attention: str | None = None   # the attention the adapter declares (None: the base model's own)
 
     def block_width(self, progress: float) -> int:
+        raise NotImplementedError
+
+    def n_slots(self) -> int:
+        """How many slots the accuracy-by-slot report has."""
         raise NotImplementedError
 
     def rows(self, seq: Sequence, n_blocks: int, width: int, gen: torch.Generator):
@@ -126,12 +140,7 @@ class Objective:
         total = task
         if clean_loss is not None:
             total = task + (task.detach() / (clean_loss.detach() + 1e-8)) * clean_loss
-        with torch.no_grad():
-            hit = ((logits.argmax(-1) == batch.targets) & (batch.targets != IGNORE)).cpu()
-            slot = batch.slot.clamp(max=n_slots).cpu()
-            counted_rows = (batch.targets != IGNORE).cpu()
-            correct = torch.zeros(n_slots + 1).index_add_(0, slot.flatten(), hit.flatten().float())[1:]
-            counted = torch.zeros(n_slots + 1).index_add_(0, slot.flatten(), counted_rows.flatten().float())[1:]
+        correct, counted = hits_by_slot(logits, batch.targets, batch.slot, n_slots)
         return Losses(total, float(task.detach()), None if clean_loss is None else float(clean_loss.detach()),
                       correct, counted)
 
@@ -146,6 +155,17 @@ class Objective:
             base = model(batch.clean, pos, TwoPassKV())[rows]
         return F.kl_div(F.log_softmax(logits[rows].float(), -1), F.log_softmax(base.float(), -1), log_target=True,
                         reduction="batchmean")
+
+
+def hits_by_slot(logits: torch.Tensor, targets: torch.Tensor, slot: torch.Tensor, n_slots: int):
+    """(greedy hits, target rows) per slot 1..n_slots: the accuracy-by-slot report of a step."""
+    with torch.no_grad():
+        hit = ((logits.argmax(-1) == targets) & (targets != IGNORE)).cpu()
+        slot = slot.clamp(max=n_slots).cpu()
+        rows = (targets != IGNORE).cpu()
+        correct = torch.zeros(n_slots + 1).index_add_(0, slot.flatten(), hit.flatten().float())[1:]
+        counted = torch.zeros(n_slots + 1).index_add_(0, slot.flatten(), rows.flatten().float())[1:]
+    return correct, counted
 
 
 def _starts(lo: int, hi: int, k: int, gen: torch.Generator) -> list[int]:
@@ -169,6 +189,9 @@ class IDLM(Objective):
     def min_answer(self) -> int:
         return max(self.curriculum) + 1
 
+    def n_slots(self) -> int:
+        return max(self.curriculum) - 1
+
     def rows(self, seq, n_blocks, width, gen):
         toks = seq.tokens
         starts = _starts(seq.prompt_len, len(toks) - 1 - width, n_blocks, gen)
@@ -189,6 +212,9 @@ class Block(Objective):
 
     def min_answer(self) -> int:
         return self.size + 1
+
+    def n_slots(self) -> int:
+        return self.size
 
     def rows(self, seq, n_blocks, width, gen):
         toks = seq.tokens
@@ -212,3 +238,89 @@ class Block(Objective):
             targets += row_t
             slots += row_slot
         return starts, torch.tensor(tokens), torch.tensor(targets), torch.tensor(slots)
+
+
+
+T_QUARTERS = 4   # MDM reports its accuracy by the quarter of (0, 1] the mask ratio t falls in
+
+
+@dataclass
+class CanvasBatch(OnDevice):
+    tokens: torch.Tensor         # [B, L] prompt | answer (EOS padding included) with a share t of it MASKed
+    keys: torch.Tensor           # [B, L] the columns a row attends to (a truncated answer's batch padding is not one)
+    targets: torch.Tensor        # [B, L] on the row that predicts a MASKed position (i-1, shifted): its token
+    weights: torch.Tensor        # [B, L] 1/t on target rows, 0 elsewhere
+    slot: torch.Tensor           # [B, L] the quarter of (0, 1] t falls in, 1..4 (accuracy by noise level), 0 = none
+    n_answer: torch.Tensor       # [] answer positions in the batch (EOS padding included): the loss's denominator
+
+
+class MDM(Objective):
+    """Masked diffusion on an AR model (Dream's recipe): every answer position of a sequence is MASKed with the same
+    probability t (drawn per sequence, stratified over the batch: t_b = eps + (1 - eps)((u + b/B) mod 1)), the
+    sequence [prompt | masked answer] is read with bidirectional attention, and
+
+        loss = sum over MASKed positions i of CE(row predicting i, x_i) / t, divided by the batch's answer positions
+
+    (LLaDA's SFT loss: an unbiased estimate of the masked-diffusion bound per answer token). An answer that ended
+    with an EOS is padded with that EOS up to the batch's longest sequence, and the padding is part of the answer
+    (masked and predicted too), so the model learns to close a canvas longer than its answer with EOS, as `canvas`
+    asks it to; an answer cut at the data's token limit is not padded (its canvas ended mid-text)."""
+    gate_all = True
+    trained_attention = "bidirectional"
+
+    def __init__(self, mask_id: int, eos_ids, shift: bool = True, eps: float = 1e-3):
+        self.mask_id, self.eos_ids, self.shift, self.eps = mask_id, set(eos_ids), shift, eps
+
+    def block_width(self, progress: float) -> int:
+        return 0   # no blocks: the whole answer is the canvas
+
+    def min_answer(self) -> int:
+        return 1
+
+    def n_slots(self) -> int:
+        return T_QUARTERS
+
+    def mask_ratios(self, n: int, gen: torch.Generator) -> torch.Tensor:
+        """n mask ratios in (eps, 1], one per sequence, stratified: one uniform draw spread evenly over (0, 1)
+        (lower variance than n independent draws, the same distribution for each)."""
+        u = (torch.rand((), generator=gen) + torch.arange(n) / n) % 1.0
+        return self.eps + (1 - self.eps) * (1 - u)
+
+    def make_batch(self, seqs: list[Sequence], rows_per_seq: int, progress: float,
+                   gen: torch.Generator) -> CanvasBatch:
+        B, L = len(seqs), max(len(s.tokens) for s in seqs)
+        t = self.mask_ratios(B, gen)
+        tokens = torch.zeros(B, L, dtype=torch.long)
+        keys = torch.zeros(B, L, dtype=torch.bool)
+        targets = torch.full((B, L), IGNORE, dtype=torch.long)
+        weights = torch.zeros(B, L)
+        slot = torch.zeros(B, L, dtype=torch.long)
+        n_answer = 0
+        for b, s in enumerate(seqs):
+            toks = s.tokens + [s.tokens[-1]] * (L - len(s.tokens)) if s.tokens[-1] in self.eos_ids else s.tokens
+            n, P = len(toks), s.prompt_len
+            answer = torch.tensor(toks[P:])
+            masked = torch.rand(n - P, generator=gen) < t[b]
+            tokens[b, :n] = torch.tensor(toks)
+            tokens[b, P:n] = torch.where(masked, self.mask_id, answer)
+            keys[b, :n] = True
+            rows = torch.arange(P, n)[masked] - (1 if self.shift else 0)
+            targets[b, rows] = answer[masked]
+            weights[b, rows] = 1.0 / t[b]
+            slot[b, rows] = 1 + min(T_QUARTERS - 1, int(t[b] * T_QUARTERS))
+            n_answer += n - P
+        return CanvasBatch(tokens, keys, targets, weights, slot, torch.tensor(float(n_answer)))
+
+    def loss(self, model, batch: CanvasBatch, n_slots: int) -> Losses:
+        batch = batch.to(model.lm_head.weight.device)
+        B, L = batch.tokens.shape
+        rows = (batch.targets != IGNORE).any(0).nonzero()[:, 0]   # the head runs on rows some sequence predicts
+        positions = torch.arange(L, device=batch.tokens.device)[None].expand(B, L)
+        attend = batch.keys[:, None, None, :].expand(B, 1, L, L)   # every row sees every real column
+        logits = model(batch.tokens, positions, TwoPassKV(), mask=attend,   # (a recording TwoPassKV: no cache)
+                       lora_gate=torch.ones_like(batch.keys), logits_rows=rows)
+        targets, weights = batch.targets[:, rows], batch.weights[:, rows]
+        ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="none")
+        task = (ce * weights.flatten()).sum() / batch.n_answer.clamp(min=1)
+        correct, counted = hits_by_slot(logits, targets, batch.slot[:, rows], n_slots)
+        return Losses(task, float(task.detach()), None, correct, counted)

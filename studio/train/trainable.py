@@ -68,11 +68,13 @@ class Trainable:
             out += [(f"{name}.lora_A", m.lora_A), (f"{name}.lora_B", m.lora_B)]
         return out + [("mask_embedding", self.mask_row)]
 
-    def save(self, path, block_size: int | None = None, adapted_rows: str | None = None) -> None:
-        """`adapted_rows`: the rows the LoRA was trained on, "mask" or "all" (the training's --gate)."""
+    def save(self, path, block_size: int | None = None, adapted_rows: str | None = None,
+             attention: str | None = None) -> None:
+        """`adapted_rows`: the rows the LoRA was trained on, "mask" or "all" (the training's --gate); `attention`:
+        the attention it was trained with, when not the base model's (`train mdm`: bidirectional)."""
         save_adapter(self.model, path, r=self.r, alpha=self.alpha, targets=self.targets,
                      mask_token_id=self.mask_id, mask_embedding=self.mask_row[None], block_size=block_size,
-                     adapted_rows=adapted_rows)
+                     adapted_rows=adapted_rows, attention=attention)
 
     def n_params(self) -> int:
         return sum(t.numel() for _, t in self.named_tensors())

@@ -1,4 +1,4 @@
-"""The training loop shared by `train idlm` and `train block`: AdamW, warmup + cosine, time box, checkpoints.
+"""The training loop shared by `train idlm`, `train block` and `train mdm`: AdamW, warmup + cosine, time box, checkpoints.
 
 An output directory is a usable adapter at every checkpoint (adapter_config.json +
 adapter_model.safetensors, loadable by `--adapter` and by peft) plus
@@ -33,11 +33,11 @@ LOG = "train_log.jsonl"
 
 @dataclass
 class TrainConfig:
-    kind: str                    # idlm | block
-    gate: str                    # mask | all
+    kind: str                    # idlm | block | mdm
+    gate: str                    # mask | all (mdm: all)
     steps: int = 400
     batch_size: int = 8
-    rows_per_seq: int = 96       # noisy rows trained per sequence per step
+    rows_per_seq: int = 96       # noisy rows trained per sequence per step (mdm: every answer position is one)
     lr: float = 1e-3
     warmup: float = 0.05         # fraction of steps
     weight_decay: float = 0.0
@@ -101,7 +101,7 @@ def train(model, seqs: list[Sequence], objective: Objective, cfg: TrainConfig, o
     opt = torch.optim.AdamW([t for _, t in tensors], lr=cfg.lr, weight_decay=cfg.weight_decay)
     if resume:
         _load_optimizer(root, opt, tensors)
-    n_slots = max(cfg.stride - 1, cfg.block_size)
+    n_slots = objective.n_slots()
     t_start = time.perf_counter()
     step = state["step"]
     try:
@@ -131,15 +131,15 @@ def train(model, seqs: list[Sequence], objective: Objective, cfg: TrainConfig, o
             if on_step:
                 on_step(report)
             if step % cfg.save_every == 0 or step == cfg.steps:
-                _save(root, trainable, opt, tensors, state)
+                _save(root, trainable, opt, tensors, state, objective)
         else:
             state["stopped"] = "done"
     except KeyboardInterrupt:
         state["stopped"] = "interrupted"
-        _save(root, trainable, opt, tensors, state)
+        _save(root, trainable, opt, tensors, state, objective)
         raise
     state["train_s"] = state.get("train_s", 0.0) + time.perf_counter() - t_start
-    _save(root, trainable, opt, tensors, state)
+    _save(root, trainable, opt, tensors, state, objective)
     return state
 
 
@@ -172,13 +172,14 @@ def _start(root: Path, cfg: TrainConfig, n_seqs: int, resume: bool):
     return {"config": asdict(cfg), "step": 0, "n_sequences": n_seqs}, init
 
 
-def _save(root: Path, trainable: Trainable, opt, tensors, state: dict) -> None:
+def _save(root: Path, trainable: Trainable, opt, tensors, state: dict, objective: Objective) -> None:
     from safetensors.torch import save_file
 
     tmp = root / ".checkpoint"
     tmp.mkdir(exist_ok=True)
     cfg = state["config"]
-    trainable.save(tmp, block_size=cfg["block_size"] if cfg["kind"] == "block" else None, adapted_rows=cfg["gate"])
+    trainable.save(tmp, block_size=cfg["block_size"] if cfg["kind"] == "block" else None, adapted_rows=cfg["gate"],
+                   attention=objective.trained_attention)
     moments = {}
     for i, (name, _) in enumerate(tensors):
         st = opt.state.get(opt.param_groups[0]["params"][i], {})

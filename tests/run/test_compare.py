@@ -336,7 +336,7 @@ def test_html_report_self_contained(cli, tmp_path):
 # -- the demo (make run) ------------------------------------------------------------------------------
 def test_demo_every_strategy_cpu_presets_traces_and_report(cli, tmp_path):
     from studio.run.demo import demo_configs
-    configs = demo_configs(None, 8)
+    configs = demo_configs(None, 8, "tiny-llama")   # nothing is shipped for canvas on the tiny model
     expected = [f"{n}-cpu" if n in ("jacobi-mr", "s2d2", "simsd") else n for n, c in STRATEGIES.items()
                 if c.decodes_ar_models]
     assert list(configs) == expected and expected[0] == "ar"             # every registered strategy, CPU-sized
@@ -416,3 +416,6 @@ def test_fit_baseline_keeps_ar_where_the_model_has_an_ar_mode_and_names_the_canv
     listed, refs = with_references(compare_configs("fast-dllm-prefix,canvas"))
     assert list(listed) == ["ar", "fast-dllm-prefix", "fast-dllm-prefix · cache=none", "canvas"]
     assert refs == {"fast-dllm-prefix": "fast-dllm-prefix · cache=none"}
+    listed, refs = with_references(compare_configs("fast-dllm-prefix,fast-dllm-dual"))   # one twin for both
+    assert list(listed) == ["ar", "fast-dllm-prefix", "fast-dllm-prefix · cache=none", "fast-dllm-dual"]
+    assert set(refs.values()) == {"fast-dllm-prefix · cache=none"}
