@@ -87,6 +87,18 @@ def test_bad_sampling_and_params_are_exit_2():
     assert_one_line_error(cli("run", "hi", "--preset", "no-such-preset"), "unknown strategy preset")
 
 
+@pytest.mark.slow
+def test_bad_canvas_runs_are_exit_2():
+    """On the embedded model: canvas without the adapter that makes it a diffusion model, an empty canvas, blocks
+    that do not tile it, a confidence bar or an edit bar outside [0, 1]."""
+    assert_one_line_error(cli("run", "hi", "-s", "canvas", "--adapter", "none"), "is an AR model")
+    assert_one_line_error(cli("run", "hi", "-s", "canvas", "--max-new-tokens", "0"), "--max-new-tokens must be >= 1")
+    assert_one_line_error(cli("run", "hi", "-s", "canvas", "-p", "block_size=8", "--max-new-tokens", "12"),
+                          "not a multiple of the block size 8")
+    assert_one_line_error(cli("run", "hi", "-s", "canvas", "-p", "threshold=1.5"), "threshold must be in [0, 1]")
+    assert_one_line_error(cli("run", "hi", "-s", "blockdiff", "-p", "edit_threshold=-0.1"), "edit_threshold")
+
+
 def test_no_prompt_is_usage_error():
     r = cli("run")
     assert r.returncode == 2 and "Traceback" not in r.stderr
