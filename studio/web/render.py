@@ -279,7 +279,12 @@ def _state_rules() -> str:
         rules.append(f".c.s-{s.value}{{background:{col};color:{INK[s]}}}")
     rules += [f".c.s-{s.value}.held{{background:{fill(s, True)};color:#000}}" for s in HOLDS]
     rules.append(f".c.s-empty{{background:transparent}} .cb{{background:{PALETTE[State.COMMITTED][0]}}}")
-    rules += [f".cb.s-{s.value}{{background:{PALETTE[s][0]}}}" for s in (State.MASKED, State.PADDING)]
+    # a canvas's quiet tail: its colour, hatched like the TUI's ░ and ruled into cells, so it reads as the masked
+    # (or padding) positions still ahead and how many, not as the row's background
+    cells = f"repeating-linear-gradient(90deg,transparent 0 {CELL_PX - 1}px,#fff {CELL_PX - 1}px {CELL_PX}px)"
+    rules += [f".cb.s-{s.value}{{background-color:{PALETTE[s][0]};background-image:{cells},"
+              f"repeating-linear-gradient(135deg,transparent 0 3px,{INK[s]}55 3px 4px)}}"
+              for s in (State.MASKED, State.PADDING)]
     return "\n".join(rules)
 
 
