@@ -132,7 +132,7 @@ def skipped_note(trace) -> str:
 def run_summary_line(footer: dict, label: str, events: list[dict]) -> str:
     """The one-line summary printed after a run (and after each chat turn): tokens, forwards, TPF,
     acceptance (n/a when nothing was verified), tok/s, the prefill (prompt tokens computed, and those reused
-    from a chat's cached history) and the stop reason; a run cancelled during its prefill says only that."""
+    from a chat's cached history; none for a canvas run) and the stop reason; a run cancelled during its prefill says only that."""
     f = footer
     new, reused = prefill_tokens(events)
     prefill = f"{new} tokens" + (f" + {reused} reused" if reused else "")
@@ -140,5 +140,7 @@ def run_summary_line(footer: dict, label: str, events: list[dict]) -> str:
         return f"[{label}] cancelled during the prefill: {prefill} of the prompt in {f['prefill_s']:.2f}s, no output"
     verified = any(e["t"] in ("accept", "reject") for e in events)
     acc = f"{f['accept_rate']:.0%}" if verified else "n/a"
+    # a canvas run has no prefill: its prompt is part of every forward (or of its cache's rebuilds)
+    prefilled = f"  prefill {prefill} {f['prefill_s']:.2f}s" if new or reused else ""
     return (f"[{label}] {f['n_tokens']} tokens  {f['forwards']} forwards  TPF {f['tpf']:.2f}  "
-            f"accept {acc}  {f['tok_s']:.1f} tok/s  prefill {prefill} {f['prefill_s']:.2f}s  stop {f['stop_reason']}")
+            f"accept {acc}  {f['tok_s']:.1f} tok/s{prefilled}  stop {f['stop_reason']}")

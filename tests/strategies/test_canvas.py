@@ -314,3 +314,13 @@ def test_iteration_smoothing_feeds_open_masks_their_expected_embedding_as_dinfer
     assert run.token_ids == smoothing_reference(engine, 8, 0.3)
     # the expected embeddings matter here: without them (w = 0, the same threshold decay) other tokens are filled
     assert run.token_ids != smoothing_reference(engine, 8, 0.3, cw=0.0, init=0.0, growth=0.0)
+
+
+def test_the_summary_line_of_a_canvas_run_claims_no_prefill():
+    """Its prompt is part of every forward: no "prefill 0 tokens 0.00s"; an ar run still says what it prefilled."""
+    from studio.viz.text import run_summary_line
+    r = generate(tiny_mdm(), "canvas", {"block_size": 4}, prompt=PROMPT, n=8)
+    line = run_summary_line(r.footer, "canvas", r.events)
+    assert "prefill" not in line and line.endswith(f"tok/s  stop {r.footer['stop_reason']}")
+    ar = generate(tiny_engine(), "ar", prompt=PROMPT, n=4)
+    assert f"prefill {len(PROMPT)} tokens" in run_summary_line(ar.footer, "ar", ar.events)
