@@ -2,6 +2,7 @@
 model-level claims they exist for: the S2D2 2L verifier equals separate block-size-1 forwards, and a
 SimSD mask slot equals the sequential denoising forward at its step (exactly on one layer)."""
 import itertools
+import math
 import random
 
 import pytest
@@ -304,14 +305,15 @@ def test_simsd_two_blocks_one_layer():
 
 @pytest.mark.parametrize("family", FAMILIES)
 @torch.inference_mode()
-def test_simsd_multi_layer_gap_is_reported(family, capsys):
+def test_simsd_multi_layer_draft_logits_are_an_approximation(family):
     """With more than one layer the D~ logits are only an approximation of sequential denoising (SimSD
     App. "Precision analysis": "higher order interactions among hidden states that are computed
     simultaneously"). Direct visibility still matches, but from layer 2 on D~_k also reads the hidden
     states of D_j (built from the context at j's own reveal time, not at k's step) and of later-time
     D~_j, which themselves saw data revealed after k's step -- including D_k itself -- so information
     about later reveals leaks in (and the context rows never see the block's MASKs, unlike the draft's
-    bidirectional forward). Printed, not asserted."""
+    bidirectional forward). The gap is real (1.06-1.33 in logits on these 3-layer models) and finite: SimSD's
+    exactness comes from its verification, never from the draft."""
     V = 24
     model = tiny_model(family, vocab=V, seed=3, layers=3)
     rng = random.Random(12)
@@ -319,9 +321,7 @@ def test_simsd_multi_layer_gap_is_reported(family, capsys):
     for sm in STEP_MAPS:
         tokens = [rng.randrange(V - 1) for _ in sm]
         worst = max(worst, *_simsd_gaps(model, 3, [5, 6], tokens, sm, V - 1))
-    with capsys.disabled():
-        print(f"\n[simsd] {family} 3-layer: max |D~ logits - sequential| = {worst:.3g}")
-    assert worst == worst   # finite: no NaN from the layout
+    assert math.isfinite(worst) and worst > 0.1
 
 
 @torch.inference_mode()
