@@ -120,10 +120,7 @@ class Engine:
 
     def with_adapter(self, path: str | None) -> "Engine":
         """This model with the adapter at `path` (None: no adapter), sharing the weights; made once per path."""
-        base = self._views.get(None)
-        if base is None or base.lora is not None:   # none yet, or `attach_adapter` has changed it since
-            base = self._views[None] = self if self.lora is None else \
-                dataclasses.replace(self, adapter=None, lora=None, adapter_choice="none")
+        base = self._views.setdefault(None, self)   # `attach_adapter` keeps a copy from before its adapter
         if path not in self._views:
             from studio.engine.lora import load_adapter
             loaded = load_adapter(self.model, path)

@@ -240,6 +240,7 @@ def _bench_batched(engine, ids: list[list[int]], runs: dict, repeats: int, warmu
     samples = {label: [Samples() for _ in ids] for label in runs}
     tok_s = {label: [[] for _ in batches] for label in runs}
     solo = [[] for _ in batches]
+    base = next(iter(runs))   # the baseline runs first
     for _ in range(warmup):
         for label, (strategy, settings) in runs.items():
             _timed_batch(engine, strategy, settings, [ids[i] for i in batches[0]])
@@ -250,13 +251,13 @@ def _bench_batched(engine, ids: list[list[int]], runs: dict, repeats: int, warmu
             for label, (strategy, settings) in runs.items():
                 results, wall_s = _timed_batch(engine, strategy, settings, [ids[i] for i in batch])
                 tok_s[label][b].append(sum(r.footer["n_tokens"] for r in results) / wall_s)
-                if label == next(iter(runs)):   # the baseline runs first
+                if label == base:
                     ar_ids = [r.token_ids for r in results]
                 for i, r, ar in zip(batch, results, ar_ids):
                     samples[label][i].add(r, ar)
                 if progress:
                     progress(f"repeat {rep + 1}/{repeats}", label)
-            alone = [_timed_batch(engine, *runs[next(iter(runs))], [ids[i]]) for i in batch]
+            alone = [_timed_batch(engine, *runs[base], [ids[i]]) for i in batch]
             solo[b].append(sum(r[0].footer["n_tokens"] for r, _ in alone) / sum(wall_s for _, wall_s in alone))
             if progress:
                 progress(f"repeat {rep + 1}/{repeats}", "ar at batch 1")

@@ -232,12 +232,13 @@ def make_runs(engine, prompt: str, prompt_ids: list[int], configs: Mapping[str, 
             return engine.with_adapter(None if config.adapter == "none" else adapter_path(config.adapter))
         return engine.for_strategy(strategy.name)
 
+    engines = {label: view(configs[label], strategy) for label, (strategy, _) in built.items()}
     planned: dict[str, tuple[RunConfig, tuple]] = {}
     with_ar = set()   # the models an ar run decodes so far (None: the base model)
     for label, config in configs.items():
         strategy, settings = built[label]
-        model = decoded_model(view(config, strategy), strategy)
-        causal = view(config, strategy).config.attention == "causal"   # not a model an adapter made bidirectional
+        model = decoded_model(engines[label], strategy)
+        causal = engines[label].config.attention == "causal"   # not a model an adapter made bidirectional
         if ar_mode and causal and strategy.name != "ar" and model not in with_ar and label not in exact:
             reference = dataclasses.replace(configs["ar"], adapter=model or "none")
             planned[reference_label(model)] = reference, reference.build()
@@ -246,7 +247,7 @@ def make_runs(engine, prompt: str, prompt_ids: list[int], configs: Mapping[str, 
     if most is not None and len(planned) > most:
         raise BadInput(f"compare shows at most {most} runs (ar and references included): {', '.join(planned)}")
     for label, (strategy, settings) in built.items():
-        kv_length_needed(view(configs[label], strategy), strategy, settings, prompt_ids)
+        kv_length_needed(engines[label], strategy, settings, prompt_ids)
     if trace_dir and not force:
         from studio.files import check_writable
         for path in trace_paths(trace_dir, planned, trace_prefix).values():
