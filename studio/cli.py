@@ -467,22 +467,23 @@ def models_costs(spec: str = typer.Argument("default", help="'default', a model 
     device, dtype, thread count and LoRA rank (a few seconds), then cached. The table cost-aware drafting reads."""
     import json
 
-    from studio.engine.cost_model import cost_table, table_key, table_path
+    from studio.engine.cost_model import cached_at, cost_table
     from studio.engine.engine import Engine
     engine = Engine.load(spec, adapter=adapter)
     if adapter is None:
         engine = engine.for_strategy("r-isd")
-    path = table_path(table_key(engine))
-    if refresh or not path.exists():
+    path = cached_at(engine)
+    if refresh or path is None or not path.exists():
         typer.echo("measuring forwards of 1-16 rows (a few seconds)...", err=True)
     table = cost_table(engine, refresh=refresh)
     if as_json:
-        typer.echo(json.dumps({**table.to_dict(), "path": str(path)}, indent=1))
+        typer.echo(json.dumps({**table.to_dict(), "path": None if path is None else str(path)}, indent=1))
         return
     k = table.key
     lora = f", LoRA rank {k['lora_rank']}" if k["lora_rank"] else ""
+    where = "random weights: measured in this process only" if path is None else f"cached in {path}"
     typer.echo(f"{k['model']} on {k['device']}, {k['dtype']}, {k['threads']} threads{lora}; after a "
-               f"{table.context}-token context (cached in {path})")
+               f"{table.context}-token context ({where})")
     head = "rows   plain ms  x 1-row" + ("   LoRA on all ms  x 1-row" if table.gated_ms else "")
     typer.echo(head)
     for n in range(1, table.max_rows + 1):

@@ -43,3 +43,13 @@ def _one_thread_for_tiny_models(request):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(autouse=True)
+def _tiny_models_plan_on_a_fixed_cost_table(request, monkeypatch):
+    """Cost-aware drafting plans on the machine's measured table, which for a tiny random model is measured anew in
+    every process: tests pin it (rows cost what one does) so a plan, and a snapshot of it, is the same everywhere.
+    Tests marked slow (the embedded model) plan on the real table; `tests.support.plans` sets others."""
+    if not request.node.get_closest_marker("slow"):
+        from studio.engine.cost_model import FLAT_COSTS
+        monkeypatch.setattr("studio.run.session.cost_table", lambda engine: FLAT_COSTS)

@@ -259,7 +259,9 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids) 
 
 def round_shape(strategy, sampling) -> int:
     """The stride of `strategy`'s batched rounds (ar: 1). BadInput unless it is ar, isd or r-isd at
-    temperature 0 (the equality with batch 1 is a greedy guarantee; sampled batches are not offered)."""
+    temperature 0 (the equality with batch 1 is a greedy guarantee; sampled batches are not offered). A batch
+    drafts every round in full, as batch 1 does with `drafting="fixed"`: each row of a stationary batch pays the
+    batch's width whatever it drafts, so a per-sequence plan would save nothing."""
     if strategy.name not in BATCHED:
         raise BadInput(f"batched decoding supports {', '.join(BATCHED)}, not {strategy.name!r}")
     if not sampling.greedy:

@@ -19,7 +19,11 @@ from pathlib import Path
 import torch
 
 from studio.engine.forward_cost import Shape, measure_forwards
+from studio.engine.random_models import RANDOM_SOURCE
 
+# Part of every table's key: bump it when the engine changes what a forward of n rows costs (a table measured
+# before 2 predates the CPU's W @ x.T projections, model.linear)
+TABLE_VERSION = 2
 MAX_ROWS = 16        # ISD stride 8 (2N - 1 = 15 rows + 1), Jacobi's default block of 16
 CONTEXT = 128        # KV length the forwards attend over: a short chat turn's
 
@@ -39,7 +43,7 @@ class CostTable:
 
     def forward_ms(self, rows: int, gated: int = 0) -> float:
         """A forward of `rows` rows, `gated` of them with the LoRA on: the plain forward plus what the LoRA added
-        to a forward of `gated` rows. Past the measured rows, extended along the last measured step."""
+        to a forward of `gated` rows. Past the measured rows, in proportion to the rows."""
         if rows < 1 or not 0 <= gated <= rows:
             raise ValueError(f"a forward has rows >= 1 and 0 <= gated <= rows, got rows={rows}, gated={gated}")
         ms = _at(self.plain_ms, rows)
@@ -62,11 +66,17 @@ class CostTable:
                    None if gated is None else tuple(float(x) for x in gated))
 
 
+# Every forward costs the same whatever its rows (as on a GPU well below its compute): what a decode context without
+# a measured table plans with until it has timed its own forwards.
+FLAT_COSTS = CostTable({"flat": True}, 0, (1.0,) * MAX_ROWS)
+
+
 def _at(ms: tuple[float, ...], rows: int) -> float:
+    """The measured time of `rows` rows; past the table, the last one's time per row times `rows` (a forward that
+    wide is compute-bound, and a difference of noisy neighbours could even be negative)."""
     if rows <= len(ms):
         return ms[rows - 1]
-    slope = ms[-1] - ms[-2] if len(ms) > 1 else 0.0
-    return ms[-1] + slope * (rows - len(ms))
+    return ms[-1] * rows / len(ms)
 
 
 def table_key(engine) -> dict:
@@ -76,7 +86,7 @@ def table_key(engine) -> dict:
     if engine.lora is not None:
         a, _ = next(iter(engine.lora.modules.values()))
         rank = int(a.shape[0])
-    return {"model": engine.name, "arch": cfg.arch, "dim": cfg.dim, "layers": cfg.n_layers, "vocab": cfg.vocab_size,
+    return {"version": TABLE_VERSION, "model": engine.name, "arch": cfg.arch, "dim": cfg.dim, "layers": cfg.n_layers, "vocab": cfg.vocab_size,
             "device": str(p.device), "dtype": str(p.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "lora_rank": rank}
 
@@ -104,21 +114,39 @@ def table_path(key: dict) -> Path:
     return costs_dir() / f"{digest}.json"
 
 
+_random_tables: dict[str, CostTable] = {}   # this process's tables of random-weight models, by file name
+
+
+def cached_at(engine) -> Path | None:
+    """Where `engine`'s table is cached; None for a model of random weights (measured per process)."""
+    return None if engine.source == RANDOM_SOURCE else table_path(table_key(engine))
+
+
 def cost_table(engine, refresh: bool = False) -> CostTable:
     """The cached table for `engine`'s key, measured (and cached) when there is none, it does not read back, or
-    `refresh` asks."""
+    `refresh` asks. A model of random weights (tests, `random:NAME`) is measured once per process, never written."""
     key = table_key(engine)
     path = table_path(key)
+    random = engine.source == RANDOM_SOURCE
     if not refresh:
-        try:
-            table = CostTable.from_dict(json.loads(path.read_text(encoding="utf-8")))
-            if table.key == key:
-                return table
-        except (OSError, ValueError, KeyError, TypeError):
-            pass   # absent or unreadable: measure it again
+        table = _random_tables.get(path.name) if random else _read(path, key)
+        if table is not None:
+            return table
     table = calibrate(engine)
-    from studio.files import atomic_write
-    os.makedirs(path.parent, exist_ok=True)
-    with atomic_write(path) as f:
-        json.dump(table.to_dict(), f, indent=1)
+    if random:
+        _random_tables[path.name] = table
+    else:
+        from studio.files import atomic_write
+        os.makedirs(path.parent, exist_ok=True)
+        with atomic_write(path) as f:
+            json.dump(table.to_dict(), f, indent=1)
     return table
+
+
+def _read(path: Path, key: dict) -> CostTable | None:
+    """The table cached at `path` for `key`; None when it is absent, unreadable or another key's."""
+    try:
+        table = CostTable.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return table if table.key == key else None

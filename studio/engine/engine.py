@@ -13,7 +13,7 @@ from studio.engine.config import ModelConfig
 from studio.engine.device import resolve_device, resolve_dtype
 from studio.engine.graphs import CachePool
 from studio.engine.model import Transformer, model_class
-from studio.engine.random_models import build_random, is_random, random_config
+from studio.engine.random_models import RANDOM_SOURCE, build_random, is_random, random_config
 from studio.engine.tokenizer import ByteIdTokenizer
 from studio.engine.weights import load_model_files
 from studio.errors import BadInput
@@ -77,7 +77,7 @@ class Engine:
         if is_random(spec):
             cfg = random_config(spec)
             engine = cls(model=build_random(cfg, dev, dt), tokenizer=ByteIdTokenizer(cfg.vocab_size), config=cfg,
-                         name=cfg.name, source="random weights", load_s=0.0, from_cache=False, adapter_choice=adapter)
+                         name=cfg.name, source=RANDOM_SOURCE, load_s=0.0, from_cache=False, adapter_choice=adapter)
         else:
             engine = cls._from_files(spec, progress, adapter)
             to_device(engine.model, dev, dt)

@@ -67,7 +67,7 @@ class Linear(nn.Linear):
     lora_scale: float = 0.0
 
     def forward(self, x: torch.Tensor, gate: RowGate | None = None) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         if self.lora_A is None or gate is None:
             return y
         if gate.rows is None:
@@ -262,11 +262,35 @@ class Transformer(LanguageModel):
         return vocab_logits(self.lm_head.weight, self.model.norm(x))
 
 
+# Row counts up to which a CPU projection runs as W @ x.T (`linear`)
+SMALL_ROWS = 16
+
+
+def _w_xt(w: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """flat [R, D] through w [N, D] as w @ flat.T, [R, N]. One row is doubled: a one-column product would take
+    torch's GEMV path, which on the CPU runs ~2x slower than this GEMM with two columns."""
+    r = flat.shape[0]
+    cols = torch.cat([flat, flat]) if r == 1 and flat.device.type == "cpu" else flat
+    return torch.mm(w, cols.t())[:, :r].t()
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., D] @ w.T (+ b). On the CPU in fp32 a decode-sized product (at most SMALL_ROWS rows) runs as w @ x.T
+    (`_w_xt`): torch's F.linear takes a GEMV for one row and small-M GEMMs that read the weights more slowly, so this
+    way a 1-token step of the embedded model takes ~0.6x the time, 5-8 rows ~0.6x (docs/architecture.md#cpu-projections);
+    wider products (a prefill) and other devices keep F.linear."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.numel() > SMALL_ROWS * x.shape[-1]:
+        return F.linear(x, w, b)
+    y = _w_xt(w, x.reshape(-1, x.shape[-1])).contiguous()
+    if b is not None:
+        y += b
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
 def vocab_logits(head: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """float logits of x [..., D] through the head [V, D], as W @ x.T: BLAS streams the head once for any row count,
+    """float logits of x [..., D] through the head [V, D], as W @ x.T for any row count: BLAS streams the head once,
     where F.linear's small-M GEMM is ~3x slower at 7 rows on CPU (the head is a fifth of a small model)."""
-    flat = x.reshape(-1, x.shape[-1])
-    out = torch.mm(head, flat.t()).t()
+    out = _w_xt(head, x.reshape(-1, x.shape[-1]))
     return out.reshape(*x.shape[:-1], -1).float().contiguous()
 
 

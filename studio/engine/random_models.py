@@ -11,6 +11,8 @@ from studio.engine.config import ModelConfig
 from studio.engine.model import Transformer, model_class
 from studio.errors import BadInput
 
+RANDOM_SOURCE = "random weights"   # `Engine.source` of a model these build
+
 PREFIX = "random:"
 # the shapes of the published config.json files (Hugging Face hub)
 SHAPES: dict[str, dict] = {

@@ -1,4 +1,4 @@
-"""Event schema ``dlm-studio.trace/1.1``: the one contract between the engine and every consumer
+"""Event schema ``dlm-studio.trace/1.2``: the one contract between the engine and every consumer
 (docs/events.md). Fields, their validation, and one constructor per event kind.
 
 The engine describes every decoding step as small plain-dict events (JSON-ready, cheap to build on
@@ -7,7 +7,8 @@ the hot path); the CLI printer, TUI, web UI, trace files and metrics read nothin
 Versioning: ``dlm-studio.trace/MAJOR[.MINOR]``. A minor bump may add fields (readers ignore fields they don't
 know, and keep them in the dicts), event kinds and enum values; a reader skips the event kinds of a newer minor
 it does not know (`TraceReader.skipped` counts them). Changed meanings need a new major, which this build
-refuses to read. 1.1 added `edit`, `remask`, `kv {op: refresh}` and the header's `canvas`.
+refuses to read. 1.1 added `edit`, `remask`, `kv {op: refresh}` and the header's `canvas`; 1.2 added `plan` (the
+draft count a cost-aware strategy chose for its next forward and the speed-up over a plain AR step it expects).
 
 Values must be plain Python types (use ``.tolist()`` / ``.item()`` on tensors); consumers share the
 event dicts and must not mutate them. A read trace may hold ``None`` for any float (see trace.py).
@@ -21,9 +22,9 @@ from typing import Any, Callable, Literal, Mapping, Union, get_args, get_origin
 
 from studio.errors import BadInput
 
-SCHEMA = "dlm-studio.trace/1.1"
+SCHEMA = "dlm-studio.trace/1.2"
 _SCHEMA_RE = re.compile(r"dlm-studio\.trace/([0-9]{1,9})(?:\.([0-9]{1,9}))?")  # int() refuses 4300+ digits
-_MAJOR, _MINOR = 1, 1
+_MAJOR, _MINOR = 1, 2
 
 Event = dict[str, Any]
 
@@ -47,6 +48,7 @@ EVENT_FIELDS: dict[str, dict[str, Any]] = {
     "remask": {"pos": list[int], "tok": list[int]},
     "block": {"op": Literal["open", "close"], "start": int, "end": int},
     "route": {"verify": bool, "score": float, "policy": str},
+    "plan": {"drafts": int, "max_drafts": int, "gain": float},
     "kv": {"op": Literal["commit", "rollback", "refresh"], "from_len": int, "to_len": int},
     "emit": {"pos": list[int], "tok": list[int], "text": str},
 }
@@ -211,6 +213,7 @@ edit = partial(make, "edit")
 remask = partial(make, "remask")
 block = partial(make, "block")
 route = partial(make, "route")
+plan = partial(make, "plan")
 kv = partial(make, "kv")
 emit = partial(make, "emit")
 

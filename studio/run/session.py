@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from studio import events as ev
+from studio.engine.cost_model import cost_table
 from studio.engine.device import synchronize
 from studio.engine.engine import Engine
 from studio.engine.sampling import SamplingParams
@@ -146,9 +147,11 @@ class Run:
         self.prompt_ids = list(prompt_ids)
         self.header = self._header(prompt_text)
         self.out = Output(engine.tokenizer, settings.max_new_tokens, frozenset(engine.eos_ids()), tuple(settings.stop))
+        # a cost-aware strategy plans with the machine's forward costs: measured here on first use, off the run's clock
+        costs = cost_table(engine) if strategy.plans_drafts else None
         self.ctx = DecodeContext(engine.model, engine.tokenizer, settings.sampling, settings.seed, self.out,
                                  engine.config.mask_token_id, kv_len, kv=kv, oracle_accept=settings.oracle_accept,
-                                 graphs=engine.graphs, clean_gate=strategy.clean_gate(engine.lora))
+                                 graphs=engine.graphs, clean_gate=strategy.clean_gate(engine.lora), costs=costs)
         self._writer = ev.TraceWriter(trace_path, self.header) if trace_path else None
         self._on_finish = on_finish
         self._cancel = threading.Event()

@@ -115,6 +115,7 @@ class Row:
     emitted: list[int] = field(default_factory=list)  # token ids emitted at this step
     text: str = ""                   # their text
     route: dict[str, Any] | None = None
+    plan: dict[str, Any] | None = None   # cost-aware drafting's plan for this step's forward (a `plan` event)
     kv: list[dict[str, Any]] = field(default_factory=list)
     blocks: list[dict[str, Any]] = field(default_factory=list)
     n_events: int = 0
@@ -475,6 +476,8 @@ class GridBuilder:
                         g.blocks.append(BlockSpan(e["start"], e["end"], step, step))
             elif t == "route":
                 row.route = {"verify": e["verify"], "score": e["score"], "policy": e["policy"]}
+            elif t == "plan":
+                row.plan = {"drafts": e["drafts"], "max_drafts": e["max_drafts"], "gain": e["gain"]}
             elif t == "kv":
                 row.kv.append({"op": e["op"], "from_len": e["from_len"], "to_len": e["to_len"]})
             # unknown kinds (a future minor version) are ignored here

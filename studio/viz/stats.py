@@ -29,6 +29,8 @@ class StepPoint:
     accept_rate: float | None  # running acceptance (None before anything was verified)
     kv_len: int | None        # KV length after the step's last kv event
     refreshed: tuple[tuple[int, int], ...] = ()   # KV slot ranges [from, to) recomputed at this step
+    plan: tuple[int, int, float] | None = None     # cost-aware drafting's plan for this step's forward:
+                                                   # (drafts, max_drafts, expected gain over a plain AR step)
 
 
 def progress(events: Iterable[Mapping[str, Any]]) -> list[StepPoint]:
@@ -67,6 +69,7 @@ class Tracker:
         unmasked: set[int] = set()
         emitted_pos: set[int] = set()
         refreshed: list[tuple[int, int]] = []
+        plan = None
         progressed = False
         for e in step_events:
             self.tally.feed(e)
@@ -91,6 +94,8 @@ class Tracker:
                 progressed = True
             elif t in ("propose", "resample", "bonus", "accept", "reject", "edit"):
                 progressed = True
+            elif t == "plan":
+                plan = (e["drafts"], e["max_drafts"], e["gain"])
             elif t == "kv" and e["op"] == "refresh":   # a refresh recomputes slots; the length stays
                 refreshed.append((e["from_len"], e["to_len"]))
             elif t == "kv":
@@ -103,7 +108,7 @@ class Tracker:
                 earlier.unmasked += 1
         point = StepPoint(step, role, ms, wall, emitted, 0, progressed, tally.n_tokens, tally.forwards,
                           tally.tpf if tally.forwards else None, acc.accepted, acc.verified,
-                          acc.rate if acc.verified else None, self._kv_len, tuple(refreshed))
+                          acc.rate if acc.verified else None, self._kv_len, tuple(refreshed), plan)
         self._filled_at.update((p, point) for p in unmasked - emitted_pos)
         return point
 

@@ -55,7 +55,7 @@ def row_html(grid: Grid, step: int) -> str:
         for p in range(b.start, b.end):
             edges[p] = " b" + (" bl" if p == b.start else "") + (" br" if p == b.end - 1 else "")
     role = row.role or ""
-    head = f'<span class="h">{step}<i title="{esc(FORWARD_ROLES.get(role, role))}">{esc(role)}</i></span>'
+    head = f'<span class="h">{step}<i title="{esc(FORWARD_ROLES.get(role, role))}">{esc(role)}</i>{_plan(row.plan)}</span>'
     parts = [f'<div class="r" data-step="{step}">{head}']
     if lo:
         parts.append(f'<span class="cb" data-n="{lo}" style="width:{lo * CELL_PX}px" title="step {step} · '
@@ -80,6 +80,16 @@ def row_html(grid: Grid, step: int) -> str:
         parts.append(f'<span class="t">+{len(row.emitted)} {esc(text)}</span>')
     parts.append("</div>")
     return "".join(parts)
+
+
+def _plan(plan: dict | None) -> str:
+    """A cost-aware step's plan after its role: the drafts it carried (0: an AR step), the rest in the tooltip."""
+    if plan is None:
+        return ""
+    d, top, gain = plan["drafts"], plan["max_drafts"], plan["gain"]
+    why = (f"an AR step: at the acceptance so far no draft pays for its rows (of up to {top})" if d == 0 else
+           f"planned {d} of up to {top} drafts, expecting {gain:.2f}x the speed of a plain AR step")
+    return f'<b class="pl" title="cost-aware drafting: {esc(why)}">d{d}</b>'
 
 
 def _quiet(c: Cell, state: State | None) -> bool:
@@ -297,9 +307,10 @@ CSS = f"""
 .traj .steps:empty::before {{ content: "The trajectory appears here, one row per forward, as the run decodes.";
                              color: #777; font-family: system-ui, sans-serif; font-size: 12.5px; }}
 .traj .r {{ display: flex; align-items: center; height: {CELL_PX + 2}px; white-space: nowrap; }}
-.traj .h {{ flex: none; width: 74px; padding-left: 4px; color: #555;
+.traj .h {{ flex: none; width: 92px; padding-left: 4px; color: #555;
            position: sticky; left: 0; z-index: 1; background: #fff; }}
 .traj .h i {{ font-style: normal; margin-left: 5px; color: #888; }}
+.traj .h b.pl {{ font-weight: normal; margin-left: 4px; color: #0072B2; }}
 .c {{ flex: none; display: inline-block; box-sizing: border-box; width: {CELL_PX}px; height: {CELL_PX}px;
       line-height: {CELL_PX - 2}px; text-align: center; border: 1px solid #fff; font-size: 10px; cursor: pointer; }}
 .c.em {{ font-weight: bold; }}

@@ -28,8 +28,9 @@ from tests.support.tiny import FAMILIES, tiny_engine
 V, N_NEW = 16, 40
 _g = torch.Generator().manual_seed(1)
 PROMPTS = [torch.randint(0, V - 1, (n,), generator=_g).tolist() for n in (3, 8, 1, 5, 2)]   # MASK (V - 1) excluded
-CASES = [("ar", None), ("isd", {"stride": 2}), ("isd", {"stride": 4}),
-         ("r-isd", {"stride": 2}), ("r-isd", {"stride": 4})]
+# a batch drafts every round in full, as batch 1 does in fixed drafting
+CASES = [("ar", None), ("isd", {"stride": 2, "drafting": "fixed"}), ("isd", {"stride": 4, "drafting": "fixed"}),
+         ("r-isd", {"stride": 2, "drafting": "fixed"}), ("r-isd", {"stride": 4, "drafting": "fixed"})]
 GREEDY = SamplingParams()
 
 

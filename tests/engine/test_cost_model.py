@@ -34,7 +34,8 @@ def test_a_forward_s_cost_is_its_rows_plus_what_the_lora_adds_to_its_gated_rows(
     t = CostTable({}, 8, plain_ms=(10.0, 12.0, 15.0), gated_ms=(11.0, 14.0, 18.0))
     assert t.forward_ms(3) == 15.0 and t.forward_ms(3, gated=2) == 15.0 + (14.0 - 12.0)
     assert t.relative(2, gated=2) == 1.4
-    assert t.forward_ms(5) == 15.0 + 2 * 3.0                       # past the table: along its last step
+    assert t.forward_ms(6) == 15.0 * 2                             # past the table: the last time per row
+    assert CostTable({}, 8, plain_ms=(10.0, 16.0, 15.0)).forward_ms(40) > 0   # never a falling difference
     assert CostTable({}, 8, plain_ms=(10.0, 12.0)).forward_ms(2, gated=2) == 12.0   # no LoRA measured: plain
     for rows, gated in ((0, 0), (2, 3), (2, -1)):
         with pytest.raises(ValueError):
@@ -44,6 +45,7 @@ def test_a_forward_s_cost_is_its_rows_plus_what_the_lora_adds_to_its_gated_rows(
 
 def test_the_cache_serves_the_same_key_and_measures_a_new_one_a_bad_file_or_on_refresh(tmp_path, monkeypatch):
     engine = tiny_engine("llama", vocab=64)
+    engine.source = "model files"   # random weights are measured once per process and never written
     measured = []
 
     def counting(e, **kw):
@@ -68,6 +70,7 @@ def test_the_cache_serves_the_same_key_and_measures_a_new_one_a_bad_file_or_on_r
 
 def test_models_costs_prints_the_table_and_its_json(tmp_path, monkeypatch):
     engine = tiny_engine("llama", vocab=64)
+    engine.source = "model files"
     monkeypatch.setattr(Engine, "load", staticmethod(lambda spec, adapter=None, **kw: engine))
     monkeypatch.setattr(cost_model, "calibrate", lambda e, **kw: CostTable(table_key(e), 128, (2.0, 2.5, 3.0)))
     res = CliRunner().invoke(app, ["models", "costs"])

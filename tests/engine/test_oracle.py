@@ -48,12 +48,13 @@ def test_oracle_acceptance_and_tpf_follow_p(stride, p):
     TPF is ISD's closed form (2 + P + ... + P^(N-2)) / (2 - P^(N-1))."""
     engine = tiny_engine()
     engine.model.config = engine.config = dataclasses.replace(engine.config, max_seq_len=2048)
-    r = oracle_run(engine, "isd", {"stride": stride}, p, 1200)
+    r = oracle_run(engine, "isd", {"stride": stride, "drafting": "fixed"}, p, 1200)
     accepted, rejected = verdicts(r)
     n = accepted + rejected
     assert n > 500 and abs(accepted / n - p) < 4 * math.sqrt(p * (1 - p) / n)
     assert r.footer["tpf"] == pytest.approx(expected_tpf(p, stride), rel=0.05)
-    assert make_strategy("isd", {"stride": stride}).expected_tpf(p) == expected_tpf(p, stride)
+    assert make_strategy("isd", {"stride": stride, "drafting": "fixed"}).expected_tpf(p) == expected_tpf(p, stride)
+    assert make_strategy("isd", {"stride": stride}).expected_tpf(p) is None   # auto: the draft count varies
 
 
 @pytest.fixture
@@ -71,16 +72,18 @@ def bench(monkeypatch, tmp_path):
 
 
 def test_bench_oracle_reports_expected_tpf_and_no_agreement(bench, tmp_path):
-    res = bench("-s", "isd,jacobi", "--oracle-accept", "0.5", "--json")
+    fixed = tmp_path / "isd-fixed.toml"   # the closed form is fixed drafting's; auto plans its draft count
+    fixed.write_text('strategy = "isd"\n[params]\nstride = 4\ndrafting = "fixed"\n[sampling]\ntemperature = 0.0\n')
+    res = bench("-s", f"{fixed},isd,jacobi", "--oracle-accept", "0.5", "--json")
     assert res.exit_code == 0, (res.output, res.exception)
     rep = json.loads(res.stdout)
     by = {s["label"]: s for s in rep["strategies"]}
     assert rep["oracle_accept"] == 0.5
-    assert by["isd"]["expected_tpf"] == pytest.approx(expected_tpf(0.5, 4))
-    assert by["ar"]["expected_tpf"] is None and by["jacobi"]["expected_tpf"] is None
-    assert [by[k]["exact_match_vs_ar"] for k in ("ar", "isd", "jacobi")] == [1.0, None, None]
+    assert by["isd-fixed"]["expected_tpf"] == pytest.approx(expected_tpf(0.5, 4))
+    assert by["ar"]["expected_tpf"] is None and by["jacobi"]["expected_tpf"] is None and by["isd"]["expected_tpf"] is None
+    assert [by[k]["exact_match_vs_ar"] for k in ("ar", "isd-fixed", "jacobi")] == [1.0, None, None]
     html = tmp_path / "bench.html"
-    res = bench("-s", "isd", "--oracle-accept", "0.5", "--html", str(html))
+    res = bench("-s", str(fixed), "--oracle-accept", "0.5", "--html", str(html))
     assert res.exit_code == 0, (res.output, res.exception)
     assert "TPF expected" in res.stdout and "1.47" in res.stdout and "oracle acceptance 0.5" in res.stdout
     assert "TPF expected" in html.read_text()

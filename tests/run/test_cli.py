@@ -125,7 +125,7 @@ def recycled_accepts(events) -> list[tuple[int, int]]:
 def test_jacobi_mr_recycles_ngrams_on_a_numbered_list(tmp_path):
     trace = tmp_path / "mr.jsonl"
     r = cli("run", "Write a numbered list from 1 to 20.", "-s", "jacobi-mr", "--preset", "jacobi-mr-cpu",
-            "--max-new-tokens", "80", "--json", "--trace", str(trace), check_rc=0)
+            "-p", "drafting=fixed", "--max-new-tokens", "80", "--json", "--trace", str(trace), check_rc=0)
     out = json.loads(r.stdout)
     assert out["strategy"] == "jacobi-mr" and (out["params"]["block_size"], out["params"]["pool_size"]) == (8, 2)
     assert out["tpf"] > 1.0, out                              # measured 2.11 (80 tokens, 38 forwards)

@@ -29,9 +29,10 @@ def test_advancing_by_hand_equals_session_run(name):
         batches.append(run.advance())
     assert run.result.token_ids == whole.token_ids
     assert [e for b in batches for e in b] == run.result.events
-    assert batches[0][0]["role"] == "prefill" and all(b for b in batches[:-1])
-    # one strategy step per advance: every batch after the prefill starts with a forward
-    assert all(b[0]["t"] == "forward" for b in batches[1:] if b)
+    # one strategy step per advance: every batch starts with its forward (after the plan for it, if it has one)
+    first = [next(e for e in b if e["t"] != "plan") for b in batches if b]
+    assert first[0]["role"] == "prefill" and all(b for b in batches[:-1])
+    assert all(e["t"] == "forward" for e in first)
     assert run.forwards == run.result.footer["forwards"]
     assert run.advance() == []
 

@@ -8,6 +8,7 @@ from studio.engine.strategies.isd import expected_tpf
 from studio.errors import BadInput
 from studio.run.session import Session, Settings
 from tests.support.exact import chi_square_pvalue, exact_sequence_law
+from tests.support.plans import ISD_MIXED, plan_with, planned
 from tests.support.tiny import FAMILIES, tiny_engine
 
 PROMPT = [1, 2, 3, 4]
@@ -20,12 +21,16 @@ def generate(engine, name, params=None, n=40, temperature=0.0, seed=0, top_k=0, 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("stride", [2, 4])
-def test_greedy_isd_equals_greedy_ar(family, stride):
+@pytest.mark.parametrize("drafting", ["fixed", "auto"])
+def test_greedy_isd_equals_greedy_ar(monkeypatch, family, stride, drafting):
+    """auto: with costs under which the plan changes along the run (AR steps after rejections, drafts again)."""
     engine = tiny_engine(family, vocab=24, seed=5)
     ar = generate(engine, "ar", n=60)
-    isd = generate(engine, "isd", {"stride": stride}, n=60)
+    plan_with(monkeypatch, ISD_MIXED)
+    isd = generate(engine, "isd", {"stride": stride, "drafting": drafting}, n=60)
     assert isd.token_ids == ar.token_ids
     assert isd.footer["forwards"] >= 1
+    assert len(set(planned(isd))) == (2 if drafting == "auto" else 0)
 
 
 def _isd_samples(engine, params, n_samples, length=3):
@@ -43,16 +48,22 @@ def law_engine():
     return engine, law
 
 
-@pytest.mark.parametrize("proposal", ["sample", "argmax"])
-def test_sampled_isd_matches_the_ar_distribution(law_engine, proposal):
+@pytest.mark.parametrize("proposal, drafting", [("sample", "fixed"), ("argmax", "fixed"), ("sample", "auto")])
+def test_sampled_isd_matches_the_ar_distribution(monkeypatch, law_engine, proposal, drafting):
+    """auto: the draft count of each round depends on the verdicts before it, and the law is still the AR law."""
     engine, law = law_engine
-    samples = _isd_samples(engine, {"stride": 3, "proposal": proposal}, 20_000)
+    plan_with(monkeypatch, ISD_MIXED)
+    samples = _isd_samples(engine, {"stride": 3, "proposal": proposal, "drafting": drafting}, 20_000)
     assert chi_square_pvalue(samples, law) > 0.01
+    if drafting == "auto":
+        plans = {tuple(planned(generate(engine, "isd", {"stride": 3}, n=3, temperature=1.0, seed=s)))
+                 for s in range(50)}
+        assert {d for p in plans for d in p} == {0, 1}
 
 
 def test_reference_mode_is_biased(law_engine):
     engine, law = law_engine
-    samples = _isd_samples(engine, {"stride": 3, "mode": "reference"}, 4_000)   # p = 0.0 from 2,000 on
+    samples = _isd_samples(engine, {"stride": 3, "mode": "reference", "drafting": "fixed"}, 4_000)   # p = 0.0 from 2,000 on
     assert chi_square_pvalue(samples, law) < 1e-4
 
 
@@ -122,6 +133,7 @@ def test_stop_on_eos_and_stop_string():
 @pytest.mark.parametrize("params, message", [
     ({"stride": 1}, "stride"), ({"proposal": "beam"}, "proposal"), ({"tau": -1.0}, "tau"),
     ({"mode": "fast"}, "mode"), ({"strides": 3}, "no parameter"), ({"stride": "4"}, "must be int"),
+    ({"drafting": "greedy"}, "drafting"),
 ])
 def test_bad_parameters_are_clear_errors(params, message):
     with pytest.raises(BadInput, match=message):

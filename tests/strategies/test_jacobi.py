@@ -13,6 +13,7 @@ from studio.errors import BadInput
 from studio.presets import load_strategy_preset
 from studio.run.session import Session, Settings
 from tests.support.exact import chi_square_pvalue, exact_sequence_law
+from tests.support.plans import CHAIN_MIXED, plan_with, planned
 from tests.support.tiny import FAMILIES, tiny_engine
 
 PROMPT = [1, 2, 3, 4]
@@ -85,14 +86,21 @@ MR_PARAMS = [{"block_size": 8}, {"block_size": 4, "blocks": 3, "spawn_ratio": 0.
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_jacobi_and_mr_equal_greedy_ar(family):
+def test_greedy_jacobi_and_mr_equal_greedy_ar(monkeypatch, family):
+    """Every layout, drafting all its drafts (fixed) and under costs that make the plan change along the run (auto:
+    AR steps, narrow forwards of a few drafts, Jacobi MR's whole layout)."""
+    plan_with(monkeypatch, CHAIN_MIXED)
+    plans = set()
     for engine in (roomy(tiny_engine(family, vocab=24, seed=5)), cycling_engine(family)):
         ar = generate(engine, "ar")
         for name, params in [("jacobi", p) for p in JACOBI_PARAMS] + [("jacobi-mr", p) for p in MR_PARAMS]:
-            r = generate(engine, name, params)
-            assert r.token_ids == ar.token_ids, (name, params)
-            assert len(r.token_ids) == 80
-            assert r.footer["forwards"] <= 79
+            for drafting in ("fixed", "auto"):
+                r = generate(engine, name, dict(params, drafting=drafting))
+                assert r.token_ids == ar.token_ids, (name, params, drafting)
+                assert len(r.token_ids) == 80
+                assert r.footer["forwards"] <= 79
+                plans |= set(planned(r))
+    assert plans == {0, 1}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -100,13 +108,13 @@ def test_recycled_ngrams_are_accepted_on_repetitive_output(family):
     engine = cycling_engine(family)
     ar = generate(engine, "ar")
     assert len(set(ar.token_ids)) < 10                         # it really repeats
-    jac = generate(engine, "jacobi", {"block_size": 8})
-    mr = generate(engine, "jacobi-mr", {"block_size": 8})
+    jac = generate(engine, "jacobi", {"block_size": 8, "drafting": "fixed"})
+    mr = generate(engine, "jacobi-mr", {"block_size": 8, "drafting": "fixed"})
     assert mr.token_ids == ar.token_ids == jac.token_ids
     assert ngram_accepted(mr) > 0
     assert mr.footer["tpf"] > 2.0                              # measured 4.21 (80 tokens, 19 forwards)
     assert mr.footer["tpf"] > jac.footer["tpf"]                # plain Jacobi: 1.01 on a first-order model
-    no_pool = generate(engine, "jacobi-mr", {"block_size": 8, "pool_size": 0})
+    no_pool = generate(engine, "jacobi-mr", {"block_size": 8, "pool_size": 0, "drafting": "fixed"})
     assert ngram_accepted(no_pool) == 0 and no_pool.footer["forwards"] > mr.footer["forwards"]
 
 
@@ -127,7 +135,7 @@ def _promoted_kept(result) -> tuple[int, int]:
 
 
 def test_promotion_keeps_progress_in_intended_mode_and_drops_it_in_reference_mode():
-    params = {"block_size": 8, "pool_size": 0, "spawn_ratio": 0.5}   # no pool: only the promotion differs
+    params = {"block_size": 8, "pool_size": 0, "spawn_ratio": 0.5, "drafting": "fixed"}   # only the promotion differs
     forwards = {"intended": 0, "reference": 0}
     for family in FAMILIES:
         for seed in range(3):
@@ -161,22 +169,29 @@ def law_engine():
     return engine, law
 
 
-def test_sampled_jacobi_matches_the_ar_distribution(law_engine):
+def test_sampled_jacobi_matches_the_ar_distribution(monkeypatch, law_engine):
+    """In auto drafting, with costs under which the plan follows the verdicts (AR steps and drafts)."""
     engine, law = law_engine
+    plan_with(monkeypatch, CHAIN_MIXED)
     assert chi_square_pvalue(_samples(engine, "jacobi", {"block_size": 2}, 20_000), law) > 0.01
+    plans = {d for s in range(50) for d in planned(generate(engine, "jacobi", {"block_size": 2}, n=3,
+                                                             temperature=1.0, seed=s))}
+    assert plans == {0, 1}
 
 
-def test_sampled_jacobi_mr_matches_the_ar_distribution(law_engine):
+@pytest.mark.parametrize("drafting", ["fixed", "auto"])
+def test_sampled_jacobi_mr_matches_the_ar_distribution(monkeypatch, law_engine, drafting):
+    """fixed: every forward carries the whole layout; auto: narrow forwards and whole ones, as the verdicts go."""
     engine, law = law_engine
-    params = {"block_size": 3, "spawn_ratio": 0.3, "pool_size": 3}
+    plan_with(monkeypatch, CHAIN_MIXED)
+    params = {"block_size": 3, "spawn_ratio": 0.3, "pool_size": 3, "drafting": drafting}
     assert chi_square_pvalue(_samples(engine, "jacobi-mr", params, 20_000), law) > 0.01
-    # the machinery under test was exercised: pseudo blocks, candidates, and candidates that won
-    kinds, won = set(), 0
-    for seed in range(300):
-        r = generate(engine, "jacobi-mr", params, n=3, temperature=1.0, seed=seed)
-        kinds |= {e["t"] + "/" + e.get("src", "") for e in r.events}
-        won += ngram_accepted(r)
-    assert {"block/", "unmask/", "propose/ngram"} <= kinds and won > 0
+    runs = [generate(engine, "jacobi-mr", params, n=3, temperature=1.0, seed=seed) for seed in range(300)]
+    if drafting == "fixed":   # the machinery under test was exercised: pseudo blocks, candidates, candidates that won
+        kinds = {e["t"] + "/" + e.get("src", "") for r in runs for e in r.events}
+        assert {"block/", "unmask/", "propose/ngram"} <= kinds and sum(map(ngram_accepted, runs)) > 0
+    else:                     # the plan followed the verdicts: AR steps and forwards with drafts
+        assert {d for r in runs for d in planned(r)} == {0, 1}
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -185,7 +200,7 @@ def test_committed_kv_is_exactly_the_clean_tokens(temperature, engine_kind):
     """With recycling active (candidate rows that win and are kept with ctx.keep), the cache holds exactly
     prompt + output[:-1] (the last token is pending) and equals a fresh prefill."""
     engine = cycling_engine("qwen3") if engine_kind == "cycling" else roomy(tiny_engine("qwen2", vocab=12, seed=3))
-    strat = make_strategy("jacobi-mr", {"block_size": 6, "spawn_ratio": 0.5, "pool_size": 4})
+    strat = make_strategy("jacobi-mr", {"block_size": 6, "spawn_ratio": 0.5, "pool_size": 4, "drafting": "fixed"})
     out = Output(engine.tokenizer, 60, frozenset())
     kv_len = len(PROMPT) + 60 + strat.kv_headroom()
     ctx = DecodeContext(engine.model, engine.tokenizer, SamplingParams(temperature), 7, out,
@@ -210,8 +225,9 @@ def test_committed_kv_is_exactly_the_clean_tokens(temperature, engine_kind):
     assert torch.allclose(ctx.kv.v[:, :, :, :n], fresh.v[:, :, :, :n], atol=1e-5)
 
 
-@pytest.mark.parametrize("name, params", [("jacobi", {"block_size": 4}),
-                                          ("jacobi-mr", {"block_size": 4, "spawn_ratio": 0.5, "blocks": 3})])
+@pytest.mark.parametrize("name, params", [("jacobi", {"block_size": 4, "drafting": "fixed"}),
+                                          ("jacobi-mr", {"block_size": 4, "spawn_ratio": 0.5, "blocks": 3,
+                                                         "drafting": "fixed"})])
 def test_events_tell_the_whole_story(name, params):
     engine = roomy(tiny_engine("qwen2", vocab=10, seed=2))
     r = generate(engine, name, params, n=40, temperature=1.0, seed=4)
@@ -270,6 +286,7 @@ def test_position_aligned_model_is_refused():
     ("jacobi-mr", {"spawn_ratio": 0.0}, "spawn_ratio"), ("jacobi-mr", {"spawn_ratio": 1.5}, "spawn_ratio"),
     ("jacobi-mr", {"spawn_ratio": float("nan")}, "spawn_ratio"), ("jacobi-mr", {"mode": "fast"}, "mode"),
     ("jacobi-mr", {"pool_size": -1}, "pool_size"), ("jacobi-mr", {"block_size": "8"}, "must be int"),
+    ("jacobi", {"drafting": "some"}, "drafting"),
 ])
 def test_bad_parameters_are_clear_errors(name, params, message):
     with pytest.raises(BadInput, match=message):

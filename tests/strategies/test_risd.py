@@ -14,6 +14,7 @@ from studio.engine.strategies import DecodeContext, Output, make_strategy
 from studio.run.session import Session, Settings
 from tests.support.exact import chi_square_pvalue, exact_sequence_law
 from tests.support.lora import merged_model, random_adapter
+from tests.support.plans import ISD_MIXED, plan_with, planned
 from tests.support.tiny import FAMILIES, tiny_engine
 
 PROMPT = [1, 2, 3, 4]
@@ -45,8 +46,8 @@ def test_greedy_risd_equals_greedy_ar_of_the_base_model(tmp_path, family, stride
 def test_lora_rows_isd_every_row_risd_mask_rows_only(tmp_path, family):
     engine, base = adapted_and_base(tmp_path, family, vocab=24)
     stride = 3
-    isd = generate(engine, "isd", {"stride": stride}, n=40)
-    risd = generate(engine, "r-isd", {"stride": stride}, n=40)
+    isd = generate(engine, "isd", {"stride": stride, "drafting": "fixed"}, n=40)
+    risd = generate(engine, "r-isd", {"stride": stride, "drafting": "fixed"}, n=40)
     fwd_isd = [e for e in isd.events if e["t"] == "forward"]
     fwd_risd = [e for e in risd.events if e["t"] == "forward"]
     assert all(f["lora_rows"] == f["n_tokens"] for f in fwd_isd)
@@ -56,7 +57,7 @@ def test_lora_rows_isd_every_row_risd_mask_rows_only(tmp_path, family):
     # changes the model, and ISD is lossless with respect to that model)
     assert isd.token_ids != generate(base, "ar", n=40).token_ids
     # without an adapter no row is gated
-    plain = generate(base, "r-isd", {"stride": stride}, n=10)
+    plain = generate(base, "r-isd", {"stride": stride, "drafting": "fixed"}, n=10)
     assert all(e["lora_rows"] == 0 for e in plain.events if e["t"] == "forward")
     base.model = merged_model(engine.model)
     assert isd.token_ids == generate(base, "ar", n=40).token_ids
@@ -78,7 +79,7 @@ def test_risd_with_an_adapter_that_adds_the_mask_token(tmp_path):
 # -------------------------------------------------------------------------------------------------
 # the model an adapter makes: the LoRA on the rows it adapts (adapter_config.json's adapted_rows)
 # -------------------------------------------------------------------------------------------------
-DECODERS = [("ar", None), ("jacobi", {"block_size": 4}), ("jacobi-mr", {"block_size": 4}), ("isd", {"stride": 3})]
+DECODERS = [("ar", None), ("jacobi", {"block_size": 4}), ("jacobi-mr", {"block_size": 4}), ("isd", {"stride": 3, "drafting": "fixed"})]
 
 
 def with_rows(tmp_path, rows, family="llama", seed=5):
@@ -165,11 +166,14 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def test_sampled_risd_matches_the_base_ar_distribution(law_pair, one_thread):
+def test_sampled_risd_matches_the_base_ar_distribution(monkeypatch, law_pair, one_thread):
+    """In auto drafting, with costs under which the plans vary with the verdicts (ISD's fixed plan: test_isd)."""
     engine, law, _ = law_pair
-    samples = [tuple(generate(engine, "r-isd", {"stride": 3, "proposal": "sample"}, n=3, temperature=1.0,
-                              seed=seed).token_ids) for seed in range(20_000)]
-    assert chi_square_pvalue(samples, law) > 0.01
+    plan_with(monkeypatch, ISD_MIXED)
+    runs = [generate(engine, "r-isd", {"stride": 3, "proposal": "sample"}, n=3, temperature=1.0, seed=seed)
+            for seed in range(20_000)]
+    assert chi_square_pvalue([tuple(r.token_ids) for r in runs], law) > 0.01
+    assert {d for r in runs[:100] for d in planned(r)} == {0, 1}
 
 
 # -------------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ def one_of_each() -> list[dict]:
         ev.forward(0, 0.0, role="prefill", n_tokens=5, lora_rows=0, wall_ms=3.5),
         ev.emit(0, 0.1, pos=[0], tok=[11], text="a"),
         ev.propose(0, 0.2, pos=[1, 2], tok=[12, 13], q=[0.9, 0.5], src="mask"),
+        ev.plan(1, 0.9, drafts=3, max_drafts=3, gain=1.21),
         ev.forward(1, 1.0, role="verify", n_tokens=7, lora_rows=3, wall_ms=12.3),
         ev.accept(1, 1.1, pos=[1], tok=[12], p=[0.8], q=[0.9]),
         ev.reject(1, 1.2, pos=2, tok=13, p=0.1, q=0.5),
@@ -241,7 +242,7 @@ FOOTER = {"kind": "footer", **footer([])}
     ([full_header(), BONUS], '{"t": "emit", "st', 3, "truncated"),
     ([], '{"kind": "hea', 1, "truncated"),
     ([{**full_header(), "schema": "dlm-studio.trace/2"}], "", 1,
-     "unsupported trace schema 'dlm-studio.trace/2' (this build reads dlm-studio.trace/1.1)"),
+     "unsupported trace schema 'dlm-studio.trace/2' (this build reads dlm-studio.trace/1.2)"),
     ([{**full_header(), "schema": "other/1"}], "", 1, "unsupported trace schema"),
 ])
 def test_reader_errors_are_one_line_with_path_and_line(tmp_path, lines, tail, line_no, needle):

@@ -339,14 +339,14 @@ def test_snapshot_replay(snap_compare, monkeypatch, tmp_path):
 
 
 def test_snapshot_canvas_replay_of_a_newer_minor_trace(snap_compare, monkeypatch, tmp_path):
-    """The synthetic canvas (tests/support/fixtures) as a trace of schema 1.2 with one event of a kind this build
+    """The synthetic canvas (tests/support/fixtures) as a trace of schema 1.3 with one event of a kind this build
     does not know: the title warns of it; at step 7 the grid shows the filled output, a guess, the EOS and the
     padding after it, the metrics panel a KV refresh, the inspector the padded cell under the cursor."""
     from studio.events import read_trace
     from tests.support.fixtures import traces
-    traces.newer_minor(pathlib.Path(traces.__file__).parent / "canvas_synthetic.jsonl", tmp_path / "canvas-1.2.jsonl")
+    traces.newer_minor(pathlib.Path(traces.__file__).parent / "canvas_synthetic.jsonl", tmp_path / "canvas-1.3.jsonl")
     monkeypatch.chdir(tmp_path)   # the path field shows the path as given
-    app = StudioApp(None, trace=read_trace("canvas-1.2.jsonl"))
+    app = StudioApp(None, trace=read_trace("canvas-1.3.jsonl"))
 
     async def before(pilot):
         title = str(app.screen.query_one("#replay-title").render())

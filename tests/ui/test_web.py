@@ -395,7 +395,7 @@ def test_a_canvas_trace_of_a_newer_minor_shows_its_canvas_and_says_what_it_skipp
     rows = loaded["trace-trajectory"]["rows"]
     assert len(rows) == 10 and "s-noise" in rows[4] and "s-edited" in rows[3] and "s-padding" in rows[9]
     assert "refresh [4,16)" in rows[4] and "12 positions, filled in blocks of 4" in loaded["trace-info"]
-    assert "1 event(s) of kinds dlm-studio.trace/1.2 added skipped" in loaded["trace-info"]
+    assert "1 event(s) of kinds dlm-studio.trace/1.3 added skipped" in loaded["trace-info"]
     assert "<b>10</b> tokens" in loaded["trace-metrics"]   # the padding after the EOS is no output
 
 
@@ -461,7 +461,7 @@ def test_a_markup_prompt_is_text_in_every_view(server, engine, tmp_path):
     rows = "".join(chat["chat-trajectory"]["rows"])
     # token texts (hover, emitted text) are full of < > & " ': in the HTML every < opens one of our tags and
     # every & starts an entity
-    assert set(re.findall(r"<(/?[a-z]+)", rows)) <= {"div", "/div", "span", "/span", "i", "/i"}
+    assert set(re.findall(r"<(/?[a-z]+)", rows)) <= {"div", "/div", "span", "/span", "i", "/i", "b", "/b"}
     assert not re.search(r"&(?!(lt|gt|amp|quot|#x27);)", rows)
 
 

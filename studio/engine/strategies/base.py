@@ -12,6 +12,7 @@ import torch
 
 from studio import events as ev
 from studio.engine import kernels
+from studio.engine.cost_model import FLAT_COSTS, CostTable
 from studio.engine.oracle import oracle_chain
 from studio.engine.sampling import ChainResult, Proposal, SamplingParams, verify_chain
 from studio.errors import BadInput
@@ -70,12 +71,15 @@ class DecodeContext:
     timed decode loop. Every tensor of the run (KV, masks, gates, the sampler's generator) lives on the
     model's device. `oracle_accept` = P replaces every accept decision by a Bernoulli(P) draw (bench).
     `clean_gate`: the LoRA gate of the run's clean (non-MASK) rows, `Strategy.clean_gate` of its adapter.
+    `costs`: the machine's forward cost table for this model, which cost-aware drafting plans with (None: a context
+    built by hand plans as if up to 16 rows cost what one does).
     """
 
     def __init__(self, model, tokenizer, sampling: SamplingParams, seed: int, output: Output,
                  mask_id: int | None, kv_len: int, kv=None, oracle_accept: float | None = None, graphs: bool = False,
-                 clean_gate: bool = False):
+                 clean_gate: bool = False, costs: CostTable | None = None):
         self.model = model
+        self.costs = costs or FLAT_COSTS
         self.clean_gate = clean_gate
         self.tokenizer = tokenizer
         self.sampling = sampling
@@ -118,8 +122,9 @@ class DecodeContext:
         running = time.perf_counter() - self._since if self._since is not None else 0.0
         return (self._elapsed_s + running) * 1000.0
 
-    def event(self, kind: str, **fields) -> None:
-        self._pending.append(ev.make(kind, self.step, self.ms(), **fields))
+    def event(self, kind: str, *, at_step: int | None = None, **fields) -> None:
+        """Record an event of the current step (`at_step`: of another, e.g. a plan for the next forward)."""
+        self._pending.append(ev.make(kind, self.step if at_step is None else at_step, self.ms(), **fields))
 
     def drain(self) -> list[dict]:
         out, self._pending = self._pending, []
@@ -344,6 +349,11 @@ class Strategy:
         """Tokens per forward when every verified draft is accepted with probability `accept`, where a
         closed form is known (bench --oracle-accept prints it beside the measured TPF); else None."""
         return None
+
+    @property
+    def plans_drafts(self) -> bool:
+        """Whether this run sizes its drafts by the measured forward costs (`drafting="auto"`, drafting.py)."""
+        return getattr(self.params, "drafting", None) == "auto"
 
     def kv_headroom(self, config=None) -> int:
         """Slots a single forward may need beyond the committed length (`config`: the model's ModelConfig)."""

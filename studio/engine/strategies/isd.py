@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from studio.engine.sampling import Proposal, process_logits, sample, sample_token
+from studio.engine.strategies import drafting
 from studio.engine.strategies.base import DecodeContext, Strategy
 from studio.engine.strategies.params import N, TAU, param
 from studio.errors import BadInput
@@ -31,6 +32,7 @@ class ISD(Strategy):
         tau: float = param(0.0, "relaxed acceptance (lossy; 0 = exact)", role=TAU)
         mode: str = param("exact", "exact | reference (the I-DLM code's biased argmax + softmax-q scoring)",
                           choices=MODES)
+        drafting: str = param("auto", drafting.HELP + " (stride - 1 drafts)", choices=drafting.DRAFTING)
 
     @staticmethod
     def validate(p) -> None:
@@ -42,6 +44,8 @@ class ISD(Strategy):
             raise BadInput(f"isd tau must be >= 0, got {p.tau}")
         if p.mode not in MODES:
             raise BadInput(f"isd mode must be 'exact' or 'reference', got {p.mode!r}")
+        if p.drafting not in drafting.DRAFTING:
+            raise BadInput(f"isd drafting must be 'auto' or 'fixed', got {p.drafting!r}")
 
     def kv_headroom(self, config=None) -> int:
         return 2 * self.params.stride - 1
@@ -51,7 +55,9 @@ class ISD(Strategy):
 
     # -- rounds ---------------------------------------------------------------------------
     def start(self, ctx: DecodeContext, prompt: list[int]) -> None:
-        n_mask = self.params.stride - 1
+        self.drafts: list[int] = []
+        self.planner = drafting.DraftPlanner(ctx, self.params.stride - 1) if self.plans_drafts else None
+        n_mask = self._n_mask(ctx, prefill=True)
         P = len(prompt)
         logits = ctx.forward("prefill", prompt + [ctx.mask_id] * n_mask,
                              lora_gate=self._gate(ctx, P, n_mask), logits_rows=list(range(P - 1, P + n_mask)))
@@ -65,13 +71,13 @@ class ISD(Strategy):
             self._cold_round(ctx)
 
     def _cold_round(self, ctx: DecodeContext) -> None:
-        n_mask = self.params.stride - 1
+        n_mask = self._n_mask(ctx)
         logits = ctx.forward("cold", [self.pending] + [ctx.mask_id] * n_mask, lora_gate=self._gate(ctx, 1, n_mask))
         ctx.commit(1)
         self._clean_and_propose(ctx, logits, already_emitted=0)
 
     def _verify_round(self, ctx: DecodeContext) -> None:
-        k, n_mask = len(self.drafts), self.params.stride - 1
+        k, n_mask = len(self.drafts), self._n_mask(ctx)
         logits = ctx.forward("verify", [self.pending] + self.drafts + [ctx.mask_id] * n_mask,
                              lora_gate=self._gate(ctx, 1 + k, n_mask))
         base = self.pending_pos + 1
@@ -81,6 +87,8 @@ class ISD(Strategy):
         res = ctx.verify(list(range(base, base + k)), self.drafts, self._target_probs(ctx, logits[:k]), self.q,
                          self._proposal(ctx), logits=raw, tau=self.params.tau, reference=reference)
         a = res.n_accepted
+        if self.planner:
+            self.planner.observe(k, a)
         if a < k:
             accepted = self.drafts[:a]
             ctx.commit(1 + a)
@@ -91,6 +99,12 @@ class ISD(Strategy):
         self._clean_and_propose(ctx, logits[k:], already_emitted=k, bonus=True)
 
     # -- pieces ---------------------------------------------------------------------------
+    def _n_mask(self, ctx: DecodeContext, prefill: bool = False) -> int:
+        """MASK rows in the next forward: the drafts of the round after it (all stride - 1, or as many as pay)."""
+        if self.planner is None:
+            return self.params.stride - 1
+        return self.planner.plan(lambda reach, cost: drafting.isd_rate(reach, cost, ctx.clean_gate), prefill=prefill)
+
     def _clean_and_propose(self, ctx: DecodeContext, logits: torch.Tensor, already_emitted: int,
                            bonus: bool = False) -> None:
         """Row 0 of `logits` gives the next clean token; rows 1..N-1 (MASK rows) the next drafts."""
@@ -106,6 +120,8 @@ class ISD(Strategy):
 
     def _propose(self, ctx: DecodeContext, mask_logits: torch.Tensor, first_pos: int):
         """Draft tokens from the MASK rows, with the distribution q each was drawn from."""
+        if not len(mask_logits):
+            return [], None
         if self._argmax_drafts(ctx):
             tokens = mask_logits.argmax(-1)
             q = self._draft_q_reference(ctx, mask_logits) if self.params.mode == "reference" else None
@@ -141,8 +157,8 @@ class ISD(Strategy):
         """The clean rows decode the adapter's model (`Strategy.clean_gate`); the MASK rows always read the LoRA."""
         return [ctx.clean_gate] * n_clean + [True] * n_mask
 
-    def expected_tpf(self, accept: float) -> float:
-        return expected_tpf(accept, self.params.stride)
+    def expected_tpf(self, accept: float) -> float | None:
+        return None if self.plans_drafts else expected_tpf(accept, self.params.stride)
 
 
 class RISD(ISD):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from studio.engine.sampling import Proposal, process_logits, sample_token
+from studio.engine.strategies import drafting
 from studio.engine.strategies.base import DecodeContext, Strategy
 from studio.engine.strategies.params import N, param
 from studio.errors import BadInput
@@ -38,6 +39,16 @@ class _JacobiBase(Strategy):
                            "token i+1); this model is position-aligned")
         self.prompt = list(prompt)
         self.rng = random.Random(ctx.gen.initial_seed())   # draft init only, never the sampler's stream
+        self.planner = drafting.DraftPlanner(ctx, self.params.block_size) if self.plans_drafts else None
+
+    def _plan(self, ctx: DecodeContext, open_drafts: int, full_rows: int | None = None) -> int:
+        """How many of the `open_drafts` drafts the next forward verifies: all of them, or under `drafting="auto"`
+        as many as pay (0: a plain AR step). `full_rows`: what the forward with all of them costs in rows, when
+        it carries more than the chain (Jacobi MR's pseudo blocks and candidates)."""
+        if self.planner is None:
+            return open_drafts
+        return self.planner.plan(lambda reach, cost: drafting.chain_rate(
+            reach, cost, ctx.clean_gate, full_rows if len(reach) == open_drafts else None), limit=open_drafts)
 
     def _init_tokens(self, ctx: DecodeContext, k: int) -> list[int]:
         """k fresh draft tokens by the `init` rule."""
@@ -50,16 +61,19 @@ class _JacobiBase(Strategy):
         idx = [self.rng.randrange(n_ctx) for _ in range(k)]
         return [self.prompt[i] if i < P else out[i - P] for i in idx]
 
-    @staticmethod
-    def _decide(ctx: DecodeContext, drafts: list[int], p: torch.Tensor, target_logits: torch.Tensor,
+    def _decide(self, ctx: DecodeContext, drafts: list[int], p: torch.Tensor, target_logits: torch.Tensor,
                 bonus_logits: torch.Tensor, base: int) -> tuple[int, list[int]]:
         """Verify deterministic drafts at output positions base.. against p (one row per draft; the processed
         `target_logits`); emit the verdict events. Returns (accepted count, the new tokens: accepted drafts +
-        correction or bonus)."""
+        correction or bonus). No drafts: a plain AR step."""
         k = len(drafts)
+        if not k:
+            return 0, [sample_token(bonus_logits, ctx.sampling, ctx.gen)[0]]
         res = ctx.verify(list(range(base, base + k)), drafts, p, None, Proposal.DETERMINISTIC,
                          logits=(target_logits, None))
         a = res.n_accepted
+        if self.planner:
+            self.planner.observe(k, a)
         if a < k:
             return a, drafts[:a] + [res.correction]
         bonus, _ = sample_token(bonus_logits, ctx.sampling, ctx.gen)
@@ -68,6 +82,8 @@ class _JacobiBase(Strategy):
 
 
 def _check_common(name: str, p) -> None:
+    if p.drafting not in drafting.DRAFTING:
+        raise BadInput(f"{name} drafting must be 'auto' or 'fixed', got {p.drafting!r}")
     if p.block_size < 1:
         raise BadInput(f"{name} block_size must be >= 1, got {p.block_size}")
     if p.init not in INITS:
@@ -87,6 +103,7 @@ class Jacobi(_JacobiBase):
                           choices=INITS)
         max_iters: int = param(128, "safety cap: iterations without a fully accepted window before the drafts "
                                     "are re-initialised (each iteration commits >= 1 token anyway)")
+        drafting: str = param("auto", drafting.HELP + " (of the n drafts)", choices=drafting.DRAFTING)
 
     @staticmethod
     def validate(p) -> None:
@@ -107,20 +124,24 @@ class Jacobi(_JacobiBase):
         ctx.emit([first])
 
     def step(self, ctx: DecodeContext) -> None:
-        d, base = self.drafts, ctx.n_out
-        k = len(d)
+        n, base = len(self.drafts), ctx.n_out
+        k = self._plan(ctx, n)
+        d, unsent = self.drafts[:k], self.drafts[k:]
         logits = ctx.forward("jacobi", [self.pending] + d)
-        ctx.event("propose", pos=list(range(base, base + k)), tok=d, q=[1.0] * k, src="jacobi")
+        if k:
+            ctx.event("propose", pos=list(range(base, base + k)), tok=d, q=[1.0] * k, src="jacobi")
         a, new = self._decide(ctx, d, process_logits(logits[:k], ctx.sampling), logits[:k], logits[k], base)
         ctx.commit(1 + a)
         self.pending = new[-1]
         ctx.emit(new)
         self.iters += 1
-        if a == k or self.iters >= self.params.max_iters:
-            self.drafts, self.iters = self._init_tokens(ctx, k), 0
+        if (k and a == k) or self.iters >= self.params.max_iters:
+            self.drafts, self.iters = self._init_tokens(ctx, n), 0
         else:
-            # rows a+1..k predict the positions after the new pending token (the Jacobi update)
-            self.drafts = logits[a + 1:].argmax(-1).tolist() + self._init_tokens(ctx, a)
+            # rows a+1..k predict the positions after the new pending token (the Jacobi update), the last one the
+            # position of the first draft this forward did not carry; the others stay as they were
+            kept = logits[a + 1:].argmax(-1).tolist() + unsent[1:]
+            self.drafts = kept + self._init_tokens(ctx, n - len(kept))
 
 
 @dataclass
@@ -144,6 +165,9 @@ class JacobiMR(_JacobiBase):
                           choices=MODES)
         max_iters: int = param(128, "safety cap: iterations on one real-active block before its open drafts "
                                     "are re-initialised")
+        drafting: str = param("auto", drafting.HELP + ": the whole layout (the real-active block's open drafts, the "
+                                      "pseudo blocks, the candidates), or the first drafts of the real-active block "
+                                      "alone", choices=drafting.DRAFTING)
 
     @staticmethod
     def validate(p) -> None:
@@ -193,6 +217,11 @@ class JacobiMR(_JacobiBase):
         window = [self.guess[j] for j in range(n_out, horizon)]
         m = self.ra_end - n_out                       # open RA positions (>= 1 after _settle)
         cands = self._candidates(self.pending, window[:m])
+        # cost-aware: the whole layout, or a narrow forward of the first k RA drafts (pseudo blocks wait)
+        k = self._plan(ctx, m, full_rows=1 + len(window) + sum(map(len, cands)))
+        narrow = k < m
+        if narrow:
+            window, cands = window[:k], []
 
         # one forward: [pending | window (RA drafts + pseudo blocks), causal] + candidate rows
         t_main = 1 + len(window)
@@ -209,12 +238,13 @@ class JacobiMR(_JacobiBase):
                              logits_rows=None if len(rows) == len(tokens) else rows)
         at = {r: i for i, r in enumerate(rows)}
         pred = logits.argmax(-1).tolist()
-        ctx.event("propose", pos=list(range(n_out, n_out + m)), tok=window[:m], q=[1.0] * m, src="jacobi")
+        if k:
+            ctx.event("propose", pos=list(range(n_out, n_out + k)), tok=window[:k], q=[1.0] * k, src="jacobi")
         for c in cands:
             ctx.event("propose", pos=list(range(n_out, n_out + len(c))), tok=c, q=[1.0] * len(c), src="ngram")
 
         # chains: (drafts, verify rows, bonus row, KV rows of the drafts)
-        chains = [(window[:m], list(range(m)), m, list(range(1, m + 1)))]
+        chains = [(window[:k], list(range(k)), k, list(range(1, k + 1)))]
         for c, o in zip(cands, offsets):
             chains.append((c, [0] + list(range(o, o + len(c) - 1)), o + len(c) - 1, list(range(o, o + len(c)))))
         verify_rows = sorted({r for ch in chains for r in ch[1]})
@@ -244,7 +274,7 @@ class JacobiMR(_JacobiBase):
         # rejection recycling: the rejected noisy tail (RA drafts, then pseudo guesses) after the (up to n)
         # known tokens that precede it; the last of those is the key
         if self.params.pool_size:
-            j = next((i for i in range(min(m, len(new))) if window[i] != new[i]), None)
+            j = next((i for i in range(min(k, len(new))) if window[i] != new[i]), None)
             if j is not None:
                 out = ctx.out.token_ids
                 self._push((*out[max(0, n_out + j - n):n_out + j], *window[j:j + n]))
@@ -262,7 +292,7 @@ class JacobiMR(_JacobiBase):
         # pseudo blocks: grow the frozen prefix by the leading matches + the prediction after them
         old_frozen = {pos for b in self.pseudo for pos in range(b.start, b.start + b.acc)}
         unmasked: list[int] = []
-        for b in self.pseudo:
+        for b in [] if narrow else self.pseudo:
             old = b.acc
             while b.acc < n and self.guess[b.start + b.acc] == main_pred(b.start + b.acc):
                 b.acc += 1
@@ -270,10 +300,13 @@ class JacobiMR(_JacobiBase):
                 b.acc += 1
             unmasked += range(b.start + old, b.start + b.acc)
         # the Jacobi update of every open position that was not frozen: RA positions take the winning
-        # chain's predictions, pseudo positions the main chain's (they were conditioned on it)
-        self.guess = {pos: self.guess[pos] if pos in old_frozen else
-                      main_pred(pos) if pos >= self.ra_end else next_guess(pos)
-                      for pos in range(new_n_out, horizon)}
+        # chain's predictions, pseudo positions the main chain's (they were conditioned on it); positions a narrow
+        # forward did not reach keep their guesses
+        def update(pos: int) -> int | None:
+            if pos in old_frozen:
+                return None
+            return main_pred(pos) if pos >= self.ra_end else next_guess(pos)
+        self.guess = {pos: g if (g := update(pos)) is not None else self.guess[pos] for pos in range(new_n_out, horizon)}
         unmasked = [pos for pos in unmasked if pos >= new_n_out]
         if unmasked:
             conf = torch.softmax(logits[[at[pos - n_out] for pos in unmasked]].float(), -1)

@@ -1,6 +1,6 @@
 """The metrics panel: forwards, tokens, TPF (with a sparkline of tokens per forward over the steps),
-acceptance by draft position, tok/s, KV length (and the slots a cache refresh recomputed at this step) and the
-current forward's role, all read off a run's `RunNumbers` (`studio.viz.view`): counted by `studio.events.metrics`,
+acceptance by draft position, tok/s, KV length (and the slots a cache refresh recomputed at this step), the
+current forward's role and, for a cost-aware strategy, the draft count it planned, all read off a run's `RunNumbers` (`studio.viz.view`): counted by `studio.events.metrics`,
 the one definition (docs/metrics.md).
 
 One widget drawing one Text: it is redrawn every frame while a run decodes, and a single repaint (a
@@ -51,6 +51,13 @@ def acceptance_text(accept: Acceptance) -> Text:
     return out
 
 
+def plan_text(drafts: int, max_drafts: int, gain: float) -> str:
+    """A cost-aware plan in a few words: '3/3 drafts, expects 1.24x AR' or 'AR step (drafts do not pay)'."""
+    if drafts == 0:
+        return "AR step (drafts do not pay)"
+    return f"{drafts}/{max_drafts} drafts, expects {gain:.2f}× AR"
+
+
 def metrics_text(numbers: RunNumbers, label: str, width: int) -> Text:
     points, tally, last = numbers.points, numbers.tally, numbers.last
     out = Text()
@@ -64,6 +71,8 @@ def metrics_text(numbers: RunNumbers, label: str, width: int) -> Text:
     out.append(f"step {last.step}  ·  {last.role or '—'}\n")
     if last.role in FORWARD_ROLES:   # what the role does, on one line (F1 lists every role)
         out.append(f"{cut(FORWARD_ROLES[last.role], width)}\n", style="dim")
+    if last.plan is not None:         # cost-aware drafting: what this forward carried and why
+        out.append("plan     ", style="dim").append(plan_text(*last.plan) + "\n")
     out.append("forwards ", style="dim").append(f"{tally.forwards:<6}")
     out.append("tokens ", style="dim").append(f"{tally.n_tokens}\n")
     out.append("TPF      ", style="dim").append(f"{tpf:.2f}\n" if tpf is not None else "—\n")

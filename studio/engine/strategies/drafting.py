@@ -1,0 +1,112 @@
+"""Cost-aware drafting: how many draft rows the next forward should carry.
+
+A draft row costs its share of the forward whether or not it is accepted, and on a CPU that share is large and
+uneven (`dlm-studio models costs`). A strategy in `drafting="auto"` asks its `DraftPlanner` before each forward and drafts
+as many tokens as maximise the expected tokens per millisecond -- from 0 (a plain AR step) to its maximum:
+
+- expected tokens come from the run's own acceptance by draft slot (`SlotAcceptance`);
+- the cost of a forward of n rows (and LoRA rows) is the machine's cost table (`studio.engine.cost_model`),
+  measured once per model, device, dtype and thread count. Not the run's own clock: a plan that followed timings
+  would make a seeded sampled run decode differently from one run to the next.
+
+Exact whatever the plan: the plan is a function of verdicts already made, never of the drafts about to be
+verified, so each draft is still accepted by the unchanged rule (a draft length chosen from the past is a
+stopping rule, which leaves a speculative chain's law intact). docs/strategies.md#cost-aware-drafting.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from studio.engine.cost_model import CostTable
+
+DRAFTING = ("auto", "fixed")
+HELP = ("auto: each forward drafts as many tokens (0 = a plain AR step, up to the maximum) as pay for their rows "
+        "by the measured forward costs and the run's acceptance so far | fixed: always the maximum")
+
+# Forward costs for a planner: ms of a forward of `rows` rows, `gated` of them with the LoRA on.
+Cost = Callable[[int, int], float]
+
+
+class SlotAcceptance:
+    """Slot i's chance that draft i is accepted given that drafts 1..i-1 were, from the run's verdicts: a Beta
+    posterior around `prior` whose evidence fades by `decay` per forward, so a slot not drafted for a while drifts
+    back to the prior and gets tried again (how a run that fell back to AR steps finds out that drafts pay again)."""
+
+    def __init__(self, slots: int, prior: float = 0.5, weight: float = 2.0, decay: float = 0.97):
+        self.prior, self.weight, self.decay = prior, weight, decay
+        self.hits = [0.0] * slots
+        self.tries = [0.0] * slots
+
+    def fade(self) -> None:
+        self.hits = [h * self.decay for h in self.hits]
+        self.tries = [t * self.decay for t in self.tries]
+
+    def observe(self, verified: int, accepted: int) -> None:
+        """A chain of `verified` drafts whose first `accepted` were accepted: those slots succeeded, the next one
+        (if any) failed, the rest were never decided."""
+        for i in range(min(accepted + 1, verified, len(self.tries))):
+            self.tries[i] += 1.0
+            self.hits[i] += 1.0 if i < accepted else 0.0
+
+    def rate(self, i: int) -> float:
+        return (self.hits[i] + self.prior * self.weight) / (self.tries[i] + self.weight)
+
+    def reach(self, d: int) -> list[float]:
+        """reach[j] = the chance that the first j + 1 of d drafts are all accepted."""
+        out, r = [], 1.0
+        for i in range(d):
+            r *= self.rate(i)
+            out.append(r)
+        return out
+
+
+def chain_rate(reach: list[float], cost: Cost, clean_gated: bool = False, rows: int | None = None) -> float:
+    """Tokens per ms of a forward that verifies d = len(reach) drafts after the pending token (Jacobi's layout): the
+    accepted prefix plus one more token (a correction or the bonus), for `rows` rows (default 1 + d: the chain
+    alone), all read with the LoRA when the run's clean rows are (`clean_gated`)."""
+    rows = 1 + len(reach) if rows is None else rows
+    return (1.0 + sum(reach)) / cost(rows, rows * clean_gated)
+
+
+def isd_rate(reach: list[float], cost: Cost, clean_gated: bool) -> float:
+    """Tokens per ms of ISD at d = len(reach) drafts per round, in steady state. A verify round (1 + d clean rows,
+    d MASK rows) emits the accepted drafts and a correction, or all d and the bonus; after a rejection the next
+    round is cold (1 clean row, d MASK rows) and emits one token. With A = reach[-1], the share of verify rounds
+    is 1 / (2 - A). MASK rows always read the LoRA; clean rows when `clean_gated`."""
+    d = len(reach)
+    if d == 0:
+        return 1.0 / cost(1, int(clean_gated))
+    A = reach[-1]
+    verify_tokens = 1.0 + sum(reach)
+    verify_ms = cost(1 + 2 * d, d + (1 + d) * clean_gated)
+    cold_ms = cost(1 + d, d + clean_gated)
+    share = 1.0 / (2.0 - A)
+    return (share * verify_tokens + (1 - share)) / (share * verify_ms + (1 - share) * cold_ms)
+
+
+class DraftPlanner:
+    """Chooses each forward's draft count for one run: `plan(rate)` with `rate(reach, cost)` the strategy's expected
+    tokens per ms at len(reach) drafts, `cost` the run's cost table (`DecodeContext.costs`). The plan depends on the
+    table and the run's verdicts only, never on a clock, so a seeded run decodes the same on the same table."""
+
+    def __init__(self, ctx, max_drafts: int, **acceptance):
+        self.ctx = ctx
+        self.max_drafts = max_drafts
+        self.acceptance = SlotAcceptance(max(max_drafts, 1), **acceptance)
+        self.cost: Cost = ctx.costs.forward_ms
+
+    def observe(self, verified: int, accepted: int) -> None:
+        self.acceptance.observe(verified, accepted)
+
+    def plan(self, rate: Callable[[list[float], Cost], float], limit: int | None = None, prefill: bool = False) -> int:
+        """The draft count for the next forward (0..max_drafts, or 0..`limit` when fewer drafts are open), reported
+        as a `plan` event of that forward's step (`prefill`: the prefill, step 0) with its expected gain over a plain
+        AR step."""
+        self.acceptance.fade()
+        top = self.max_drafts if limit is None else min(limit, self.max_drafts)
+        rates = [rate(self.acceptance.reach(d), self.cost) for d in range(top + 1)]
+        best = max(range(len(rates)), key=rates.__getitem__)
+        gain = rates[best] * self.cost(1, 0)
+        self.ctx.event("plan", at_step=0 if prefill else self.ctx.step + 1, drafts=best, max_drafts=self.max_drafts,
+                       gain=gain)
+        return best

@@ -1,0 +1,115 @@
+"""Cost-aware drafting: the planner's arithmetic (acceptance by slot, expected tokens per ms) and what a run
+does with it. Exactness under `drafting="auto"` is tested with each strategy's own exactness tests."""
+import pytest
+
+from studio.engine.cost_model import CostTable
+from studio.engine.sampling import SamplingParams
+from studio.engine.strategies import make_strategy
+from studio.engine.strategies.drafting import SlotAcceptance, chain_rate, isd_rate
+from studio.engine.strategies.isd import expected_tpf
+from studio.run.session import Session, Settings
+from tests.support.tiny import tiny_engine
+
+FLAT = CostTable({}, 0, (1.0,) * 16)
+
+
+def test_a_verdict_counts_the_accepted_slots_and_the_first_rejected_one_only():
+    acc = SlotAcceptance(4, prior=0.5, weight=2.0, decay=1.0)
+    acc.observe(verified=3, accepted=1)      # slot 0 accepted, slot 1 rejected, slot 2 never decided
+    assert acc.tries == [1.0, 1.0, 0.0, 0.0] and acc.hits == [1.0, 0.0, 0.0, 0.0]
+    assert acc.rate(0) == pytest.approx(2 / 3) and acc.rate(1) == pytest.approx(1 / 3) and acc.rate(2) == 0.5
+    assert acc.reach(3) == pytest.approx([2 / 3, 2 / 9, 1 / 9])
+    acc.observe(verified=2, accepted=2)       # all accepted: nothing failed
+    assert acc.tries[:2] == [2.0, 2.0] and acc.hits[:2] == [2.0, 1.0]
+
+
+def test_evidence_fades_back_to_the_prior_so_an_abandoned_slot_is_tried_again():
+    acc = SlotAcceptance(1, prior=0.5, weight=2.0, decay=0.9)
+    for _ in range(20):
+        acc.observe(verified=1, accepted=0)
+    low = acc.rate(0)
+    assert low < 0.15
+    for _ in range(60):
+        acc.fade()
+    assert low < acc.rate(0) and acc.rate(0) == pytest.approx(0.5, abs=0.05)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3, 0.8, 1.0])
+@pytest.mark.parametrize("d", [1, 3, 7])
+def test_isd_rate_on_equal_costs_is_the_papers_tokens_per_forward(p, d):
+    # with every forward costing one unit, tokens per ms is tokens per forward: the closed form of appendix B
+    assert isd_rate([p ** (j + 1) for j in range(d)], FLAT.forward_ms, clean_gated=False) == \
+        pytest.approx(expected_tpf(p, d + 1))
+
+
+def test_drafts_pay_only_when_their_rows_are_cheap_enough_for_the_acceptance():
+    cpu = CostTable({}, 0, (1.0, 1.3, 1.4, 1.2, 1.0, 1.05, 1.15, 1.1))
+    rates = lambda p, rate: [rate([p ** (j + 1) for j in range(d)]) for d in range(4)]
+    isd = lambda reach: isd_rate(reach, cpu.forward_ms, clean_gated=False)
+    chain = lambda reach: chain_rate(reach, cpu.forward_ms)
+    for rate in (isd, chain):
+        low, high = rates(0.1, rate), rates(0.9, rate)
+        assert max(range(4), key=low.__getitem__) == 0        # a plain AR step beats drafts nobody accepts
+        assert max(range(4), key=high.__getitem__) == 3       # and loses to drafts that are accepted
+    # the table is read as measured: 1 draft (2 rows, 1.3) costs more here than 3 drafts of Jacobi (4 rows, 1.2)
+    assert chain_rate([0.5] * 3, cpu.forward_ms) > chain_rate([0.5], cpu.forward_ms)
+
+
+def _run(engine, params, n=40):
+    s = Settings(max_new_tokens=n, sampling=SamplingParams(0.0), seed=0)
+    return Session(engine, make_strategy("isd", params), s).run("", [1, 2, 3, 4])
+
+
+@pytest.mark.parametrize("costs", [(1.0,) + (50.0,) * 15, (1.0,) * 16])
+def test_a_run_plans_each_forward_from_its_costs_and_says_so(monkeypatch, costs):
+    """Rows 50x dearer than a step: every forward is a plain AR step; rows free: every forward drafts (as many as
+    the acceptance by slot makes best: a long chain that is rejected early costs a cold round). The plan is in
+    the events and the output is ar's either way."""
+    engine = tiny_engine("llama", seed=3, vocab=24)
+    table = CostTable({}, 0, costs)
+    monkeypatch.setattr("studio.run.session.cost_table", lambda engine: table)
+    got = _run(engine, {"stride": 4})
+    plans = [e for e in got.events if e["t"] == "plan"]
+    forwards = [e for e in got.events if e["t"] == "forward"]
+    drafts = {p["drafts"] for p in plans}
+    assert len(plans) == len(forwards) and all(p["max_drafts"] == 3 for p in plans)
+    if costs[1] > 1:
+        assert drafts == {0}
+        assert {f["n_tokens"] for f in forwards[1:]} == {1}
+        assert all(p["gain"] == pytest.approx(1.0) for p in plans)
+    else:
+        assert 0 not in drafts and 3 in drafts and all(p["gain"] > 1.0 for p in plans)
+        assert max(f["n_tokens"] for f in forwards) == 7
+    assert got.token_ids == _run(engine, {"stride": 4, "drafting": "fixed"}).token_ids
+
+
+def test_the_plan_shows_in_the_tui_metrics_and_the_web_trajectory(monkeypatch):
+    from studio.tui.widgets.metrics import metrics_text
+    from studio.viz.view import RunView
+    from studio.web.render import row_html
+    from tests.support.plans import ISD_MIXED, plan_with
+
+    plan_with(monkeypatch, ISD_MIXED)
+    got = _run(tiny_engine("llama", seed=3, vocab=24), {"stride": 4})
+    plans = {e["step"]: e for e in got.events if e["t"] == "plan"}
+    ar_step = next(s for s, p in plans.items() if s and p["drafts"] == 0)
+    drafting = next(s for s, p in plans.items() if s and p["drafts"] > 0)
+    view = RunView()
+    view.feed(got.events)
+    assert "plan     AR step (drafts do not pay)" in metrics_text(view.upto(ar_step), "", 60).plain
+    p = plans[drafting]
+    assert f"plan     {p['drafts']}/3 drafts, expects {p['gain']:.2f}× AR" in metrics_text(view.upto(drafting), "", 60).plain
+    assert f">d{p['drafts']}</b>" in row_html(view.grid, drafting) and ">d0</b>" in row_html(view.grid, ar_step)
+    assert "no draft pays" in row_html(view.grid, ar_step)
+
+
+def test_a_seeded_sampled_run_decodes_the_same_twice():
+    """Plans follow the cost table and the verdicts, never a clock: a seed reproduces an auto run."""
+    engine = tiny_engine("qwen2", seed=4, vocab=24)
+    s = Settings(max_new_tokens=40, sampling=SamplingParams(1.0), seed=7)
+    runs = [Session(engine, make_strategy(name, params), s).run("", [1, 2, 3, 4])
+            for name, params in (("isd", None), ("jacobi-mr", {"block_size": 8})) for _ in range(2)]
+    for a, b in (runs[:2], runs[2:]):
+        assert a.token_ids == b.token_ids
+        plans = [[{k: v for k, v in e.items() if k != "ms"} for e in r.events if e["t"] == "plan"] for r in (a, b)]
+        assert plans[0] == plans[1] and len({p["drafts"] for p in plans[0]}) > 1
