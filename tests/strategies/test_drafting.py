@@ -14,7 +14,7 @@ FLAT = CostTable({}, 0, (1.0,) * 16)
 
 
 def test_a_verdict_counts_the_accepted_slots_and_the_first_rejected_one_only():
-    acc = SlotAcceptance(4, prior=0.5, weight=2.0, decay=1.0)
+    acc = SlotAcceptance(4, prior=0.5, weight=2.0, decay=1.0, optimism=0.0)
     acc.observe(verified=3, accepted=1)      # slot 0 accepted, slot 1 rejected, slot 2 never decided
     assert acc.tries == [1.0, 1.0, 0.0, 0.0] and acc.hits == [1.0, 0.0, 0.0, 0.0]
     assert acc.rate(0) == pytest.approx(2 / 3) and acc.rate(1) == pytest.approx(1 / 3) and acc.rate(2) == 0.5
@@ -24,7 +24,7 @@ def test_a_verdict_counts_the_accepted_slots_and_the_first_rejected_one_only():
 
 
 def test_evidence_fades_back_to_the_prior_so_an_abandoned_slot_is_tried_again():
-    acc = SlotAcceptance(1, prior=0.5, weight=2.0, decay=0.9)
+    acc = SlotAcceptance(1, prior=0.5, weight=2.0, decay=0.9, optimism=0.0)
     for _ in range(20):
         acc.observe(verified=1, accepted=0)
     low = acc.rate(0)
@@ -32,6 +32,19 @@ def test_evidence_fades_back_to_the_prior_so_an_abandoned_slot_is_tried_again():
     for _ in range(60):
         acc.fade()
     assert low < acc.rate(0) and acc.rate(0) == pytest.approx(0.5, abs=0.05)
+
+
+def test_a_slot_with_little_evidence_reads_optimistically():
+    """The run drafts what it knows little about: the same mean reads higher on less evidence, never above 1."""
+    few, many = SlotAcceptance(1, decay=1.0), SlotAcceptance(1, decay=1.0)
+    few.observe(1, 1), few.observe(1, 0)
+    for _ in range(50):
+        many.observe(1, 1), many.observe(1, 0)
+    assert few.rate(0) > many.rate(0) == pytest.approx(0.5 + (0.25 / 103) ** 0.5)   # one sd over 100 tries
+    sure = SlotAcceptance(1, decay=1.0)
+    for _ in range(20):
+        sure.observe(1, 1)
+    assert sure.rate(0) <= 1.0
 
 
 @pytest.mark.parametrize("p", [0.0, 0.3, 0.8, 1.0])

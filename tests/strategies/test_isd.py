@@ -30,7 +30,8 @@ def test_greedy_isd_equals_greedy_ar(monkeypatch, family, stride, drafting):
     isd = generate(engine, "isd", {"stride": stride, "drafting": drafting}, n=60)
     assert isd.token_ids == ar.token_ids
     assert isd.footer["forwards"] >= 1
-    assert len(set(planned(isd))) == (2 if drafting == "auto" else 0)
+    plans = set(planned(isd))
+    assert (0 in plans and len(plans) > 1) if drafting == "auto" else not plans
 
 
 def _isd_samples(engine, params, n_samples, length=3):
@@ -58,7 +59,7 @@ def test_sampled_isd_matches_the_ar_distribution(monkeypatch, law_engine, propos
     if drafting == "auto":
         plans = {tuple(planned(generate(engine, "isd", {"stride": 3}, n=3, temperature=1.0, seed=s)))
                  for s in range(50)}
-        assert {d for p in plans for d in p} == {0, 1}
+        assert {0, 1} <= {d for p in plans for d in p}
 
 
 def test_reference_mode_is_biased(law_engine):

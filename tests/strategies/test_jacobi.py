@@ -100,7 +100,7 @@ def test_greedy_jacobi_and_mr_equal_greedy_ar(monkeypatch, family):
                 assert len(r.token_ids) == 80
                 assert r.footer["forwards"] <= 79
                 plans |= set(planned(r))
-    assert plans == {0, 1}
+    assert {0, 1} <= plans
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -176,7 +176,7 @@ def test_sampled_jacobi_matches_the_ar_distribution(monkeypatch, law_engine):
     assert chi_square_pvalue(_samples(engine, "jacobi", {"block_size": 2}, 20_000), law) > 0.01
     plans = {d for s in range(50) for d in planned(generate(engine, "jacobi", {"block_size": 2}, n=3,
                                                              temperature=1.0, seed=s))}
-    assert plans == {0, 1}
+    assert {0, 1} <= plans
 
 
 @pytest.mark.parametrize("drafting", ["fixed", "auto"])
@@ -191,7 +191,7 @@ def test_sampled_jacobi_mr_matches_the_ar_distribution(monkeypatch, law_engine, 
         kinds = {e["t"] + "/" + e.get("src", "") for r in runs for e in r.events}
         assert {"block/", "unmask/", "propose/ngram"} <= kinds and sum(map(ngram_accepted, runs)) > 0
     else:                     # the plan followed the verdicts: AR steps and forwards with drafts
-        assert {d for r in runs for d in planned(r)} == {0, 1}
+        assert {0, 1} <= {d for r in runs for d in planned(r)}
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -173,7 +173,7 @@ def test_sampled_risd_matches_the_base_ar_distribution(monkeypatch, law_pair, on
     runs = [generate(engine, "r-isd", {"stride": 3, "proposal": "sample"}, n=3, temperature=1.0, seed=seed)
             for seed in range(20_000)]
     assert chi_square_pvalue([tuple(r.token_ids) for r in runs], law) > 0.01
-    assert {d for r in runs[:100] for d in planned(r)} == {0, 1}
+    assert {0, 1} <= {d for r in runs[:100] for d in planned(r)}
 
 
 # -------------------------------------------------------------------------------------------------

@@ -2,9 +2,10 @@
 from the table and the run's verdicts alone (and a test can ask for plans that change along a run)."""
 from studio.engine.cost_model import CostTable
 
-# at the prior acceptance (0.5) one draft pays, after one rejection (1/3) none does: plans switch along a run
-ISD_MIXED = (1.0, 1.25, 1.35, 1.5, 1.6, 1.7, 1.8, 1.9, 2.0)      # ISD: 1 draft is a 3-row verify, a 2-row cold round
-CHAIN_MIXED = (1.0, 1.45, 1.9, 2.3, 2.7, 3.1, 3.5, 3.9, 4.3)      # Jacobi: 1 draft is a 2-row forward
+# fresh, a slot reads 0.79 (its prior 0.5, optimistically) and one draft pays; after a rejection it reads 0.57 and
+# none does: plans switch along a run
+ISD_MIXED = (1.0, 1.35, 1.5, 1.8, 2.0, 2.3, 2.6, 2.9, 3.2)     # ISD: 1 draft is a 3-row verify, a 2-row cold round
+CHAIN_MIXED = (1.0, 1.68, 2.4, 3.0, 3.6, 4.2, 4.8, 5.4, 6.0)   # Jacobi: 1 draft is a 2-row forward
 
 
 def plan_with(monkeypatch, costs: tuple[float, ...]) -> None:

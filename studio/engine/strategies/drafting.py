@@ -15,6 +15,7 @@ stopping rule, which leaves a speculative chain's law intact). docs/strategies.m
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from studio.engine.cost_model import CostTable
@@ -29,11 +30,13 @@ Cost = Callable[[int, int], float]
 
 class SlotAcceptance:
     """Slot i's chance that draft i is accepted given that drafts 1..i-1 were, from the run's verdicts: a Beta
-    posterior around `prior` whose evidence fades by `decay` per forward, so a slot not drafted for a while drifts
-    back to the prior and gets tried again (how a run that fell back to AR steps finds out that drafts pay again)."""
+    posterior around `prior`, read optimistically (its mean plus `optimism` standard deviations), whose evidence
+    fades by `decay` per forward. A slot with little evidence reads high, so a run tries drafts it knows little about,
+    and one that fell back to AR steps sees its evidence fade and tries again: how it finds the list in an answer."""
 
-    def __init__(self, slots: int, prior: float = 0.5, weight: float = 2.0, decay: float = 0.97):
-        self.prior, self.weight, self.decay = prior, weight, decay
+    def __init__(self, slots: int, prior: float = 0.5, weight: float = 2.0, decay: float = 0.97,
+                 optimism: float = 1.0):
+        self.prior, self.weight, self.decay, self.optimism = prior, weight, decay, optimism
         self.hits = [0.0] * slots
         self.tries = [0.0] * slots
 
@@ -49,7 +52,9 @@ class SlotAcceptance:
             self.hits[i] += 1.0 if i < accepted else 0.0
 
     def rate(self, i: int) -> float:
-        return (self.hits[i] + self.prior * self.weight) / (self.tries[i] + self.weight)
+        n = self.tries[i] + self.weight
+        mean = (self.hits[i] + self.prior * self.weight) / n
+        return min(1.0, mean + self.optimism * math.sqrt(mean * (1.0 - mean) / (n + 1.0)))
 
     def reach(self, d: int) -> list[float]:
         """reach[j] = the chance that the first j + 1 of d drafts are all accepted."""
