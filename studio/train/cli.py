@@ -298,8 +298,8 @@ def eval_cmd(
     if n_prompts < 1 or max_new_tokens < 1:
         raise BadInput("--n-prompts and --max-new-tokens must be >= 1")
     path = adapter_path(adapter)
-    configs = compare_configs(strategies or evaluate.default_runs(path),
-                              RunConfig(temperature=0.0, max_new_tokens=max_new_tokens))
+    configs = evaluate.measuring_every_slot(compare_configs(strategies or evaluate.default_runs(path),
+                                                            RunConfig(temperature=0.0, max_new_tokens=max_new_tokens)))
     texts = builtin.read_prompt_file(prompts) if prompts else builtin.eval_prompts(n_prompts)
     engine = Engine.load(model, adapter=path, device=device, dtype=dtype)
     with _progress("eval", len(texts) * len(configs)) as bar:

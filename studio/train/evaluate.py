@@ -7,6 +7,8 @@ token agreement (the share of the reference's tokens that the run reproduces at 
 reference is `ar` on the model it decodes (`studio.run.compare`): for r-isd on an adapter of every row, the
 base model, whose `ar` run then joins the table. On an adapter that makes the model bidirectional (`train mdm`)
 no `ar` reference runs: `ar` runs on the base model, and the canvas runs are measured against it (another model).
+A strategy that plans its drafts runs with `drafting="fixed"` unless told otherwise (`measuring_every_slot`): the
+adapter's acceptance by slot is what is measured, and a cost-aware run would leave slots undrafted.
 """
 from __future__ import annotations
 
@@ -51,6 +53,15 @@ class Pooled:
     @property
     def tok_s(self) -> float:
         return tok_per_s(self.tally.decoded, self.decode_s)
+
+
+def measuring_every_slot(configs: Mapping[str, RunConfig]) -> dict[str, RunConfig]:
+    """`configs` with `drafting="fixed"` for every strategy that plans its drafts and was not given a `drafting`."""
+    out = {}
+    for label, c in configs.items():
+        planned = hasattr(c.build()[0].params, "drafting") and "drafting" not in c.params
+        out[label] = dataclasses.replace(c, params={**c.params, "drafting": "fixed"}) if planned else c
+    return out
 
 
 def evaluate(engine, prompts: list[str], configs: Mapping[str, RunConfig], progress=None) -> dict:

@@ -102,3 +102,14 @@ def test_pack_writes_a_compact_shippable_copy(tmp_path):
     assert (tmp_path / "packed" / adapters.META).read_text() == \
         'model = "default"\nstrategies = ["r-isd", "isd"]\ndescription = ""\n'
     assert_one_line_error(cli("train", "pack", str(src), str(tmp_path / "packed")), "exists")
+
+
+def test_eval_measures_every_draft_slot_of_a_cost_aware_strategy():
+    """train eval reports an adapter's acceptance by slot: a strategy that plans its drafts drafts every slot there,
+    unless the user chose otherwise."""
+    from studio.run.config import RunConfig
+    from studio.train.evaluate import measuring_every_slot
+    got = measuring_every_slot({"ar": RunConfig("ar"), "r-isd": RunConfig("r-isd"), "s2d2": RunConfig("s2d2"),
+                                "isd": RunConfig("isd", params={"drafting": "auto"})})
+    assert got["r-isd"].params == {"drafting": "fixed"} and got["isd"].params == {"drafting": "auto"}
+    assert got["ar"].params == {} and got["s2d2"].params == {}
