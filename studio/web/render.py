@@ -88,7 +88,8 @@ def _plan(plan: dict | None) -> str:
         return ""
     d, top, gain = plan["drafts"], plan["max_drafts"], plan["gain"]
     why = (f"an AR step: at the acceptance so far no draft pays for its rows (of up to {top})" if d == 0 else
-           f"planned {d} of up to {top} drafts, expecting {gain:.2f}x the speed of a plain AR step")
+           f"planned {d} of up to {top} drafts for {gain:.2f}x the speed of a plain AR step, at the acceptance "
+           "it reads optimistically")
     return f'<b class="pl" title="cost-aware drafting: {esc(why)}">d{d}</b>'
 
 
@@ -115,6 +116,7 @@ def legend_html() -> str:
     items += [item(*i) for i in legend_items(True) if i[0] not in DRAFT_STATES]
     items.append('<span><span class="c bl br b"></span>open block</span>')
     items.append('<span><span class="kvr">⟳ refresh [a,b)</span>KV slots recomputed</span>')
+    items.append('<span><b class="pl">d2</b>drafts cost-aware drafting planned for the forward (d0: an AR step)</span>')
     roles = "".join(f"<li><b>{esc(role)}</b>: {esc(what)}</li>" for role, what in FORWARD_ROLES.items())
     return ('<div class="legend">' + "".join(items) + "</div>"
             '<details class="roles"><summary>Forward roles (the word after each step number: cold, verify, …)'
@@ -311,6 +313,7 @@ CSS = f"""
            position: sticky; left: 0; z-index: 1; background: #fff; }}
 .traj .h i {{ font-style: normal; margin-left: 5px; color: #888; }}
 .traj .h b.pl {{ font-weight: normal; margin-left: 4px; color: #0072B2; }}
+.legend b.pl {{ font-weight: normal; margin-right: 4px; color: #0072B2; }}
 .c {{ flex: none; display: inline-block; box-sizing: border-box; width: {CELL_PX}px; height: {CELL_PX}px;
       line-height: {CELL_PX - 2}px; text-align: center; border: 1px solid #fff; font-size: 10px; cursor: pointer; }}
 .c.em {{ font-weight: bold; }}

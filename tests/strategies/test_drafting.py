@@ -111,7 +111,7 @@ def test_the_plan_shows_in_the_tui_metrics_and_the_web_trajectory(monkeypatch):
     view.feed(got.events)
     assert "plan     AR step (drafts do not pay)" in metrics_text(view.upto(ar_step), "", 60).plain
     p = plans[drafting]
-    assert f"plan     {p['drafts']}/3 drafts, expects {p['gain']:.2f}× AR" in metrics_text(view.upto(drafting), "", 60).plain
+    assert f"plan     {p['drafts']}/3 drafts for {p['gain']:.2f}× AR" in metrics_text(view.upto(drafting), "", 60).plain
     assert f">d{p['drafts']}</b>" in row_html(view.grid, drafting) and ">d0</b>" in row_html(view.grid, ar_step)
     assert "no draft pays" in row_html(view.grid, ar_step)
 

@@ -52,10 +52,10 @@ def acceptance_text(accept: Acceptance) -> Text:
 
 
 def plan_text(drafts: int, max_drafts: int, gain: float) -> str:
-    """A cost-aware plan in a few words: '3/3 drafts, expects 1.24x AR' or 'AR step (drafts do not pay)'."""
+    """A cost-aware plan in a few words: '3/3 drafts for 1.24x AR' or 'AR step (drafts do not pay)'."""
     if drafts == 0:
         return "AR step (drafts do not pay)"
-    return f"{drafts}/{max_drafts} drafts, expects {gain:.2f}× AR"
+    return f"{drafts}/{max_drafts} drafts for {gain:.2f}× AR"
 
 
 def metrics_text(numbers: RunNumbers, label: str, width: int) -> Text:
