@@ -66,8 +66,8 @@ class CostTable:
                    None if gated is None else tuple(float(x) for x in gated))
 
 
-# Every forward costs the same whatever its rows (as on a GPU well below its compute): what a decode context without
-# a measured table plans with until it has timed its own forwards.
+# Every forward of up to 16 rows costs what one row does (as on a GPU well below its compute): what a decode context
+# built without a measured table plans with.
 FLAT_COSTS = CostTable({"flat": True}, 0, (1.0,) * MAX_ROWS)
 
 
@@ -127,13 +127,13 @@ def cost_table(engine, refresh: bool = False) -> CostTable:
     `refresh` asks. A model of random weights (tests, `random:NAME`) is measured once per process, never written."""
     key = table_key(engine)
     path = table_path(key)
-    random = engine.source == RANDOM_SOURCE
+    random_weights = engine.source == RANDOM_SOURCE
     if not refresh:
-        table = _random_tables.get(path.name) if random else _read(path, key)
+        table = _random_tables.get(path.name) if random_weights else _read(path, key)
         if table is not None:
             return table
     table = calibrate(engine)
-    if random:
+    if random_weights:
         _random_tables[path.name] = table
     else:
         from studio.files import atomic_write

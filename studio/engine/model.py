@@ -277,7 +277,7 @@ def _w_xt(w: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., D] @ w.T (+ b). On the CPU in fp32 a decode-sized product (at most SMALL_ROWS rows) runs as w @ x.T
     (`_w_xt`): torch's F.linear takes a GEMV for one row and small-M GEMMs that read the weights more slowly, so this
-    way a 1-token step of the embedded model takes ~0.6x the time, 5-8 rows ~0.6x (docs/architecture.md#cpu-projections);
+    way a 1-token step of the embedded model takes ~0.6x the time, 5-8 rows ~0.8x (docs/architecture.md#cpu-projections);
     wider products (a prefill) and other devices keep F.linear."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.numel() > SMALL_ROWS * x.shape[-1]:
         return F.linear(x, w, b)

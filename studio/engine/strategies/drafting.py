@@ -18,11 +18,19 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from studio.engine.cost_model import CostTable
+from studio.errors import BadInput
 
 DRAFTING = ("auto", "fixed")
 HELP = ("auto: each forward drafts as many tokens (0 = a plain AR step, up to the maximum) as pay for their rows "
         "by the measured forward costs and the run's acceptance so far | fixed: always the maximum")
+
+
+
+def validate(owner: str, value: str) -> None:
+    """BadInput unless `value` is a drafting mode."""
+    if value not in DRAFTING:
+        raise BadInput(f"{owner} drafting must be 'auto' or 'fixed', got {value!r}")
+
 
 # Forward costs for a planner: ms of a forward of `rows` rows, `gated` of them with the LoRA on.
 Cost = Callable[[int, int], float]
@@ -94,10 +102,10 @@ class DraftPlanner:
     tokens per ms at len(reach) drafts, `cost` the run's cost table (`DecodeContext.costs`). The plan depends on the
     table and the run's verdicts only, never on a clock, so a seeded run decodes the same on the same table."""
 
-    def __init__(self, ctx, max_drafts: int, **acceptance):
+    def __init__(self, ctx, max_drafts: int):
         self.ctx = ctx
         self.max_drafts = max_drafts
-        self.acceptance = SlotAcceptance(max(max_drafts, 1), **acceptance)
+        self.acceptance = SlotAcceptance(max(max_drafts, 1))
         self.cost: Cost = ctx.costs.forward_ms
 
     def observe(self, verified: int, accepted: int) -> None:

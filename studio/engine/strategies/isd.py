@@ -44,8 +44,7 @@ class ISD(Strategy):
             raise BadInput(f"isd tau must be >= 0, got {p.tau}")
         if p.mode not in MODES:
             raise BadInput(f"isd mode must be 'exact' or 'reference', got {p.mode!r}")
-        if p.drafting not in drafting.DRAFTING:
-            raise BadInput(f"isd drafting must be 'auto' or 'fixed', got {p.drafting!r}")
+        drafting.validate("isd", p.drafting)
 
     def kv_headroom(self, config=None) -> int:
         return 2 * self.params.stride - 1

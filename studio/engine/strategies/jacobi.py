@@ -82,8 +82,7 @@ class _JacobiBase(Strategy):
 
 
 def _check_common(name: str, p) -> None:
-    if p.drafting not in drafting.DRAFTING:
-        raise BadInput(f"{name} drafting must be 'auto' or 'fixed', got {p.drafting!r}")
+    drafting.validate(name, p.drafting)
     if p.block_size < 1:
         raise BadInput(f"{name} block_size must be >= 1, got {p.block_size}")
     if p.init not in INITS:
