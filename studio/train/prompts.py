@@ -5,6 +5,11 @@ Eight kinds, as a chat model is used: questions, explanations, lists, how-tos, s
 code, arithmetic and rewriting. Topic-bearing kinds draw from TOPICS; a topic belongs to the evaluation
 split when `_held_out(topic)` says so, for every template, so `eval_prompts()` and `training_prompts()`
 are disjoint by construction (and a test checks it on the generated text).
+
+Training also draws on everyday requests of other shapes (CHAT_KINDS: recipes, notes and emails, advice,
+word problems, unit conversions, SQL and shell, idioms, conversations, pros and cons, "why" questions),
+split by the same hash. The evaluation prompts come from the eight kinds only, so the shipped adapters'
+recorded evaluations keep reproducing; `bench/ordinary-prompts.txt` is the broad held-out set.
 """
 from __future__ import annotations
 
@@ -99,6 +104,67 @@ ARITHMETIC = ["What is {a} + {b}?", "What is {a} times {b}?", "What is {a} minus
               "A book costs {a} dollars and a pen costs {b} dollars. What do both cost together?",
               "Solve step by step: ({a} + {b}) * 2."]
 
+# Everyday requests of more answer shapes: (template, the values its {x} takes). Each value is split by
+# `_held_out`, so a held-out value never reaches training in any template.
+CHAT_KINDS = [
+    (["Give me a simple recipe for {x}.", "What ingredients do I need to make {x}?",
+      "What are common mistakes when making {x}?"],
+     ["banana bread", "fried rice", "tomato soup", "a fruit salad", "guacamole", "scrambled eggs", "lemonade",
+      "vegetable curry", "oatmeal cookies", "a grilled cheese sandwich", "hummus", "pizza dough", "pancakes with berries", "chicken noodle soup", "a smoothie", "roasted vegetables", "porridge", "a simple omelette"]),
+    (["Write a short email to {x}.", "Write a short note to {x}.", "How do I politely write to {x}?"],
+     ["a teacher asking about homework", "a landlord about a broken heater", "a colleague thanking them for help",
+      "a friend inviting them to dinner", "a customer apologising for a late delivery",
+      "a coach saying I will miss practice", "a neighbour about a noisy party", "a doctor asking to move an appointment",
+      "a team announcing a meeting", "a shop asking about a refund", "a grandparent on their birthday",
+      "a new colleague welcoming them"]),
+    (["What should I do if {x}?", "Give me some advice: {x}.", "How can I handle it when {x}?"],
+     ["I cannot fall asleep at night", "my plants keep dying", "I feel nervous before an exam",
+      "my laptop is running slowly", "I forgot a friend's birthday", "I want to drink more water",
+      "my room is always messy", "I have too many emails", "I lose my keys often", "I want to read more books",
+      "my dog barks at strangers", "I procrastinate on homework", "I want to make new friends in a new city",
+      "my bike chain keeps falling off"]),
+    (["Solve this and show your steps: {x}", "{x} Explain your answer."],
+     ["A farmer has 48 eggs and packs them in boxes of 6. How many boxes does he fill?",
+      "Tom reads 12 pages a day. How many pages does he read in two weeks?",
+      "A car drives 60 km per hour for 3 hours. How far does it go?",
+      "A pizza is cut into 8 slices and 3 are eaten. What fraction is left?",
+      "A ticket costs 15 dollars. How much do 7 tickets cost?",
+      "Anna is 9 years older than Ben, who is 14. How old is Anna?",
+      "A rectangle is 7 cm wide and 12 cm long. What is its area?",
+      "A class of 28 students splits into teams of 4. How many teams are there?",
+      "A jar holds 250 ml. How many jars fill a 2 litre bottle?",
+      "A shirt costs 40 dollars and is 25 percent off. What is the new price?",
+      "A bus leaves at 9:45 and the trip takes 50 minutes. When does it arrive?",
+      "Sara saves 5 dollars a week. How long until she has 120 dollars?"]),
+    (["Convert {x} and explain the steps.", "How do I convert {x}?"],
+     ["5 miles to kilometres", "30 degrees Celsius to Fahrenheit", "2.5 hours to minutes", "3 kilograms to pounds",
+      "500 grams to ounces", "1.8 metres to feet and inches", "90 minutes to hours", "10 litres to gallons",
+      "100 kilometres per hour to miles per hour", "45 degrees to radians"]),
+    (["Write a SQL query that {x}.", "Write a bash command that {x}.", "Explain how to write code that {x}."],
+     ["lists all customers from Canada", "counts the rows in a table called users",
+      "finds the five largest files in a folder", "shows the average salary per department",
+      "deletes empty lines from a text file", "renames every .jpeg file to .jpg", "finds duplicate email addresses",
+      "prints the current date and time", "joins an orders table with a customers table",
+      "counts the words in a file"]),
+    (["What does the phrase \"{x}\" mean?", "Use the phrase \"{x}\" in two example sentences."],
+     ["a piece of cake", "hit the sack", "under the weather", "once in a blue moon", "spill the beans",
+      "the ball is in your court", "cost an arm and a leg", "let the cat out of the bag", "on the same page",
+      "bite off more than you can chew", "hit the nail on the head", "when pigs fly"]),
+    (["Write a short conversation between {x}.", "Write a dialogue between {x}, with four lines each."],
+     ["a student and a librarian", "a tourist and a taxi driver", "two friends planning a trip",
+      "a patient and a dentist", "a child and a grandparent about the stars", "a chef and a food critic",
+      "a shop assistant and a customer returning shoes", "two astronauts on the moon",
+      "a detective and a witness", "a teacher and a parent"]),
+    (["What are the pros and cons of {x}?", "Should I choose {x}? Give both sides."],
+     ["living in a big city", "buying a used car", "studying abroad", "owning a cat", "taking a gap year",
+      "renting instead of buying a home", "learning to code", "waking up early", "working in a team",
+      "cooking at home every day", "taking the train instead of flying"]),
+    (["Why do {x}?", "Explain why {x}."],
+     ["leaves change colour in autumn", "we yawn", "onions make people cry", "birds sing in the morning",
+      "boats float", "loaves of bread go stale", "we get hiccups", "stars twinkle", "metal spoons feel cold",
+      "people get sunburned", "dogs wag their tails", "balloons pop in the sun"]),
+]
+
 EVAL_COUNT = 40
 
 
@@ -119,10 +185,23 @@ def _all_prompts(held_out: bool) -> list[str]:
     return out
 
 
+def everyday_prompts(held_out: bool) -> list[str]:
+    """Every distinct everyday request of one split (CHAT_KINDS), in a fixed order."""
+    return [tmpl.format(x=x) for templates, values in CHAT_KINDS
+            for x in values if _held_out(x) == held_out for tmpl in templates]
+
+
 def training_prompts(n: int, seed: int = 0) -> list[str]:
-    """n distinct training prompts, a seeded sample of every kind (all of them when n exceeds the pool)."""
-    pool = _all_prompts(held_out=False)
-    return random.Random(seed).sample(pool, min(n, len(pool)))
+    """n distinct training prompts, a seeded sample of every kind (all of them when n exceeds the pool).
+
+    The everyday requests take up to a quarter of a sample: drawn in proportion to their share of the pool
+    (a twentieth), a 2,048-prompt set would hold about a hundred of them."""
+    rng = random.Random(seed)
+    chat, topical = everyday_prompts(held_out=False), _all_prompts(held_out=False)
+    picked = rng.sample(chat, min(len(chat), n // 4))
+    picked += rng.sample(topical, min(n - len(picked), len(topical)))
+    rng.shuffle(picked)
+    return picked
 
 
 def eval_prompts(n: int = EVAL_COUNT) -> list[str]:

@@ -20,7 +20,7 @@ from studio.run.session import Session, Settings
 from studio.train import data as train_data
 from studio.train.layout import app_e_mask, block_positions, noisy_rows_mask
 from studio.train.objectives import IGNORE, IDLM, Batch, Block
-from studio.train.prompts import eval_prompts, read_prompt_file, training_prompts
+from studio.train.prompts import everyday_prompts, eval_prompts, read_prompt_file, training_prompts
 from studio.train.trainable import Trainable
 from studio.train.trainer import TrainConfig, train
 from tests.support.tiny import FAMILIES, tiny_engine, tiny_model
@@ -288,6 +288,10 @@ def test_evaluation_prompts_are_disjoint_from_the_training_prompts():
     train_all = set(training_prompts(100_000))
     assert len(train_all) > 3000 and not held & train_all
     assert len(set(training_prompts(2000, seed=1))) == 2000
+    # the everyday requests: a held-out value reaches no training prompt; a sample holds its share of them
+    chat_held, chat_train = set(everyday_prompts(held_out=True)), set(everyday_prompts(held_out=False))
+    assert chat_held and not chat_held & train_all
+    assert 200 <= len(set(training_prompts(2048)) & chat_train) <= 512
     # the README's ordinary-prompt bench: 30+ prompts no adapter trained on (nor evaluated on)
     ordinary = read_prompt_file(Path(__file__).parents[2] / "bench" / "ordinary-prompts.txt")
     assert len(set(ordinary)) == len(ordinary) >= 30 and not set(ordinary) & (train_all | held)
