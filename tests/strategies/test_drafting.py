@@ -5,10 +5,12 @@ import pytest
 from studio.engine.cost_model import CostTable
 from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import make_strategy
-from studio.engine.strategies.drafting import SlotAcceptance, chain_rate, isd_rate
+from studio.engine.strategies.drafting import BlockPlanner, SlotAcceptance, chain_rate, isd_rate
 from studio.engine.strategies.isd import expected_tpf
 from studio.run.session import Session, Settings
-from tests.support.tiny import tiny_engine
+from tests.support.dlm import generate
+from tests.support.plans import planned
+from tests.support.tiny import tiny_dlm, tiny_engine
 
 FLAT = CostTable({}, 0, (1.0,) * 16)
 
@@ -66,6 +68,40 @@ def test_drafts_pay_only_when_their_rows_are_cheap_enough_for_the_acceptance():
         assert max(range(4), key=high.__getitem__) == 3       # and loses to drafts that are accepted
     # the table is read as measured: 1 draft (2 rows, 1.3) costs more here than 3 drafts of Jacobi (4 rows, 1.2)
     assert chain_rate([0.5] * 3, cpu.forward_ms) > chain_rate([0.5], cpu.forward_ms)
+
+
+class _Ctx:
+    """What a planner reads of a run: its costs, its step, and where its plan events go."""
+    step = 0
+
+    def __init__(self, costs):
+        self.costs, self.events = costs, []
+
+    def event(self, kind, at_step=None, **fields):
+        self.events.append(fields)
+
+
+def _block_planner(costs, accept: float, forced: int = 1) -> BlockPlanner:
+    planner = BlockPlanner(_Ctx(costs), block=4, forced=forced, draft_forwards=1, all_gated=False)
+    planner.acceptance = SlotAcceptance(3, prior=accept, weight=1e9, decay=1.0, optimism=0.0)   # pinned
+    return planner
+
+
+def test_a_block_cycle_costs_its_draft_and_verify_forwards_until_the_block_is_full():
+    """Equal costs, B = 4, S2D2's forced first slot. All drafts accepted: one cycle (draft + verify) fills the 3 open
+    slots, the commit gives the 4th token: 3 forwards for 4 tokens. None accepted: a cycle fills the forced slot and
+    the correction, a second the last slot: 5 forwards."""
+    assert _block_planner(FLAT, 1.0).finish_ms(3) == pytest.approx([1.0, 3.0, 3.0, 3.0])
+    assert _block_planner(FLAT, 0.0).finish_ms(3)[3] == pytest.approx(5.0)
+    half = _block_planner(FLAT, 0.5)        # a cycle of 2 drafts: 0, 1 or 2 accepted with 1/2, 1/4, 1/4
+    assert half.finish_ms(3)[3] == pytest.approx(2 + 0.5 * 3.0 + 0.25 * 1.0 + 0.25 * 1.0)
+    assert _block_planner(FLAT, 1.0).draft_pays(filled=1, masked=3)         # 4 tokens in 3 forwards beat AR
+    assert not _block_planner(FLAT, 0.0).draft_pays(filled=1, masked=3)     # 4 in 5 do not
+    planner = _block_planner(FLAT, 0.0)
+    planner.draft_pays(filled=1, masked=3)
+    assert planner.ctx.events[-1] == {"drafts": 0, "max_drafts": 2, "gain": pytest.approx(1.0)}
+    # a CPU where the block's 4-row forwards cost 2 steps: even accepted drafts do not pay
+    assert not _block_planner(CostTable({}, 0, (1.0, 1.3, 1.7, 2.0)), 1.0).draft_pays(filled=1, masked=3)
 
 
 def _run(engine, params, n=40):
@@ -126,3 +162,22 @@ def test_a_seeded_sampled_run_decodes_the_same_twice():
         assert a.token_ids == b.token_ids
         plans = [[{k: v for k, v in e.items() if k != "ms"} for e in r.events if e["t"] == "plan"] for r in (a, b)]
         assert plans[0] == plans[1] and len({p["drafts"] for p in plans[0]}) > 1
+
+
+@pytest.mark.parametrize("name,params", [("s2d2", {"policy": "always", "causal_prefix": True}),
+                                         ("simsd", {"draft_steps": 1})])
+def test_auto_drafting_falls_back_to_ar_steps_and_back_and_stays_ar(name, params):
+    """Cost-aware drafting on an AR model + block adapter: when a block's drafts do not pay, the step commits the
+    block's filled prefix instead -- one row, an AR step -- and the run drafts again once its evidence fades. Greedy
+    output is AR's; every block opened is closed under the name it was opened with."""
+    engine = tiny_dlm("llama", True, vocab=24, seed=7)
+    r = generate(engine, name, {"cache": "causal", "block_size": 4, **params}, n=60)
+    assert r.token_ids == generate(engine, "ar", n=60).token_ids
+    plans = planned(r)
+    drafted = [i for i, d in enumerate(plans) if d]
+    assert 0 in plans and len(drafted) >= 3 and drafted[-1] > plans.index(0)   # drafts again after AR steps
+    early = [e["n_tokens"] for e in r.events if e["t"] == "forward" and e["role"] == "commit" and e["n_tokens"] < 4]
+    assert len(early) == plans.count(0) and 1 in early      # each fallback commits a filled prefix; some are AR steps
+    opened_ = [(e["start"], e["end"]) for e in r.events if e["t"] == "block" and e["op"] == "open"]
+    closed = [(e["start"], e["end"]) for e in r.events if e["t"] == "block" and e["op"] == "close"]
+    assert closed == opened_[:len(closed)] and len(opened_) - len(closed) <= 1

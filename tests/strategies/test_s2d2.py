@@ -12,6 +12,7 @@ from studio.errors import BadInput
 from tests.support.dlm import (block_size_one_greedy, block_size_one_law, block_size_one_probs, block_size_one_row, generate,
                        opened)
 from tests.support.exact import chi_square_pvalue
+from tests.support.plans import planned
 from tests.support.tiny import FAMILIES, tiny_dlm
 
 
@@ -57,7 +58,7 @@ def test_a_forced_first_slot_is_verified_but_not_counted_as_an_accepted_proposal
     which sees what the verifier sees, so its draft is the target's own sample and always passes. It is not a
     proposal: counted, it would put acceptance at slot 0 at 100% whatever the drafter's quality."""
     engine = tiny_dlm("llama", True, vocab=24, seed=7)
-    params = {"policy": "always", "cache": "causal", "causal_prefix": True}
+    params = {"policy": "always", "cache": "causal", "causal_prefix": True, "drafting": "fixed"}
     r = generate(engine, "s2d2", params, n=30, temperature=temperature)
     proposed = {p for e in r.events if e["t"] == "propose" for p in e["pos"]}
     verified = [e for e in r.events if e["t"] in ("accept", "reject")]
@@ -108,15 +109,21 @@ def test_tempering_gamma_is_lossy():
     assert chi_square_pvalue(samples, {(v,): float(p[v]) for v in range(6)}) < 1e-4
 
 
-def test_sampled_always_verify_right_shifted_matches_the_ar_law():
+@pytest.mark.parametrize("params,n", [({"block_size": 2, "drafting": "fixed"}, 20_000),
+                                      ({"block_size": 4, "causal_prefix": True}, 8_000)], ids=["fixed", "auto"])
+def test_sampled_always_verify_right_shifted_matches_the_ar_law(params, n):
     """Whole sequences, real KV and block commits: with every token verified, sampled S2D2 on a
-    right-shifted model with a causal cache is exactly AR sampling."""
+    right-shifted model with a causal cache is exactly AR sampling; with cost-aware drafting (which on the tests'
+    equal costs drafts a fresh block and falls back to AR steps after a rejection) too."""
     engine = tiny_dlm("llama", True, vocab=6, seed=11, dim=16, layers=1)
     prompt = [1, 2, 3, 4, 5]
     law = block_size_one_law(engine, prompt, 3, SamplingParams(1.0))
-    samples = [tuple(generate(engine, "s2d2", {"policy": "always", "cache": "causal", "block_size": 2},
-                              prompt=prompt, n=3, temperature=1.0, seed=seed).token_ids) for seed in range(20_000)]
-    assert chi_square_pvalue(samples, law) > 0.01
+    runs = [generate(engine, "s2d2", {"policy": "always", "cache": "causal", **params}, prompt=prompt, n=3,
+                     temperature=1.0, seed=seed) for seed in range(n)]
+    assert chi_square_pvalue([tuple(r.token_ids) for r in runs], law) > 0.01
+    if "drafting" not in params:
+        plans = [planned(r) for r in runs]
+        assert any(0 in p for p in plans) and all(p[0] > 0 for p in plans)
 
 
 @pytest.mark.parametrize("policy", ["always", "never", "min-span", "score", "hysteresis", "ucb"])

@@ -8,25 +8,32 @@ from studio.errors import BadInput
 from studio.run.session import Session, Settings
 from tests.support.dlm import block_size_one_law, generate, opened
 from tests.support.exact import chi_square_pvalue
+from tests.support.plans import planned
 from tests.support.tiny import FAMILIES, tiny_dlm
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_self_draft_right_shifted_greedy_is_ar(family):
     engine = tiny_dlm(family, True, vocab=24, seed=7)
-    for params in ({"cache": "causal"}, {"cache": "causal", "draft_steps": 1}):
+    for params in ({"cache": "causal", "drafting": "fixed"}, {"cache": "causal", "draft_steps": 1, "drafting": "fixed"}):
         r = generate(engine, "simsd", params, n=30)
         assert r.token_ids == generate(engine, "ar", n=30).token_ids
         assert any(e["t"] == "propose" and e["src"] == "draft_model" for e in r.events)
 
 
-def test_self_draft_right_shifted_sampled_matches_the_ar_law():
+@pytest.mark.parametrize("params", [{"drafting": "fixed"}, {"draft_steps": 1}], ids=["fixed", "auto"])
+def test_self_draft_right_shifted_sampled_matches_the_ar_law(params):
+    """Fixed and cost-aware rounds (on the tests' equal costs: a speculative round first, AR steps after a
+    rejection) both sample the AR law."""
     engine = tiny_dlm("llama", True, vocab=6, seed=11, dim=16, layers=1)
     prompt = [1, 2, 3, 4, 5]
     law = block_size_one_law(engine, prompt, 3, SamplingParams(1.0))
-    samples = [tuple(generate(engine, "simsd", {"cache": "causal", "block_size": 4}, prompt=prompt, n=3,
-                              temperature=1.0, seed=seed).token_ids) for seed in range(8_000)]
-    assert chi_square_pvalue(samples, law) > 0.01
+    runs = [generate(engine, "simsd", {"cache": "causal", "block_size": 4, **params}, prompt=prompt, n=3,
+                     temperature=1.0, seed=seed) for seed in range(8_000)]
+    assert chi_square_pvalue([tuple(r.token_ids) for r in runs], law) > 0.01
+    if "drafting" not in params:
+        plans = [planned(r) for r in runs]
+        assert any(0 in p for p in plans) and all(p[0] > 0 for p in plans)
 
 
 def test_target_reads_each_draft_in_the_drafts_own_order():

@@ -12,6 +12,7 @@ import torch
 
 from studio.engine.masks import bidirectional, block_causal, causal, partially_causal_draft
 from studio.engine.sampling import Proposal, SamplingParams, process_logits, sample, sample_token
+from studio.engine.strategies import drafting
 from studio.engine.strategies.base import DecodeContext, Strategy
 from studio.engine.strategies.editing import select_edits
 from studio.engine.strategies.params import N, TAU, param
@@ -243,7 +244,18 @@ class BlockDiffusion(Strategy):
             logits = self._prefill(ctx, prompt[:aligned])
             if self.shift and aligned == P:
                 pending = [self._next_token(ctx, logits[-1])]
+        self.planner = self._planner(ctx) if self.plans_drafts and self._can_fall_back() else None
         self._open(ctx, aligned, prompt[aligned:] + pending)
+
+    def _can_fall_back(self) -> bool:
+        """Whether committing the open block's filled prefix is the model's own next-token step, so that cost-aware
+        drafting may fall back to it: on a right-shifted model whose cache is causal (an AR model with a block
+        adapter). A native dLLM's block cache and a D2F prompt are not causal; editing may still change a prefix."""
+        return self.shift and self.causal_cache and not self.d2f and not self.editing
+
+    def _planner(self, ctx: DecodeContext) -> drafting.BlockPlanner | None:
+        """The cost-aware planner of a verifying strategy (S2D2, SimSD: `drafting = "auto"`); blockdiff has none."""
+        return None
 
     def _prefill(self, ctx: DecodeContext, tokens: list[int]) -> torch.Tensor:
         n = len(tokens)
@@ -266,23 +278,40 @@ class BlockDiffusion(Strategy):
         ctx.event("block", op="open", start=max(0, start - self.prompt_len), end=start + self.B - self.prompt_len)
         self._emit_ready(ctx)
 
-    def _close(self, ctx: DecodeContext) -> None:
+    def _close(self, ctx: DecodeContext, upto: int | None = None) -> None:
         """Commit forward: write the finished block's KV (and, right-shifted, predict the next block's slot 0). With
-        editing the block's tokens become final only now; nothing more is computed once they end the output."""
+        editing the block's tokens become final only now; nothing more is computed once they end the output.
+        `upto`: commit only the block's first `upto` (filled) slots and open the next block after them: cost-aware
+        drafting's fallback, a plain AR step when one slot is filled (the close event names the block as opened)."""
         b = self.block
         if self.editing:
             self._emit_ready(ctx, final=True)
             if ctx.out.finished:
                 return
-        logits = ctx.forward("commit", b.tokens, mask=self._commit_mask(ctx, b.size, b.start),
-                             lora_gate=self.gate(b.tokens, ctx.mask_id), logits_rows=[b.size - 1])
-        ctx.commit(b.size)
-        self._commit_draft_model(ctx)
+        n = b.size if upto is None else upto
+        tokens = b.tokens[:n]
+        logits = ctx.forward("commit", tokens, mask=self._commit_mask(ctx, n, b.start),
+                             lora_gate=self.gate(tokens, ctx.mask_id), logits_rows=[n - 1])
+        ctx.commit(n)
+        self._commit_draft_model(ctx, tokens)
         ctx.event("block", op="close", start=max(0, b.start - self.prompt_len), end=b.start + b.size - self.prompt_len)
-        self._open(ctx, b.start + b.size, [self._next_token(ctx, logits[0])] if self.shift else [])
+        self._open(ctx, b.start + n, [self._next_token(ctx, logits[0])] if self.shift else [])
 
-    def _commit_draft_model(self, ctx: DecodeContext) -> None:
-        """Hook for strategies that keep a second model's cache in step (SimSD)."""
+    def _commit_draft_model(self, ctx: DecodeContext, tokens: list[int]) -> None:
+        """Hook for strategies that keep a second model's cache in step (SimSD): `tokens` were just committed."""
+
+    def _fall_back(self, ctx: DecodeContext) -> bool:
+        """Cost-aware drafting: when drafting the open block's masked suffix does not pay, commit its filled prefix
+        instead (the step's forward). Returns whether it did (never without a planner, or while the filled slots are
+        not a prefix)."""
+        b = self.block
+        slots = b.masked_slots()
+        if self.planner is None or not slots or not slots[0] or slots != list(range(slots[0], b.size)):
+            return False
+        if self.planner.draft_pays(filled=slots[0], masked=len(slots)):
+            return False
+        self._close(ctx, upto=slots[0])
+        return True
 
     def _next_token(self, ctx: DecodeContext, row: torch.Tensor) -> int:
         tok, _ = sample_token(self._no_mask(ctx, row[None])[0], ctx.sampling, ctx.gen)
@@ -309,8 +338,8 @@ class BlockDiffusion(Strategy):
     def step(self, ctx: DecodeContext) -> None:
         if not any(self.block.masked) and not self._post_step():
             self._close(ctx)
-            return
-        self._denoise(ctx, role="draft")
+        elif not self._fall_back(ctx):
+            self._denoise(ctx, role="draft")
 
     def _post_step(self) -> bool:
         """Whether a full block takes one more forward (LLaDA2.1: up to `max_post_steps`, until one edits nothing)."""
@@ -421,6 +450,8 @@ class BlockDiffusion(Strategy):
         correction into the block. Returns the number of slots filled."""
         res = ctx.verify([self.out_pos(j) for j in slots], drafts, p, q, Proposal.SAMPLED, sampling, forced=forced,
                          **rule)
+        if self.planner:
+            self.planner.observe(len(drafts) - forced, max(0, res.n_accepted - forced))
         filled = drafts[:res.n_accepted] + ([] if res.correction is None else [res.correction])
         for j, t in zip(slots, filled):
             self.block.fill(j, t)

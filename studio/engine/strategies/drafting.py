@@ -123,3 +123,53 @@ class DraftPlanner:
         self.ctx.event("plan", at_step=0 if prefill else self.ctx.step + 1, drafts=best, max_drafts=self.max_drafts,
                        gain=gain)
         return best
+
+
+class BlockPlanner:
+    """Cost-aware drafting for a block strategy (S2D2, SimSD) on an AR model with a block adapter, whose cache is
+    causal: before each draft cycle, whether drafting the rest of the open block pays, or committing its filled
+    prefix (one forward whose last row gives the next token: with one filled slot, a plain AR step) does.
+
+    A cycle of a block with m masked slots (a suffix) costs `draft_forwards` forwards of the B-row block (m MASK
+    rows) and one verifying forward of B - 1 rows; it fills the `forced` slots (S2D2's first slot, the target's
+    own sample), the accepted drafts and, after a rejection, the correction. A full block's commit forward (B rows)
+    writes its KV and gives the next block's first token. `finish_ms` is the expected cost of finishing a block from
+    m masked slots by cycles; the plan continues when that beats committing now and going on at the better of AR
+    steps and fresh blocks. Exact whatever it decides: both paths verify or sample from the target."""
+
+    def __init__(self, ctx, block: int, forced: int, draft_forwards: int, all_gated: bool):
+        self.ctx, self.B, self.forced, self.draft_forwards, self.all_gated = ctx, block, forced, draft_forwards, all_gated
+        self.max_drafts = block - 1 - forced
+        self.acceptance = SlotAcceptance(max(self.max_drafts, 1))
+        self.cost: Cost = ctx.costs.forward_ms
+
+    def observe(self, verified: int, accepted: int) -> None:
+        self.acceptance.observe(verified, accepted)
+
+    def _ms(self, rows: int, mask_rows: int = 0) -> float:
+        return self.cost(rows, rows if self.all_gated else mask_rows)
+
+    def finish_ms(self, m_max: int) -> list[float]:
+        """E[m], m = 0..m_max: the expected ms to fill the last m slots of a block by draft cycles and commit it."""
+        B, f = self.B, self.forced
+        reach = [1.0] + self.acceptance.reach(self.max_drafts)   # reach[k]: the first k drafts all accepted
+        E = [self._ms(B)]
+        for m in range(1, m_max + 1):
+            r = max(m - f, 0)                                    # real drafts verified this cycle
+            cycle = self.draft_forwards * self._ms(B, m) + self._ms(B - 1)
+            after = reach[r] * E[0] + sum((reach[k] - reach[k + 1]) * E[m - f - k - 1] for k in range(r))
+            E.append(cycle + after)
+        return E
+
+    def draft_pays(self, filled: int, masked: int) -> bool:
+        """Whether the next forward drafts the block's `masked` last slots (a cycle), or commits its `filled` first
+        slots instead; reported as a `plan` event of that forward's step."""
+        self.acceptance.fade()
+        E = self.finish_ms(self.B - 1)
+        ar_ms = self._ms(1)
+        best = max(1.0 / ar_ms, self.B / E[self.B - 1])   # tokens per ms: AR steps, or fresh blocks (B - 1 slots + 1)
+        commit_ms = self._ms(filled)
+        go = E[masked] <= commit_ms + masked / best
+        self.ctx.event("plan", at_step=self.ctx.step + 1, drafts=max(masked - self.forced, 0) if go else 0,
+                       max_drafts=self.max_drafts, gain=(masked + 1) / E[masked] * ar_ms if go else ar_ms / commit_ms)
+        return go

@@ -15,6 +15,7 @@ import torch
 
 from studio.engine.masks import s2d2_verifier
 from studio.engine.sampling import process_logits
+from studio.engine.strategies import drafting
 from studio.engine.strategies.base import DecodeContext
 from studio.engine.strategies.blockdiff import BlockDiffusion, Draft, is_d2f
 from studio.engine.strategies.params import param
@@ -31,6 +32,9 @@ class S2D2(BlockDiffusion):
         route: dict = param(help="the policy's parameters (CLI: -p route.c=1)", factory=dict)
         gamma: float = param(1.0, "acceptance tempering (lossy when != 1)")
         verify_replaces: bool = param(True, "verifying steps skip the threshold rule (reference behaviour)")
+        drafting: str = param("auto", "auto: on an AR model with a block adapter, draft the open block only when that "
+                                      "pays by the measured forward costs and the run's acceptance, else commit its "
+                                      "filled prefix (an AR step) | fixed: always draft", choices=drafting.DRAFTING)
 
     def __init__(self, params: dict | None = None):
         params = dict(params or {})
@@ -47,6 +51,7 @@ class S2D2(BlockDiffusion):
         super().validate(p)
         if not p.gamma > 0:
             raise BadInput(f"s2d2 gamma must be > 0, got {p.gamma}")
+        drafting.validate("s2d2", p.drafting)
 
     def check_run(self, config, max_new_tokens: int) -> None:
         """A bidirectional model has no block-size-1 mode to verify with unless it carries a D2F block adapter, and
@@ -64,6 +69,10 @@ class S2D2(BlockDiffusion):
     def start(self, ctx: DecodeContext, prompt: list[int]) -> None:
         self.policy.reset()
         super().start(ctx, prompt)
+
+    def _planner(self, ctx: DecodeContext) -> drafting.BlockPlanner:
+        return drafting.BlockPlanner(ctx, self.B, forced=self._forced_slots(), draft_forwards=1,
+                                     all_gated=self.params.adapter_rows == "all")
 
     def _denoise(self, ctx: DecodeContext, role: str) -> None:
         b, p = self.block, self.params

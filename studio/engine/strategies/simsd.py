@@ -13,6 +13,7 @@ import torch
 
 from studio.engine.masks import simsd_temporal
 from studio.engine.sampling import SamplingParams, process_logits
+from studio.engine.strategies import drafting
 from studio.engine.strategies.base import DecodeContext
 from studio.engine.strategies.blockdiff import SCHEDULES, BlockDiffusion, transfer_counts, top_k
 from studio.engine.strategies.params import param
@@ -35,6 +36,10 @@ class SimSD(BlockDiffusion):
                                     "left-to-right for right-shifted ones", choices=REVEAL)
         schedule: str = param("static", "the target's fallback rule: SDAR's low_confidence_static",
                               choices=SCHEDULES)
+        drafting: str = param("auto", "auto: drafting for itself on an AR model with a block adapter, speculate only "
+                                      "when that pays by the measured forward costs and the run's acceptance, else "
+                                      "commit the block's filled prefix (an AR step) | fixed: always speculate",
+                              choices=drafting.DRAFTING)
 
     def __init__(self, params: dict | None = None):
         super().__init__(params)
@@ -51,6 +56,7 @@ class SimSD(BlockDiffusion):
             raise BadInput(f"simsd reveal must be one of {', '.join(REVEAL)}, got {p.reveal!r}")
         if p.acceptance not in ACCEPTANCE:
             raise BadInput(f"simsd acceptance must be one of {', '.join(ACCEPTANCE)}, got {p.acceptance!r}")
+        drafting.validate("simsd", p.drafting)
 
     def use_draft(self, engine, target_config) -> None:
         """Draft with `engine`'s model (own KV cache). It must share the target's vocabulary and kind."""
@@ -84,9 +90,19 @@ class SimSD(BlockDiffusion):
                         logits_rows=[n - 1], model=self.draft_model, kv=self.dkv)
             self.dkv.commit(n)
 
-    def _commit_draft_model(self, ctx: DecodeContext) -> None:
+    def _commit_draft_model(self, ctx: DecodeContext, tokens: list[int]) -> None:
         if self.dkv is not None:
-            self._draft_extend(ctx, self.block.tokens, "commit")
+            self._draft_extend(ctx, tokens, "commit")
+
+    def _planner(self, ctx: DecodeContext) -> drafting.BlockPlanner | None:
+        """A round's cost: its drafter forwards (γ reveals in `draft_steps`) of the block and one verifying forward.
+        With a separate drafter, whose forwards the cost table does not measure, the rounds are not planned."""
+        if self.draft_model is not None:
+            return None
+        p = self.params
+        revealed = p.gamma or self.B - 1
+        return drafting.BlockPlanner(ctx, self.B, forced=0, draft_forwards=min(p.draft_steps or revealed, revealed),
+                                     all_gated=p.adapter_rows == "all")
 
     # -- rounds -----------------------------------------------------------------------------------
     def step(self, ctx: DecodeContext) -> None:
@@ -94,6 +110,8 @@ class SimSD(BlockDiffusion):
         slots = b.masked_slots()
         if not slots:
             self._close(ctx)
+        elif self._fall_back(ctx):
+            return
         elif slots == list(range(slots[0], b.size)) and len(slots) >= max(1, self.params.gamma):
             self._speculate(ctx, slots)
         else:
