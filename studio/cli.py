@@ -45,7 +45,7 @@ try:   # Ctrl+C while the CLI is still importing: the same one line and exit 130
     from studio.errors import BadInput
     from studio.files import Interrupted, check_writable
     from studio.run.config import ModelChoice, RunConfig
-    from studio.run.options import DEVICE, DTYPE, FORCE, GRAPHS, generation_options
+    from studio.run.options import DEVICE, DTYPE, FORCE, GRAPHS, generation_options, say_when_measuring_costs
     from studio.traces.cli import trace_app
     from studio.train.cli import train_app
 except KeyboardInterrupt:
@@ -394,6 +394,7 @@ def demo(
 ):
     """The compare demo on the embedded model: the prompt through every strategy, greedy, with traces and a report."""
     from studio.run.demo import DEMO_PROMPT as default_prompt, demo_command
+    say_when_measuring_costs()
     demo_command(prompt or default_prompt, strategies, max_new_tokens, trace_dir, html, device, dtype, graphs)
 
 

@@ -15,6 +15,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -122,6 +123,11 @@ def cached_at(engine) -> Path | None:
     return None if engine.source == RANDOM_SOURCE else table_path(table_key(engine))
 
 
+# Told (with one line) before a table is measured, which pauses the first cost-aware run for a few seconds: the CLI
+# says so on stderr (studio.run.options.say_when_measuring_costs)
+on_measure: Callable[[str], None] | None = None
+
+
 def cost_table(engine, refresh: bool = False) -> CostTable:
     """The cached table for `engine`'s key, measured (and cached) when there is none, it does not read back, or
     `refresh` asks. A model of random weights (tests, `random:NAME`) is measured once per process, never written."""
@@ -132,6 +138,9 @@ def cost_table(engine, refresh: bool = False) -> CostTable:
         table = _random_tables.get(path.name) if random_weights else _read(path, key)
         if table is not None:
             return table
+    if on_measure is not None and not random_weights:
+        on_measure(f"measuring this machine's forward costs for {key['model']} (a few seconds, once per model, device "
+                   "and dtype): cost-aware drafting plans with them")
     table = calibrate(engine)
     if random_weights:
         _random_tables[path.name] = table

@@ -80,6 +80,12 @@ def run_config(strategy: str | None, values: dict) -> RunConfig:
                      values["top_p"], limit, values["seed"], tuple(values["stop"]))
 
 
+def say_when_measuring_costs() -> None:
+    """One line on stderr before a cost table is measured: the first cost-aware run on a model pauses for it."""
+    from studio.engine import cost_model
+    cost_model.on_measure = lambda text: typer.echo(f"dlm-studio: {text}", err=True)
+
+
 def generation_options(exclude: tuple[str, ...] = ()):
     """Decorate a command so that it takes the shared options (less those named in `exclude`, which get their
     defaults). The command's `model` parameter receives a `ModelChoice`, its `config` parameter a `RunConfig`
@@ -95,6 +101,7 @@ def generation_options(exclude: tuple[str, ...] = ()):
 
         @functools.wraps(command)
         def wrapper(**kwargs):
+            say_when_measuring_costs()
             values = {**defaults, **{name: kwargs.pop(name) for name in shared}}
             kwargs["model"] = model_choice(values)
             kwargs["config"] = run_config(kwargs.get("strategy"), values)

@@ -79,3 +79,17 @@ def test_models_costs_prints_the_table_and_its_json(tmp_path, monkeypatch):
     assert "   3       3.00     1.50" in res.stdout
     out = json.loads(CliRunner().invoke(app, ["models", "costs", "--json"]).stdout)
     assert out["plain_ms"] == [2.0, 2.5, 3.0] and out["path"] == str(table_path(table_key(engine)))
+
+
+def test_the_cli_says_so_once_when_a_first_cost_aware_run_measures_the_table(monkeypatch):
+    """Measuring pauses a first run for seconds: one line on stderr says why, and only then (the table is cached)."""
+    engine = tiny_engine("llama", vocab=64, mask_id=63)
+    engine.source = "model files"
+    monkeypatch.setattr(Engine, "load", staticmethod(lambda spec, adapter=None, **kw: engine))
+    monkeypatch.setattr(cost_model, "calibrate", lambda e, **kw: CostTable(table_key(e), 128, (1.0,) * 16))
+    monkeypatch.setattr("studio.run.session.cost_table", cost_table)   # the machine's table, not the tests' pin
+    monkeypatch.setattr(cost_model, "on_measure", None)
+    runs = [CliRunner().invoke(app, ["run", "-s", "isd", "--raw", "--max-new-tokens", "4", "ab"]) for _ in range(2)]
+    assert all(r.exit_code == 0 for r in runs), [(r.output, r.exception) for r in runs]
+    said = [r.stderr.count("measuring this machine's forward costs") for r in runs]
+    assert said == [1, 0]
