@@ -151,7 +151,7 @@ def _run_training(kind: str, data_dir: Path, out: Path, model: str, gate: str, r
     from studio.engine.engine import Engine
     from studio.errors import BadInput
     from studio.train import data
-    from studio.train.objectives import CLEAN_LOSSES, IDLM, MDM, Block
+    from studio.train.objectives import CLEAN_LOSSES, IDLM, MASK_LOSSES, MDM, Block
     from studio.train.trainer import TrainConfig, train
 
     if gate not in ("mask", "all"):
@@ -161,6 +161,8 @@ def _run_training(kind: str, data_dir: Path, out: Path, model: str, gate: str, r
         raise BadInput(f"--clean-loss must be one of {', '.join(CLEAN_LOSSES)}, got {clean_loss!r}")
     if clean_loss != "ce" and gate != "all":
         raise BadInput("--clean-loss applies to --gate all (with --gate mask the clean rows are the base model's)")
+    if settings.get("mask_loss", "ce") not in MASK_LOSSES:
+        raise BadInput(f"--mask-loss must be one of {', '.join(MASK_LOSSES)}, got {settings['mask_loss']!r}")
     budget = _parse_budget(time_budget)
     cfg = TrainConfig(kind=kind, gate=gate, **settings)
     for name in ("steps", "batch_size", "rows_per_seq", "r", "save_every"):
@@ -175,13 +177,15 @@ def _run_training(kind: str, data_dir: Path, out: Path, model: str, gate: str, r
     _check_train_out(out, resume)
     seqs = data.load_sequences(data_dir)
     engine = Engine.load(model, device=device, dtype=dtype)
+    if cfg.mask_loss == "kl" and not engine.config.logit_shift:
+        raise BadInput(f"--mask-loss kl reads the base model's next-token law: {engine.name} is position-aligned")
     mask_id = engine.model.lm_head.weight.shape[0]
     if kind == "idlm":
         objective = IDLM(mask_id, gate == "all", curriculum=tuple(range(cfg.start_stride, cfg.stride + 1)),
-                         clean_loss=cfg.clean_loss)
+                         clean_loss=cfg.clean_loss, mask_loss=cfg.mask_loss)
     elif kind == "block":
         objective = Block(mask_id, gate == "all", cfg.block_size, shift=engine.config.logit_shift,
-                          clean_loss=cfg.clean_loss)
+                          clean_loss=cfg.clean_loss, mask_loss=cfg.mask_loss)
     else:
         objective = MDM(mask_id, engine.eos_ids(), shift=engine.config.logit_shift)
     t0 = time.perf_counter()
@@ -222,6 +226,8 @@ RESUME = typer.Option(False, "--resume", help="Continue the run in --out where i
 CLEAN_LOSS = typer.Option("ce", "--clean-loss", help="--gate all: the clean rows' loss. ce: cross-entropy on the "
                           "clean tokens (I-DLM Eq. 2) | kl: KL to the base model's distribution (keeps ISD's output "
                           "close to the base model's).")
+MASK_LOSS = typer.Option("ce", "--mask-loss", help="The MASK rows' loss. ce: cross-entropy on the data's token | kl "
+                         "(soft targets): KL to the base model's next-token distribution at the target's position.")
 INIT = typer.Option(None, "--init", help="Start from this adapter's LoRA and MASK row (same rank; a new "
                     "optimizer and schedule), e.g. an r-isd adapter on to --gate all.")
 
@@ -233,11 +239,12 @@ def idlm_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("defa
              steps: int = STEPS, batch_size: int = BATCH, rows: int = ROWS, lr: float = LR, rank: int = RANK,
              alpha: float = ALPHA, seed: int = SEED, save_every: int = SAVE_EVERY,
              time_budget: Optional[str] = BUDGET, resume: bool = RESUME, init: Optional[Path] = INIT,
-             clean_loss: str = CLEAN_LOSS, device: str = DEVICE, dtype: str = DTYPE):
+             clean_loss: str = CLEAN_LOSS, mask_loss: str = MASK_LOSS, device: str = DEVICE, dtype: str = DTYPE):
     """The introspective-consistency recipe (I-DLM App. E): adapters for isd (--gate all) and r-isd (--gate mask)."""
     _run_training("idlm", data, out, model, gate, resume, time_budget, device, dtype, stride=stride,
                   start_stride=start_stride, steps=steps, batch_size=batch_size, rows_per_seq=rows, lr=lr, r=rank,
-                  alpha=alpha, seed=seed, save_every=save_every, init=_init_path(init), clean_loss=clean_loss)
+                  alpha=alpha, seed=seed, save_every=save_every, init=_init_path(init), clean_loss=clean_loss,
+                  mask_loss=mask_loss)
 
 
 @train_app.command("block")
@@ -245,11 +252,12 @@ def block_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("def
               block_size: int = typer.Option(4, "--block-size"), steps: int = STEPS, batch_size: int = BATCH,
               rows: int = ROWS, lr: float = LR, rank: int = RANK, alpha: float = ALPHA, seed: int = SEED,
               save_every: int = SAVE_EVERY, time_budget: Optional[str] = BUDGET, resume: bool = RESUME,
-              init: Optional[Path] = INIT, clean_loss: str = CLEAN_LOSS, device: str = DEVICE, dtype: str = DTYPE):
+              init: Optional[Path] = INIT, clean_loss: str = CLEAN_LOSS, mask_loss: str = MASK_LOSS,
+              device: str = DEVICE, dtype: str = DTYPE):
     """Block diffusion (SDAR-style, random mask ratios): an adapter for blockdiff, s2d2 and simsd."""
     _run_training("block", data, out, model, gate, resume, time_budget, device, dtype, block_size=block_size,
                   steps=steps, batch_size=batch_size, rows_per_seq=rows, lr=lr, r=rank, alpha=alpha, seed=seed,
-                  save_every=save_every, init=_init_path(init), clean_loss=clean_loss)
+                  save_every=save_every, init=_init_path(init), clean_loss=clean_loss, mask_loss=mask_loss)
 
 
 @train_app.command("mdm")

@@ -69,6 +69,7 @@ class Batch(OnDevice):
     gate: torch.Tensor           # [B, R] LoRA on
     targets: torch.Tensor        # [B, R] IGNORE where a row predicts nothing
     slot: torch.Tensor           # [B, R] 1-based draft slot of each target (accuracy by slot), 0 = none
+    source: torch.Tensor         # [B, R] the clean row predicting each target's position (its soft target), 0 = none
 
 
 @dataclass
@@ -81,6 +82,7 @@ class Losses:
 
 
 CLEAN_LOSSES = ("ce", "kl")
+MASK_LOSSES = ("ce", "kl")
 
 
 class Objective:
@@ -98,7 +100,8 @@ class Objective:
         raise NotImplementedError
 
     def rows(self, seq: Sequence, n_blocks: int, width: int, gen: torch.Generator):
-        """(starts, tokens, targets, slots) of one sequence's noisy rows."""
+        """(starts, tokens, targets, slots, sources) of one sequence's noisy rows: a target's source is the clean
+        row whose next-token law is its soft target (the row before the target's position)."""
         raise NotImplementedError
 
     def min_answer(self) -> int:
@@ -120,23 +123,30 @@ class Objective:
         mask = torch.stack([noisy_rows_mask(st, width, L, self.bidirectional) for st in starts])
         gate = torch.ones_like(noisy, dtype=torch.bool) if self.gate_all else noisy == self.mask_id
         return Batch(clean, clean_t, noisy, torch.stack([block_positions(st, width) for st in starts]), mask,
-                     gate, torch.stack([p[2] for p in parts]), torch.stack([p[3] for p in parts]))
+                     gate, *(torch.stack([p[k] for p in parts]) for k in (2, 3, 4)))
 
     def loss(self, model, batch: Batch, n_slots: int) -> Losses:
         kv = TwoPassKV()
         batch = batch.to(model.lm_head.weight.device)
         B, L = batch.clean.shape
         pos = torch.arange(L, device=batch.clean.device)[None].expand(B, L)
-        clean_loss = None
+        clean_loss = soft = None
+        sources = sorted(set(batch.source[batch.targets != IGNORE].tolist())) if self.mask_loss == "kl" else [0]
         if self.gate_all:
             logits = model(batch.clean, pos, kv, lora_gate=torch.ones_like(batch.clean, dtype=torch.bool))
             clean_loss = self._clean_loss(model, batch, pos, logits)
+            if self.mask_loss == "kl":
+                with torch.no_grad():   # the base model (no LoRA) at the target rows' sources
+                    soft = model(batch.clean, pos, TwoPassKV(), logits_rows=sources)
         else:
             with torch.no_grad():   # the base model: its K/V are constants of this step
-                model(batch.clean, pos, kv, logits_rows=[0])
+                soft = model(batch.clean, pos, kv, logits_rows=sources)
         kv.recording = False
         logits = model(batch.noisy, batch.positions, kv, mask=batch.mask[:, None], lora_gate=batch.gate)
-        task = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE)
+        if self.mask_loss == "kl":
+            task = _soft_target_kl(logits, batch, soft, sources)
+        else:
+            task = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE)
         total = task
         if clean_loss is not None:
             total = task + (task.detach() / (clean_loss.detach() + 1e-8)) * clean_loss
@@ -155,6 +165,19 @@ class Objective:
             base = model(batch.clean, pos, TwoPassKV())[rows]
         return F.kl_div(F.log_softmax(logits[rows].float(), -1), F.log_softmax(base.float(), -1), log_target=True,
                         reduction="batchmean")
+
+
+def _soft_target_kl(logits: torch.Tensor, batch: Batch, base: torch.Tensor, sources: list[int]) -> torch.Tensor:
+    """KL(base law at each target's source row || the noisy row's law), averaged over the target rows: the MASK row
+    learns the base model's whole next-token distribution at its position, not only the argmax the data holds
+    (on greedy self-distilled data the two argmaxes agree)."""
+    rows = batch.targets != IGNORE
+    where = torch.zeros(int(batch.source.max()) + 1, dtype=torch.long, device=logits.device)
+    where[torch.tensor(sources, device=logits.device)] = torch.arange(len(sources), device=logits.device)
+    b = torch.arange(len(logits), device=logits.device)[:, None].expand_as(rows)[rows]
+    target = base[b, where[batch.source[rows]]]
+    return F.kl_div(F.log_softmax(logits[rows].float(), -1), F.log_softmax(target.float(), -1), log_target=True,
+                    reduction="batchmean")
 
 
 def hits_by_slot(logits: torch.Tensor, targets: torch.Tensor, slot: torch.Tensor, n_slots: int):
@@ -179,8 +202,10 @@ def _starts(lo: int, hi: int, k: int, gen: torch.Generator) -> list[int]:
 
 
 class IDLM(Objective):
-    def __init__(self, mask_id: int, gate_all: bool, curriculum: tuple[int, ...] = (2, 3, 4), clean_loss: str = "ce"):
+    def __init__(self, mask_id: int, gate_all: bool, curriculum: tuple[int, ...] = (2, 3, 4), clean_loss: str = "ce",
+                 mask_loss: str = "ce"):
         self.mask_id, self.gate_all, self.curriculum, self.clean_loss = mask_id, gate_all, curriculum, clean_loss
+        self.mask_loss = mask_loss
 
     def block_width(self, progress: float) -> int:
         stage = min(int(progress * len(self.curriculum)), len(self.curriculum) - 1)
@@ -197,15 +222,17 @@ class IDLM(Objective):
         starts = _starts(seq.prompt_len, len(toks) - 1 - width, n_blocks, gen)
         targets = torch.tensor([toks[s + j + 1] for s in starts for j in range(width)])
         slots = torch.arange(1, width + 1).repeat(len(starts))
-        return starts, torch.full((len(starts) * width,), self.mask_id, dtype=torch.long), targets, slots
+        sources = torch.tensor([s + j for s in starts for j in range(width)])
+        return starts, torch.full((len(starts) * width,), self.mask_id, dtype=torch.long), targets, slots, sources
 
 
 class Block(Objective):
     bidirectional = True
 
-    def __init__(self, mask_id: int, gate_all: bool, block_size: int, shift: bool, clean_loss: str = "ce"):
+    def __init__(self, mask_id: int, gate_all: bool, block_size: int, shift: bool, clean_loss: str = "ce",
+                 mask_loss: str = "ce"):
         self.mask_id, self.gate_all, self.size, self.shift = mask_id, gate_all, block_size, shift
-        self.clean_loss = clean_loss
+        self.clean_loss, self.mask_loss = clean_loss, mask_loss
 
     def block_width(self, progress: float) -> int:
         return self.size
@@ -220,7 +247,7 @@ class Block(Objective):
         toks = seq.tokens
         starts = _starts(seq.prompt_len, len(toks) - width, n_blocks, gen)
         first = 1 if self.shift else 0          # right-shifted: slot 0 is the filled AR token
-        tokens, targets, slots = [], [], []
+        tokens, targets, slots, sources = [], [], [], []
         for s in starts:
             block = toks[s:s + width]
             ratio = 1.0 - float(torch.rand((), generator=gen))          # t in (0, 1]
@@ -231,13 +258,15 @@ class Block(Objective):
             tokens += [self.mask_id if m else t for m, t in zip(masked, block)]
             row_t = [IGNORE] * width
             row_slot = [0] * width
+            row_source = [0] * width
             for j in range(first, width):
                 if masked[j]:
                     row = j - 1 if self.shift else j
-                    row_t[row], row_slot[row] = block[j], j + 1 - first
+                    row_t[row], row_slot[row], row_source[row] = block[j], j + 1 - first, s + j - 1
             targets += row_t
             slots += row_slot
-        return starts, torch.tensor(tokens), torch.tensor(targets), torch.tensor(slots)
+            sources += row_source
+        return starts, torch.tensor(tokens), torch.tensor(targets), torch.tensor(slots), torch.tensor(sources)
 
 
 

@@ -51,6 +51,7 @@ class TrainConfig:
     max_len: int = 320           # sequences are cut to this many tokens
     init: str | None = None      # an adapter to start from (its LoRA and MASK row; fresh optimizer and schedule)
     clean_loss: str = "ce"       # gate all: ce (the clean tokens, I-DLM Eq. 2) | kl (the base model's law)
+    mask_loss: str = "ce"        # idlm, block: ce (the data's token) | kl (soft targets: the base model's law)
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:

@@ -90,9 +90,20 @@ def test_two_pass_training_forward_equals_one_forward_over_the_app_e_layout(gate
     batch = Batch(clean=x0[None], clean_targets=targets[None], noisy=torch.full((1, n), V),
                   positions=block_positions(starts, b)[None], mask=noisy_rows_mask(starts, b, n)[None],
                   gate=torch.ones(1, n, dtype=torch.bool), targets=targets[None],
-                  slot=(torch.arange(n) % b + 1)[None])
+                  slot=(torch.arange(n) % b + 1)[None], source=torch.arange(n)[None])
     losses = objective.loss(model, batch, n_slots=b)
     assert losses.task == pytest.approx(float(ref_task), abs=1e-5)
+    # --mask-loss kl: each MASK row's target is the base model's law at its source row (the clean row before the
+    # target's position), not the data's token alone
+    with torch.no_grad():
+        base_law = model(x0, torch.arange(n), KVCache(2, 2, 8, n))[0].log_softmax(-1)
+    rows = targets != IGNORE
+    ref_soft = (base_law.exp() * (base_law - ref[:n].log_softmax(-1)))[rows].sum(-1).mean()
+    objective.mask_loss = "kl"
+    soft = objective.loss(model, batch, n_slots=b)
+    assert soft.task == pytest.approx(float(ref_soft), abs=1e-5) and soft.task != pytest.approx(losses.task)
+    assert soft.clean == losses.clean and soft.correct.tolist() == losses.correct.tolist()
+    objective.mask_loss = "ce"
     if gate_all:
         ref_clean = F.cross_entropy(ref[n:], targets, ignore_index=IGNORE)
         assert losses.clean == pytest.approx(float(ref_clean), abs=1e-5)
@@ -109,6 +120,18 @@ def test_two_pass_training_forward_equals_one_forward_over_the_app_e_layout(gate
                 if name.endswith("lora_B"):
                     t.zero_()
         assert objective.loss(model, batch, n_slots=b).clean == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("objective", [IDLM(V, False), Block(V, False, 4, shift=True)], ids=["idlm", "block"])
+def test_each_target_s_soft_target_source_is_the_clean_row_before_its_position(objective):
+    """--mask-loss kl reads the base model's law at a target's source row: the row that predicts the target's
+    position in the clean sequence, whose next token is the target."""
+    seqs = [train_data.Sequence(list(range(1, 40)), 6), train_data.Sequence([5, 9, 2, 7] * 8, 4)]
+    batch = objective.make_batch(seqs, rows_per_seq=12, progress=1.0, gen=torch.Generator().manual_seed(0))
+    rows = batch.targets != IGNORE
+    assert rows.sum() > 8
+    for b, r in rows.nonzero().tolist():
+        assert seqs[b].tokens[batch.source[b, r] + 1] == batch.targets[b, r]
 
 
 def _acceptance(engine, prompts, strategy, params):

@@ -27,6 +27,7 @@ def test_a_prompt_file_with_a_held_out_prompt_is_refused(tmp_path):
     (["idlm", "--data", "d", "--out", "o", "--steps", "0"], "--steps must be >= 1"),
     (["idlm", "--data", "d", "--out", "o", "--gate", "all", "--clean-loss", "mse"], "--clean-loss must be one of"),
     (["block", "--data", "d", "--out", "o", "--clean-loss", "kl"], "--clean-loss applies to --gate all"),
+    (["idlm", "--data", "d", "--out", "o", "--mask-loss", "soft"], "--mask-loss must be one of"),
     (["eval", "no-such-adapter", "--n-prompts", "0"], "--n-prompts"),
 ])
 def test_bad_training_arguments_are_one_line_errors(tmp_path, args, needle):
@@ -48,9 +49,10 @@ def test_data_idlm_eval_and_run_on_the_embedded_model(tmp_path, embedded_data):
     manifest = json.loads((d / "manifest.json").read_text())
     assert manifest["shard_sizes"] == [4] and manifest["n_answer_tokens"] > 20
     r = cli("train", "idlm", "--data", str(d), "--out", str(ad), "--steps", "2", "--batch-size", "2", "--rows", "6",
-            "--rank", "2", check_rc=0)
+            "--rank", "2", "--mask-loss", "kl", check_rc=0)
     assert "step 2/2 (done)" in r.stdout
     assert [json.loads(x)["step"] for x in (ad / "train_log.jsonl").read_text().splitlines()] == [1, 2]
+    assert json.loads((ad / "train_state.json").read_text())["config"]["mask_loss"] == "kl"   # soft targets
     r = cli("train", "eval", str(ad), "--n-prompts", "1", "--max-new-tokens", "8", "--json", check_rc=0)
     report = json.loads(r.stdout)
     assert [row["label"] for row in report["rows"]] == ["ar", "r-isd"]          # what a --gate mask adapter is for
@@ -110,6 +112,7 @@ def test_eval_measures_every_draft_slot_of_a_cost_aware_strategy():
     from studio.run.config import RunConfig
     from studio.train.evaluate import measuring_every_slot
     got = measuring_every_slot({"ar": RunConfig("ar"), "r-isd": RunConfig("r-isd"), "s2d2": RunConfig("s2d2"),
+                                "blockdiff": RunConfig("blockdiff"),
                                 "isd": RunConfig("isd", params={"drafting": "auto"})})
-    assert got["r-isd"].params == {"drafting": "fixed"} and got["isd"].params == {"drafting": "auto"}
-    assert got["ar"].params == {} and got["s2d2"].params == {}
+    assert got["r-isd"].params == got["s2d2"].params == {"drafting": "fixed"} and got["isd"].params == {"drafting": "auto"}
+    assert got["ar"].params == {} and got["blockdiff"].params == {}
