@@ -133,8 +133,15 @@ def diagnostics(events: list[Mapping[str, Any]], strategy: str | None = None) ->
         notes.append(f"{len(stalled)} forward(s) made no progress: nothing emitted, unmasked, proposed or "
                      f"verified (steps {shown}).")
     if strategy != "ar" and pts and pts[-1].forwards >= 4 and pts[-1].tpf is not None and pts[-1].tpf < 1.1:
-        notes.append(f"Parallelism collapsed: TPF {pts[-1].tpf:.2f} ≈ 1 token per forward "
-                     "(plain AR speed at best).")
+        plans = [p.plan for p in pts if p.plan is not None]
+        ar_steps = sum(p[0] == 0 for p in plans)
+        if plans and ar_steps >= len(plans) / 2:   # the planner chose it: say why, not only that
+            notes.append(f"TPF {pts[-1].tpf:.2f}: cost-aware drafting planned {ar_steps} of {len(plans)} forwards as "
+                         "plain AR steps, because on this machine's forward costs the drafts it expected to be "
+                         "accepted did not pay for their rows (drafting=fixed drafts every forward).")
+        else:
+            notes.append(f"Parallelism collapsed: TPF {pts[-1].tpf:.2f} ≈ 1 token per forward "
+                         "(plain AR speed at best).")
     acc = acceptance(events)
     if acc.verified and acc.accepted == 0:
         notes.append(f"No draft was accepted ({acc.verified} verified): the drafter and target disagree.")

@@ -152,6 +152,17 @@ def test_the_plan_shows_in_the_tui_metrics_and_the_web_trajectory(monkeypatch):
     assert "no draft pays" in row_html(view.grid, ar_step)
 
 
+def test_a_run_that_planned_ar_steps_says_so_in_its_diagnostics(monkeypatch):
+    """TPF ~1 is not 'parallelism collapsed' when the planner chose it: the trace report says why."""
+    from studio.viz.stats import diagnostics
+    from tests.support.plans import plan_with
+
+    plan_with(monkeypatch, (1.0,) + (50.0,) * 15)
+    notes = diagnostics(_run(tiny_engine("llama", seed=3, vocab=24), {"stride": 4}).events, "isd")
+    assert any("planned 40 of 40 forwards as plain AR steps" in n for n in notes)
+    assert not any("collapsed" in n for n in notes)
+
+
 def test_a_seeded_sampled_run_decodes_the_same_twice():
     """Plans follow the cost table and the verdicts, never a clock: a seed reproduces an auto run."""
     engine = tiny_engine("qwen2", seed=4, vocab=24)
