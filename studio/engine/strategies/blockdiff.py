@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from studio.engine.masks import bidirectional, block_causal, causal, partially_causal_draft
+from studio.engine.masks import bidirectional, block_causal, partially_causal_draft
 from studio.engine.sampling import Proposal, SamplingParams, process_logits, sample, sample_token
 from studio.engine.strategies import drafting
 from studio.engine.strategies.base import DecodeContext, Strategy
@@ -265,9 +265,9 @@ class BlockDiffusion(Strategy):
         ctx.commit(n)
         return logits
 
-    def _commit_mask(self, ctx: DecodeContext, n: int, n_past: int) -> torch.Tensor:
+    def _commit_mask(self, ctx: DecodeContext, n: int, n_past: int) -> torch.Tensor | None:
         if self.causal_cache:
-            return causal(n, n_past, device=ctx.device)
+            return None   # the model's own causal mask over the committed KV: an AR step builds no mask tensor
         return block_causal(n, n_past, self.B, offset=0, device=ctx.device)
 
     def _open(self, ctx: DecodeContext, start: int, filled: list[int]) -> None:
