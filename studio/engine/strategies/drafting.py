@@ -25,7 +25,6 @@ HELP = ("auto: each forward drafts as many tokens (0 = a plain AR step, up to th
         "by the measured forward costs and the run's acceptance so far | fixed: always the maximum")
 
 
-
 def validate(owner: str, value: str) -> None:
     """BadInput unless `value` is a drafting mode."""
     if value not in DRAFTING:
@@ -97,10 +96,8 @@ def isd_rate(reach: list[float], cost: Cost, clean_gated: bool) -> float:
     return (share * verify_tokens + (1 - share)) / (share * verify_ms + (1 - share) * cold_ms)
 
 
-class DraftPlanner:
-    """Chooses each forward's draft count for one run: `plan(rate)` with `rate(reach, cost)` the strategy's expected
-    tokens per ms at len(reach) drafts, `cost` the run's cost table (`DecodeContext.costs`). The plan depends on the
-    table and the run's verdicts only, never on a clock, so a seeded run decodes the same on the same table."""
+class _Planner:
+    """What every planner of a run holds: its context, its acceptance by slot and the cost table it reads."""
 
     def __init__(self, ctx, max_drafts: int):
         self.ctx = ctx
@@ -110,6 +107,12 @@ class DraftPlanner:
 
     def observe(self, verified: int, accepted: int) -> None:
         self.acceptance.observe(verified, accepted)
+
+
+class DraftPlanner(_Planner):
+    """Chooses each forward's draft count for one run: `plan(rate)` with `rate(reach, cost)` the strategy's expected
+    tokens per ms at len(reach) drafts, `cost` the run's cost table (`DecodeContext.costs`). The plan depends on the
+    table and the run's verdicts only, never on a clock, so a seeded run decodes the same on the same table."""
 
     def plan(self, rate: Callable[[list[float], Cost], float], limit: int | None = None, prefill: bool = False) -> int:
         """The draft count for the next forward (0..max_drafts, or 0..`limit` when fewer drafts are open), reported
@@ -125,7 +128,7 @@ class DraftPlanner:
         return best
 
 
-class BlockPlanner:
+class BlockPlanner(_Planner):
     """Cost-aware drafting for a block strategy (S2D2, SimSD) on an AR model with a block adapter, whose cache is
     causal: before each draft cycle, whether drafting the rest of the open block pays, or committing its filled
     prefix (one forward whose last row gives the next token: with one filled slot, a plain AR step) does.
@@ -138,13 +141,8 @@ class BlockPlanner:
     steps and fresh blocks. Exact whatever it decides: both paths verify or sample from the target."""
 
     def __init__(self, ctx, block: int, forced: int, draft_forwards: int, all_gated: bool):
-        self.ctx, self.B, self.forced, self.draft_forwards, self.all_gated = ctx, block, forced, draft_forwards, all_gated
-        self.max_drafts = block - 1 - forced
-        self.acceptance = SlotAcceptance(max(self.max_drafts, 1))
-        self.cost: Cost = ctx.costs.forward_ms
-
-    def observe(self, verified: int, accepted: int) -> None:
-        self.acceptance.observe(verified, accepted)
+        super().__init__(ctx, block - 1 - forced)
+        self.B, self.forced, self.draft_forwards, self.all_gated = block, forced, draft_forwards, all_gated
 
     def _ms(self, rows: int, mask_rows: int = 0) -> float:
         return self.cost(rows, rows if self.all_gated else mask_rows)
