@@ -22,9 +22,9 @@ import torch
 from studio.engine.forward_cost import Shape, measure_forwards
 from studio.engine.random_models import RANDOM_SOURCE
 
-# Part of every table's key: bump it when the engine changes what a forward of n rows costs (a table measured
-# before 2 predates the CPU's W @ x.T projections, model.linear)
-TABLE_VERSION = 2
+# Part of every table's key: bump it when the engine changes what a forward of n rows costs (2: the CPU's W @ x.T
+# projections, model.linear; 3: oneDNN for 3-16 rows)
+TABLE_VERSION = 3
 MAX_ROWS = 16        # ISD stride 8 (2N - 1 = 15 rows + 1), Jacobi's default block of 16
 CONTEXT = 128        # KV length the forwards attend over: a short chat turn's
 
@@ -99,9 +99,15 @@ def calibrate(engine, max_rows: int = MAX_ROWS, repeats: int = 5, warmup: int = 
     if engine.lora is not None:
         shapes += [Shape(f"{n} rows, all gated", n, gated=n) for n in range(1, max_rows + 1)]
     costs = measure_forwards(engine, repeats=repeats, warmup=warmup, context=context, shapes=shapes)
-    plain = tuple(c.ms for c in costs if not c.shape.gated)
-    gated = tuple(c.ms for c in costs if c.shape.gated) or None
+    plain = _never_cheaper([c.ms for c in costs if not c.shape.gated])
+    gated = _never_cheaper([c.ms for c in costs if c.shape.gated]) or None
     return CostTable(table_key(engine), context, plain, gated)
+
+
+def _never_cheaper(ms: list[float]) -> tuple[float, ...]:
+    """Each row count's time at least the one before it: a forward of more rows does not cost less, and a
+    median of a few noisy samples that says so would have a planner draft more than pays."""
+    return tuple(max(ms[:i + 1]) for i in range(len(ms)))
 
 
 def costs_dir() -> Path:

@@ -12,7 +12,7 @@ import torch
 from studio.engine.config import ModelConfig
 from studio.engine.device import resolve_device, resolve_dtype
 from studio.engine.graphs import CachePool
-from studio.engine.model import Transformer, model_class
+from studio.engine.model import Transformer, forgo_packed_copies, model_class
 from studio.engine.random_models import RANDOM_SOURCE, build_random, is_random, random_config
 from studio.engine.tokenizer import ByteIdTokenizer
 from studio.engine.weights import load_model_files
@@ -38,6 +38,19 @@ def to_device(model: Transformer, device: torch.device, dtype: torch.dtype) -> N
     model.to(device=device, dtype=dtype)
     for name, table in tables.items():
         setattr(model, name, table.to(device))
+
+
+# The largest share of the machine's memory a CPU model's fp32 weights may take and still get packed copies of its
+# projections for multi-row forwards (model._small_product: they double the weights' memory)
+PACKED_COPY_SHARE = 0.25
+
+
+def _weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _ram_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass
@@ -81,6 +94,8 @@ class Engine:
         else:
             engine = cls._from_files(spec, progress, adapter)
             to_device(engine.model, dev, dt)
+        if dev.type == "cpu" and _weight_bytes(engine.model) > PACKED_COPY_SHARE * _ram_bytes():
+            forgo_packed_copies(engine.model)
         if adapter and adapter != "none":
             from studio.presets.shipped import adapter_path
             from studio.engine.lora import attach_adapter

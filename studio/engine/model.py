@@ -75,11 +75,11 @@ class Linear(nn.Linear):
             return y + delta if gate.mult is None else y + delta * gate.mult   # gate 0: y + 0 == y exactly
         flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])   # y is fresh: add in place
         rows = gate.rows if gate.span is None else gate.span
-        delta = F.linear(F.linear(flat_x[rows], self.lora_A), self.lora_B).to(y.dtype)
+        low = torch.mm(flat_x[rows], self.lora_A.t())
         if gate.span is None:
-            flat_y.index_add_(0, rows, delta, alpha=self.lora_scale)
-        else:
-            flat_y[rows].add_(delta, alpha=self.lora_scale)   # the scale folded into the add: one op fewer
+            flat_y.index_add_(0, rows, torch.mm(low, self.lora_B.t()).to(y.dtype), alpha=self.lora_scale)
+        else:   # one product-and-add into the rows' view: a decode forward runs this in every projection
+            flat_y[rows].addmm_(low, self.lora_B.t(), alpha=self.lora_scale)
         return y
 
 
@@ -262,8 +262,10 @@ class Transformer(LanguageModel):
         return vocab_logits(self.lm_head.weight, self.model.norm(x))
 
 
-# Row counts up to which a CPU projection runs as W @ x.T (`linear`)
+# Row counts up to which a CPU projection runs as W @ x.T or through oneDNN (`linear`)
 SMALL_ROWS = 16
+# Row counts from which a CPU projection runs through oneDNN on a pre-packed copy of its weight (`linear`)
+PACKED_ROWS = 3
 
 
 def _w_xt(w: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
@@ -274,14 +276,52 @@ def _w_xt(w: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     return torch.mm(w, cols.t())[:, :r].t()
 
 
+def _packed(w: torch.Tensor) -> torch.Tensor | None:
+    """w in oneDNN's blocked layout, made on first use and remade when w changes (its storage or version); None for
+    a weight `forgo_packed_copies` marked, and for an inference tensor, which has no version to tell a change by."""
+    cached = getattr(w, "_onednn", None)
+    if cached is False or w.is_inference():
+        return None
+    key = (w.data_ptr(), w._version)
+    if cached is None or cached[0] != key:
+        cached = key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+        w._onednn = cached
+    return cached[1]
+
+
+def _cpu_small(x: torch.Tensor) -> bool:
+    """A decode-sized fp32 product on the CPU outside autograd: the shapes `linear` routes around F.linear."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
+            and x.numel() <= SMALL_ROWS * x.shape[-1])
+
+
+def _small_product(w: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """flat [R, D] through w [N, D] for R <= SMALL_ROWS on the CPU: 1-2 rows as w @ flat.T (MKL streams the weights
+    fastest there), 3+ through oneDNN on the packed weight, whose time barely grows with the rows where MKL's
+    small-M kernels grow ~linearly (docs/architecture.md#cpu-projections)."""
+    packed = _packed(w) if flat.shape[0] >= PACKED_ROWS and _HAS_ONEDNN else None
+    if packed is None:
+        return _w_xt(w, flat)
+    return torch.ops.mkldnn._linear_pointwise(flat, packed, None, "none", [], "")
+
+
+def forgo_packed_copies(model: nn.Module) -> None:
+    """Keep `model`'s projections to their one fp32 copy: the packed copies `_small_product` makes hold as many
+    bytes again, which a model large against the machine's memory cannot spare."""
+    for p in model.parameters():
+        p._onednn = False
+
+
+_HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., D] @ w.T (+ b). On the CPU in fp32 a decode-sized product (at most SMALL_ROWS rows) runs as w @ x.T
-    (`_w_xt`): torch's F.linear takes a GEMV for one row and small-M GEMMs that read the weights more slowly, so this
-    way a 1-token step of the embedded model takes ~0.6x the time, 5-8 rows ~0.8x (docs/architecture.md#cpu-projections);
-    wider products (a prefill) and other devices keep F.linear."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.numel() > SMALL_ROWS * x.shape[-1]:
+    """x [..., D] @ w.T (+ b). On the CPU in fp32 a decode-sized product (at most SMALL_ROWS rows) goes around torch's
+    F.linear, whose GEMV for one row and small-M GEMMs read the weights slowly (`_small_product`); wider products
+    (a prefill), training and other devices keep F.linear."""
+    if not _cpu_small(x):
         return F.linear(x, w, b)
-    y = _w_xt(w, x.reshape(-1, x.shape[-1])).contiguous()
+    y = _small_product(w, x.reshape(-1, x.shape[-1])).contiguous()
     if b is not None:
         y += b
     return y.reshape(*x.shape[:-1], w.shape[0])
@@ -290,7 +330,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 def vocab_logits(head: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """float logits of x [..., D] through the head [V, D], as W @ x.T for any row count: BLAS streams the head once,
     where F.linear's small-M GEMM is ~3x slower at 7 rows on CPU (the head is a fifth of a small model)."""
-    out = _w_xt(head, x.reshape(-1, x.shape[-1]))
+    flat = x.reshape(-1, x.shape[-1])
+    out = _small_product(head, flat) if _cpu_small(flat) else _w_xt(head, flat)
     return out.reshape(*x.shape[:-1], -1).float().contiguous()
 
 

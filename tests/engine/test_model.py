@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from studio.engine.masks import causal
+from studio.engine.model import forgo_packed_copies, linear
 from tests.support.tiny import FAMILIES, hf_pair, tiny_model
 
 
@@ -83,3 +84,21 @@ def test_logits_rows_selects_rows():
         kv = model.new_cache(32)
         some = model(ids, torch.arange(9), kv, logits_rows=[2, 8])[0]
     assert torch.allclose(some, allrows[[2, 8]], atol=1e-5, rtol=0)
+
+
+def test_cpu_projections_by_row_count_compute_x_at_w_t():
+    """Decode-sized products take MKL's W @ x.T (1-2 rows) or oneDNN on a packed copy of W (3-16 rows): all of them
+    x @ W.T, the packed copy remade after W changes in place (an adapter's rows, a training step), and none made for
+    a model whose memory cannot spare it."""
+    w, x = torch.randn(48, 32), torch.randn(16, 32)
+    with torch.no_grad():
+        for rows in (1, 2, 3, 7, 16):
+            assert torch.allclose(linear(x[:rows], w), x[:rows] @ w.T, atol=1e-5), rows
+        assert isinstance(w._onednn, tuple)   # the 3-16 row products used a packed copy
+        w.mul_(-2)
+        assert torch.allclose(linear(x[:7], w), x[:7] @ w.T, atol=1e-5)
+    model = tiny_model("llama", vocab=40)
+    forgo_packed_copies(model)
+    with torch.no_grad():
+        model(torch.randint(0, 40, (7,)), torch.arange(7), model.new_cache(16))
+    assert all(p._onednn is False for p in model.parameters())
