@@ -19,10 +19,25 @@ def test_a_verdict_counts_the_accepted_slots_and_the_first_rejected_one_only():
     acc = SlotAcceptance(4, prior=0.5, weight=2.0, decay=1.0, optimism=0.0)
     acc.observe(verified=3, accepted=1)      # slot 0 accepted, slot 1 rejected, slot 2 never decided
     assert acc.tries == [1.0, 1.0, 0.0, 0.0] and acc.hits == [1.0, 0.0, 0.0, 0.0]
-    assert acc.rate(0) == pytest.approx(2 / 3) and acc.rate(1) == pytest.approx(1 / 3) and acc.rate(2) == 0.5
-    assert acc.reach(3) == pytest.approx([2 / 3, 2 / 9, 1 / 9])
+    # each slot's prior is the slot before it's posterior mean: slot 1 = (0 + 2/3 * 2) / 3, slot 2 = slot 1's mean
+    assert acc.rates(3) == pytest.approx([2 / 3, 4 / 9, 4 / 9]) and acc.rate(1) == pytest.approx(4 / 9)
+    assert acc.reach(3) == pytest.approx([2 / 3, 8 / 27, 32 / 243])
     acc.observe(verified=2, accepted=2)       # all accepted: nothing failed
     assert acc.tries[:2] == [2.0, 2.0] and acc.hits[:2] == [2.0, 1.0]
+
+
+def test_slots_behind_a_rarely_accepted_first_draft_read_as_low_as_it():
+    """Later slots are only tried after the first is accepted: where it rarely is, they must not keep reading as the
+    prior, or a cheap wide forward makes a long chain of them look worth its rows (Jacobi on an ordinary prompt)."""
+    acc = SlotAcceptance(8, decay=0.97)
+    for _ in range(60):
+        acc.fade()
+        acc.observe(verified=4, accepted=0)
+    assert max(acc.rates(8)[1:]) < 0.2
+    cheap = CostTable({}, 0, (1.0, 1.03) + (1.27,) * 14)   # this CPU's table with oneDNN's flat 3-16 rows
+    reach = {d: acc.reach(d) for d in range(9)}
+    best = max(reach, key=lambda d: chain_rate(reach[d], cheap.forward_ms))
+    assert best <= 1
 
 
 def test_evidence_fades_back_to_the_prior_so_an_abandoned_slot_is_tried_again():
@@ -182,8 +197,8 @@ def test_auto_drafting_falls_back_to_ar_steps_and_back_and_stays_ar(name, params
     block's filled prefix instead -- one row, an AR step -- and the run drafts again once its evidence fades. Greedy
     output is AR's; every block opened is closed under the name it was opened with."""
     engine = tiny_dlm("llama", True, vocab=24, seed=7)
-    r = generate(engine, name, {"cache": "causal", "block_size": 4, **params}, n=60)
-    assert r.token_ids == generate(engine, "ar", n=60).token_ids
+    r = generate(engine, name, {"cache": "causal", "block_size": 4, **params}, n=100)
+    assert r.token_ids == generate(engine, "ar", n=100).token_ids
     plans = planned(r)
     drafted = [i for i, d in enumerate(plans) if d]
     assert 0 in plans and len(drafted) >= 3 and drafted[-1] > plans.index(0)   # drafts again after AR steps

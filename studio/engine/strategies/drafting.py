@@ -37,9 +37,12 @@ Cost = Callable[[int, int], float]
 
 class SlotAcceptance:
     """Slot i's chance that draft i is accepted given that drafts 1..i-1 were, from the run's verdicts: a Beta
-    posterior around `prior`, read optimistically (its mean plus `optimism` standard deviations), whose evidence
-    fades by `decay` per forward. A slot with little evidence reads high, so a run tries drafts it knows little about,
-    and one that fell back to AR steps sees its evidence fade and tries again: how it finds the list in an answer."""
+    posterior read optimistically (its mean plus `optimism` standard deviations), whose evidence fades by `decay`
+    per forward. Its prior is `prior` for the first slot and the previous slot's posterior mean for each later one:
+    a slot is only tried when the ones before it were accepted, so where the first is rarely accepted the later
+    ones would keep reading as `prior` for ever and make long chains look worth their rows. A slot with little
+    evidence reads high, so a run tries drafts it knows little about, and one that fell back to AR steps sees its
+    evidence fade and tries again: how it finds the list in an answer."""
 
     def __init__(self, slots: int, prior: float = 0.5, weight: float = 2.0, decay: float = 0.97,
                  optimism: float = 1.0):
@@ -58,16 +61,24 @@ class SlotAcceptance:
             self.tries[i] += 1.0
             self.hits[i] += 1.0 if i < accepted else 0.0
 
+    def rates(self, d: int) -> list[float]:
+        """The first d slots' rates, each slot's prior the posterior mean of the one before it."""
+        out, prior = [], self.prior
+        for i in range(d):
+            n = self.tries[i] + self.weight
+            mean = (self.hits[i] + prior * self.weight) / n
+            out.append(min(1.0, mean + self.optimism * math.sqrt(mean * (1.0 - mean) / (n + 1.0))))
+            prior = mean
+        return out
+
     def rate(self, i: int) -> float:
-        n = self.tries[i] + self.weight
-        mean = (self.hits[i] + self.prior * self.weight) / n
-        return min(1.0, mean + self.optimism * math.sqrt(mean * (1.0 - mean) / (n + 1.0)))
+        return self.rates(i + 1)[i]
 
     def reach(self, d: int) -> list[float]:
         """reach[j] = the chance that the first j + 1 of d drafts are all accepted."""
         out, r = [], 1.0
-        for i in range(d):
-            r *= self.rate(i)
+        for rate in self.rates(d):
+            r *= rate
             out.append(r)
         return out
 
