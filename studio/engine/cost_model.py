@@ -11,6 +11,7 @@ table per model, device, dtype, thread count and LoRA rank in the user cache (`c
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -107,7 +108,7 @@ def calibrate(engine, max_rows: int = MAX_ROWS, repeats: int = 5, warmup: int = 
 def _never_cheaper(ms: list[float]) -> tuple[float, ...]:
     """Each row count's time at least the one before it: a forward of more rows does not cost less, and a
     median of a few noisy samples that says so would have a planner draft more than pays."""
-    return tuple(max(ms[:i + 1]) for i in range(len(ms)))
+    return tuple(itertools.accumulate(ms, max))
 
 
 def costs_dir() -> Path:

@@ -266,6 +266,7 @@ class Transformer(LanguageModel):
 SMALL_ROWS = 16
 # Row counts from which a CPU projection runs through oneDNN on a pre-packed copy of its weight (`linear`)
 PACKED_ROWS = 3
+_HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 def _w_xt(w: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
@@ -310,9 +311,6 @@ def forgo_packed_copies(model: nn.Module) -> None:
     bytes again, which a model large against the machine's memory cannot spare."""
     for p in model.parameters():
         p._onednn = False
-
-
-_HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

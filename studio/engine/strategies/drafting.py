@@ -131,7 +131,8 @@ class DraftPlanner(_Planner):
         AR step."""
         self.acceptance.fade()
         top = self.max_drafts if limit is None else min(limit, self.max_drafts)
-        rates = [rate(self.acceptance.reach(d), self.cost) for d in range(top + 1)]
+        reach = self.acceptance.reach(top)   # a slot's rate reads only the slots before it: d drafts reach reach[:d]
+        rates = [rate(reach[:d], self.cost) for d in range(top + 1)]
         best = max(range(len(rates)), key=rates.__getitem__)
         gain = rates[best] * self.cost(1, 0)
         self.ctx.event("plan", at_step=0 if prefill else self.ctx.step + 1, drafts=best, max_drafts=self.max_drafts,
