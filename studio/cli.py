@@ -188,6 +188,50 @@ def web(
         raise BadInput(f"cannot serve on {host}:{port}: {e}") from None
 
 
+@app.command()
+@generation_options(exclude=("draft_model", "draft_adapter"))
+def serve(
+    strategy: Optional[str] = typer.Option(None, "--strategy", "-s", help="What requests that name no strategy run "
+                                           "(default: ar)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to serve on (127.0.0.1: this machine only)."),
+    port: int = typer.Option(8000, "--port"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DLM_STUDIO_API_KEY", show_envvar=True,
+                                          help="Require this bearer token on every request."),
+    name: str = typer.Option("default", "--name", help="The model name clients send (NAME or NAME:STRATEGY)."),
+    max_tokens: int = typer.Option(2048, "--max-tokens-limit", help="The largest max_tokens a request may ask for."),
+    max_running: int = typer.Option(8, "--max-running", help="Requests decoding at once."),
+    max_queued: int = typer.Option(32, "--max-queued", help="Requests waiting beyond those (then 429)."),
+    trace_dir: Optional[Path] = typer.Option(None, "--trace-dir", help="Keep request traces here (default: a "
+                                             "temporary directory, removed at exit)."),
+    *, model: ModelChoice, config: RunConfig,
+):
+    """An OpenAI-compatible server: /v1/chat/completions and /v1/completions (streaming or not, the strategy per
+    request), /v1/models, /v1/traces/{id}."""
+    from studio.serve.app import build_app, run_server
+    from studio.serve.protocol import Limits
+
+    for flag, value in (("--max-tokens-limit", max_tokens), ("--max-running", max_running)):
+        if value < 1:
+            raise BadInput(f"{flag} must be >= 1, got {value}")
+    if max_queued < 0:
+        raise BadInput(f"--max-queued must be >= 0, got {max_queued}")
+    if ":" in name or not name:
+        raise BadInput(f"--name must be a non-empty name without ':', got {name!r}")
+    config.build()
+    engine = model.load()
+    limits = Limits(max_tokens=max_tokens, max_running=max_running, max_queued=max_queued)
+    app_ = build_app(engine, config, served=name, chat_template=model.chat_template, api_key=api_key,
+                     limits=limits, trace_dir=trace_dir)
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        typer.echo(f"dlm-studio: note: serving on {host} without --api-key: anyone who can reach it can use it",
+                   err=True)
+    typer.echo(f"dlm-studio serve: {engine.title} as {name!r} on http://{host}:{port}/v1 (Ctrl+C stops)", err=True)
+    try:
+        run_server(app_, host, port)
+    except OSError as e:
+        raise BadInput(f"cannot serve on {host}:{port}: {e}") from None
+
+
 def _chat_session(model: ModelChoice, config: RunConfig):
     """Validate the run configuration, then load the model: a ChatSession for the chat REPL and the TUI."""
     from studio.run.chat import ChatSession

@@ -198,6 +198,12 @@ class Run:
         return min(self.ctx.kv.length, len(self.prompt_ids)), len(self.prompt_ids)
 
     @property
+    def trace_header(self) -> dict:
+        """The header as a trace holds it (schema, run id and creation time added) when the run writes one, else its
+        own."""
+        return self._writer.header if self._writer else self.header
+
+    @property
     def model_adapter(self) -> str | None:
         """The adapter whose model this run decodes (its LoRA on the clean rows), None for the base model."""
         return decoded_model(self.engine, self.strategy)
