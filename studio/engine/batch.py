@@ -189,6 +189,11 @@ class _BatchForward:
         self.kv.select_batch(keep)
         self.pad = self.pad[keep]
 
+    def join(self, other: "_BatchForward", max_len: int) -> None:
+        """Append `other`'s batch rows (their cache and padding) after this one's, every row now `max_len` slots."""
+        self.kv = type(self.kv).stacked([self.kv, other.kv], max_len)
+        self.pad = torch.cat([self.pad, other.pad])
+
     def __call__(self, batch: list[Row], starts: list[int],
                  rows: torch.Tensor | None = None) -> tuple[list[list[int]], float]:
         """The argmax of every row in `rows` (all if None) of one forward, and its wall time in ms: batch row b's
@@ -257,15 +262,24 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids) 
     return [r.token_ids for r in decode_batch(model, prompts, max_new_tokens, eos_ids)]
 
 
+def unbatchable(strategy, sampling) -> str | None:
+    """Why `strategy` cannot decode in a batch, or None: batches run ar, isd and r-isd, greedy (the equality with
+    batch 1 is a greedy guarantee) and lossless (exact acceptance: a relaxed rule's output depends on the draft)."""
+    if strategy.name not in BATCHED:
+        return f"batched decoding supports {', '.join(BATCHED)}, not {strategy.name!r}"
+    if not sampling.greedy:
+        return f"batched decoding is greedy only: temperature must be 0, got {sampling.temperature:g}"
+    if isinstance(strategy, ISD) and (strategy.params.tau > 0 or strategy.params.mode != "exact"):
+        return "batched decoding verifies exactly: tau must be 0 and mode 'exact'"
+    return None
+
+
 def round_shape(strategy, sampling) -> int:
-    """The stride of `strategy`'s batched rounds (ar: 1). BadInput unless it is ar, isd or r-isd at
-    temperature 0 (the equality with batch 1 is a greedy guarantee; sampled batches are not offered). A batch
+    """The stride of `strategy`'s batched rounds (ar: 1); BadInput when it cannot batch (`unbatchable`). A batch
     drafts every round in full, as batch 1 does with `drafting="fixed"`: each row of a stationary batch pays the
     batch's width whatever it drafts, so a per-sequence plan would save nothing."""
-    if strategy.name not in BATCHED:
-        raise BadInput(f"batched decoding supports {', '.join(BATCHED)}, not {strategy.name!r}")
-    if not sampling.greedy:
-        raise BadInput(f"batched decoding is greedy only: temperature must be 0, got {sampling.temperature:g}")
+    if why := unbatchable(strategy, sampling):
+        raise BadInput(why)
     return strategy.params.stride if isinstance(strategy, ISD) else 1
 
 
@@ -278,3 +292,74 @@ def decode_strategy_batch(engine, strategy, sampling, prompts: list[list[int]],
     engine.activate()
     return decode_batch(engine.model, prompts, max_new_tokens, engine.eos_ids(), stride,
                         engine.config.mask_token_id, strategy.clean_gate(engine.lora), engine.tokenizer)
+
+
+class ContinuousBatch:
+    """Greedy ISD rounds of stride N (1: AR) for sequences that join and leave between rounds (the server's batch).
+
+    A joining sequence is prefilled alone (its prompt and the first cold round in one forward, as batch-1 ISD and
+    `decode_batch` do, with no padding), then its cache row joins the batch's; every round is one [B, 2N-1] forward
+    of the sequences still running, each at its own slots; a finished or dropped sequence leaves at once. Each
+    sequence goes through its batch-1 rounds, so its tokens are its solo run's, and its events carry its own clock
+    (from its join). `engine`: the adapter view the strategy runs with (`Engine.for_strategy`)."""
+
+    def __init__(self, engine, strategy, sampling):
+        self.engine, self.stride = engine, round_shape(strategy, sampling)
+        self.n_mask, self.width = self.stride - 1, 2 * self.stride - 1
+        self.gate_clean_rows = strategy.clean_gate(engine.lora)
+        self.mask_id, self.eos = engine.config.mask_token_id, frozenset(engine.eos_ids())
+        self.lora = _has_adapter(engine.model)
+        self.sequences: list[_Sequence] = []
+        self._forward: _BatchForward | None = None
+        self._max_len = 0
+
+    @torch.inference_mode()
+    def join(self, prompt: list[int], max_new_tokens: int, stop: tuple[str, ...] = ()) -> _Sequence:
+        """Prefill a sequence and add it to the batch unless its prefill already finished it."""
+        self.engine.activate()
+        start, need = time.perf_counter(), len(prompt) + max_new_tokens + self.width
+        tok = self.engine.tokenizer
+        seq = _Sequence(prompt, Output(tok, max_new_tokens, self.eos, stop), tok, self.n_mask, self.gate_clean_rows,
+                        0, self.lora, lambda: (time.perf_counter() - start) * 1000.0)
+        alone = _BatchForward(self.engine.model, self.engine.model.new_cache(need), [0])
+        row = seq.prefill_row(self.mask_id)
+        targets, wall_ms = alone([row], [0], rows=torch.arange(len(prompt) - 1, len(prompt) + self.n_mask,
+                                                              device=alone.device))
+        seq.take_prefill(targets[0], row[1], wall_ms)
+        if seq.live:
+            self._max_len = max(self._max_len, need)
+            if self._forward is None:
+                self._forward = alone
+            else:
+                self._forward.join(alone, self._max_len)
+            self.sequences.append(seq)
+        return seq
+
+    @torch.inference_mode()
+    def step(self) -> list[_Sequence]:
+        """One round of every sequence; returns those it finished (they have left the batch)."""
+        if not self.sequences:
+            return []
+        self.engine.activate()
+        batch = [s.round_row(self.mask_id, self.width) for s in self.sequences]
+        targets, wall_ms = self._forward(batch, [s.length for s in self.sequences])
+        for s, t, (_, gate) in zip(self.sequences, targets, batch):
+            s.take_round(t, gate, wall_ms)
+        finished = [s for s in self.sequences if not s.live]
+        self._leave(finished)
+        return finished
+
+    def drop(self, seq: _Sequence, reason: str) -> None:
+        """End a sequence between rounds (its output stops with `reason`)."""
+        seq.out.stop_reason = reason
+        self._leave([seq])
+
+    def _leave(self, gone: list[_Sequence]) -> None:
+        if not gone:
+            return
+        keep = [i for i, s in enumerate(self.sequences) if s not in gone]
+        self.sequences = [self.sequences[i] for i in keep]
+        if keep:
+            self._forward.select(keep)
+        else:
+            self._forward, self._max_len = None, 0

@@ -30,6 +30,20 @@ class KVCache:
         new.length = self.length
         return new
 
+    @classmethod
+    def stacked(cls, caches: list["KVCache"], max_len: int) -> "KVCache":
+        """One cache of `max_len` slots holding the batch rows of `caches` in order (a sequence joins a batch)."""
+        n_layers, _, n_kv, _, head_dim = caches[0].k.shape
+        new = cls(n_layers, n_kv, head_dim, max_len, caches[0].k.dtype, caches[0].k.device,
+                  sum(c.k.shape[1] for c in caches))
+        at = 0
+        for c in caches:
+            rows, n = slice(at, at + c.k.shape[1]), min(c.max_len, max_len)
+            new.k[:, rows, :, :n] = c.k[:, :, :, :n]
+            new.v[:, rows, :, :n] = c.v[:, :, :, :n]
+            at = rows.stop
+        return new
+
     def select_batch(self, rows: torch.Tensor) -> None:
         """Keep only the batch rows `rows` (finished sequences leave a stationary batch)."""
         self.k = self.k[:, rows].contiguous()
@@ -141,6 +155,13 @@ class LayeredKVCache:
         new = LayeredKVCache.__new__(LayeredKVCache)
         new.at, new.geometry, new.runner = self.at, self.geometry, None
         new.groups = [g.grown(max_len) for g in self.groups]
+        return new
+
+    @classmethod
+    def stacked(cls, caches: list["LayeredKVCache"], max_len: int) -> "LayeredKVCache":
+        new = cls.__new__(cls)
+        new.at, new.geometry, new.runner = caches[0].at, caches[0].geometry, None
+        new.groups = [KVCache.stacked([c.groups[i] for c in caches], max_len) for i in range(len(caches[0].groups))]
         return new
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,10 +9,10 @@ from studio.events.metrics import Acceptance, Tally, acceptance, summarize, tok_
 from studio.events.schema import (EVENT_FIELDS, FOOTER_FIELDS, HEADER_FIELDS, ROLES, SCHEMA, SOURCES, Event,
                                   accept, block, bonus, check_schema, edit, emit, forward, kv, make, propose, reject,
                                   plan, remask, resample, route, unmask, validate_event)
-from studio.events.trace import Trace, TraceReader, TraceWriter, read_trace
+from studio.events.trace import Trace, TraceReader, TraceWriter, full_header, read_trace
 
 __all__ = ["Acceptance", "Tally", "acceptance", "summarize", "tok_per_s", "EVENT_FIELDS", "FOOTER_FIELDS",
            "HEADER_FIELDS", "ROLES", "SCHEMA", "SOURCES", "Event", "accept", "block", "bonus", "check_schema",
            "edit", "emit", "forward", "kv", "make", "plan", "propose", "reject", "remask", "resample", "route", "unmask",
            "validate_event",
-           "Trace", "TraceReader", "TraceWriter", "read_trace"]
+           "Trace", "TraceReader", "TraceWriter", "full_header", "read_trace"]

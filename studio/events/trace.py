@@ -45,6 +45,14 @@ def _now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+def full_header(header: Mapping[str, Any]) -> dict[str, Any]:
+    """`header` as a trace file holds it: the schema, and a run id and creation time unless it has them."""
+    full: dict[str, Any] = {"kind": "header", "schema": SCHEMA, "run_id": header.get("run_id") or uuid.uuid4().hex,
+                            "created": header.get("created") or _now_iso()}
+    full.update((k, v) for k, v in header.items() if k not in full)
+    return full
+
+
 class TraceWriter:
     """Writes a `dlm-studio.trace/1.2` JSONL file: the header at once, events with `write` (or by
     calling the writer: it is an event sink), the footer with `close(footer)`.
@@ -59,10 +67,7 @@ class TraceWriter:
 
     def __init__(self, path: str | os.PathLike[str], header: Mapping[str, Any]) -> None:
         self.path = Path(path)
-        full: dict[str, Any] = {"kind": "header", "schema": SCHEMA,
-                                "run_id": header.get("run_id") or uuid.uuid4().hex,
-                                "created": header.get("created") or _now_iso()}
-        full.update((k, v) for k, v in header.items() if k not in full)
+        full = full_header(header)
         if problem := header_problem(full):
             raise ValueError(f"trace header: {problem}")
         line = _dumps(full) + "\n"  # before opening: an unserialisable header leaves no file behind

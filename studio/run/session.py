@@ -116,6 +116,18 @@ def kv_length_needed(engine: Engine, strategy: Strategy, settings: Settings, pro
     return kv_len
 
 
+def run_header(engine: Engine, strategy: Strategy, settings: Settings, prompt_text: str, prompt_ids: list[int]) -> dict:
+    """The trace header of a run of `strategy` on `engine` (its adapter view) with `settings` (docs/events.md)."""
+    s = settings
+    params = dict(strategy.header_params(), temperature=s.sampling.temperature, top_k=s.sampling.top_k,
+                  top_p=s.sampling.top_p, max_new_tokens=s.max_new_tokens)
+    if s.oracle_accept is not None:   # a trace made under the oracle says so
+        params["oracle_accept"] = s.oracle_accept
+    return {"strategy": strategy.name, "params": params, "model": engine.model_meta(),
+            "tokenizer": engine.tokenizer_meta(), "prompt": {"text": prompt_text, "token_ids": list(prompt_ids)},
+            "seed": s.seed, **strategy.header_fields(engine.config, s.max_new_tokens)}
+
+
 class Run:
     """One generation, advanced one strategy step at a time.
 
@@ -145,7 +157,7 @@ class Run:
         self.engine, self.strategy, self.settings = engine, strategy, settings
         self.reference = reference   # set by a comparison (studio.run.compare.make_runs)
         self.prompt_ids = list(prompt_ids)
-        self.header = self._header(prompt_text)
+        self.header = run_header(engine, strategy, settings, prompt_text, self.prompt_ids)
         self.out = Output(engine.tokenizer, settings.max_new_tokens, frozenset(engine.eos_ids()), tuple(settings.stop))
         # a cost-aware strategy plans with the machine's forward costs: measured here on first use, off the run's clock
         costs = cost_table(engine) if strategy.plans_drafts else None
@@ -163,17 +175,6 @@ class Run:
         self.prefill_s = 0.0
         self.decode_s = 0.0
         self.result: RunResult | None = None
-
-    def _header(self, prompt_text: str) -> dict:
-        s = self.settings
-        params = dict(self.strategy.header_params(), temperature=s.sampling.temperature, top_k=s.sampling.top_k,
-                      top_p=s.sampling.top_p, max_new_tokens=s.max_new_tokens)
-        if s.oracle_accept is not None:   # a trace made under the oracle says so
-            params["oracle_accept"] = s.oracle_accept
-        return {"strategy": self.strategy.name, "params": params, "model": self.engine.model_meta(),
-                "tokenizer": self.engine.tokenizer_meta(),
-                "prompt": {"text": prompt_text, "token_ids": self.prompt_ids}, "seed": s.seed,
-                **self.strategy.header_fields(self.engine.config, s.max_new_tokens)}
 
     def _plan_chunks(self) -> list[int]:
         """Prompt lengths after each chunk forward: chunks from the committed KV on, leaving the strategy's prefill
@@ -196,12 +197,6 @@ class Run:
         if self.started or self.done:
             return None
         return min(self.ctx.kv.length, len(self.prompt_ids)), len(self.prompt_ids)
-
-    @property
-    def trace_header(self) -> dict:
-        """The header as a trace holds it (schema, run id and creation time added) when the run writes one, else its
-        own."""
-        return self._writer.header if self._writer else self.header
 
     @property
     def model_adapter(self) -> str | None:

@@ -1,5 +1,7 @@
-"""The decode thread of the server: requests wait in a bounded queue, up to `max_running` of them decode, one step at
-a time each, in lock-step by forward count (docs/serving.md#scheduling).
+"""The decode thread of the server: requests wait in a bounded queue and up to `max_running` of them decode
+(docs/serving.md#scheduling). Greedy, lossless ar/isd/r-isd requests decode in continuous batches (one per strategy
+and stride: a request joins between rounds and leaves when it ends, its output its solo run's); every other request
+is a run of its own. Each turn of the loop advances every batch by one round and every solo run by one step.
 
 One thread owns the engine: runs are built, advanced and finished only here, so the HTTP side never touches the
 model. A job's messages go back to its handler through `Job.post` (thread-safe), in order:
@@ -14,6 +16,7 @@ A cancelled job (its client went away) stops at the next step boundary and posts
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -22,6 +25,8 @@ from typing import Callable
 
 from studio.errors import BadInput
 from studio.serve.protocol import ApiError, Limits, Request
+
+CANCELLED = "cancelled"
 
 log = logging.getLogger("dlm-studio.serve")
 
@@ -35,16 +40,88 @@ class Job:
     id: str
     post: Callable[[tuple], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
+    header: dict | None = None    # its trace header, once started
+    result: object = None         # its RunResult, once done
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+
+class _Solo:
+    """A request decoded by a `Run` of its own."""
+
+    def __init__(self, job: Job, run):
+        self.job, self.run = job, run
+
+    @property
+    def jobs(self) -> list[Job]:
+        return [] if self.run.done else [self.job]
+
+    def step(self) -> list[Job]:
+        """One step; the jobs it finished (their `result` set)."""
+        if self.job.cancelled.is_set():
+            self.run.cancel()
+        events = self.run.advance()
+        if events:
+            self.job.post(("events", events))
+        if not self.run.done:
+            return []
+        self.job.result = dataclasses.replace(self.run.result, header=self.job.header)
+        return [self.job]
+
+
+class _Batch:
+    """Requests decoded together in a `ContinuousBatch`, and how many of each one's events are posted."""
+
+    def __init__(self, batch):
+        self.batch = batch
+        self.members: dict[int, tuple[Job, int]] = {}     # id(sequence) -> (job, events posted)
+
+    @property
+    def jobs(self) -> list[Job]:
+        return [job for job, _ in self.members.values()]
+
+    def join(self, job: Job, settings) -> list[Job]:
+        seq = self.batch.join(job.prompt_ids, settings.max_new_tokens, settings.stop)
+        job.post(("start", job.header))
+        self.members[id(seq)] = (job, 0)
+        self._post(seq)
+        return [] if seq.live else [self._finish(seq)]
+
+    def step(self) -> list[Job]:
+        finished = []
+        for seq in list(self.batch.sequences):
+            if self.members[id(seq)][0].cancelled.is_set():
+                self.batch.drop(seq, CANCELLED)
+                finished.append(self._finish(seq))
+        if self.batch.sequences:
+            running = list(self.batch.sequences)
+            ended = self.batch.step()
+            for seq in running:
+                self._post(seq)
+            finished += [self._finish(seq) for seq in ended]
+        return finished
+
+    def _post(self, seq) -> None:
+        job, seen = self.members[id(seq)]
+        if len(seq.events) > seen:
+            job.post(("events", seq.events[seen:]))
+            self.members[id(seq)] = job, len(seq.events)
+
+    def _finish(self, seq) -> Job:
+        from studio.run.session import RunResult
+        job, _ = self.members.pop(id(seq))
+        r = seq.result()
+        job.result = RunResult(header=job.header, events=r.events, footer=r.footer, token_ids=r.token_ids)
+        return job
 
 
 class Scheduler:
     def __init__(self, engine, trace_dir: Path, limits: Limits = Limits(), keep_traces: int = 256):
         self.engine, self.trace_dir, self.limits, self.keep_traces = engine, Path(trace_dir), limits, keep_traces
         self._waiting: collections.deque[Job] = collections.deque()
-        self._running: list[tuple[Job, object]] = []       # (job, its Run)
+        self._units: list[_Solo | _Batch] = []
+        self._batches: dict[tuple, _Batch] = {}     # (strategy, stride, adapter) -> its batch
         self._traces: collections.OrderedDict[str, Path] = collections.OrderedDict()   # finished, oldest first
         self._wake = threading.Condition()
         self._stopping = False
@@ -58,9 +135,10 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         """Queue a job; ApiError 429 (with Retry-After) when the queue is full."""
         with self._wake:
-            free = max(0, self.limits.max_running - len(self._running))   # a waiting job may be about to start
+            running = self._n_running()
+            free = max(0, self.limits.max_running - running)   # a waiting job may be about to start
             if len(self._waiting) >= self.limits.max_queued + free:
-                raise ApiError(429, f"the server is busy: {len(self._running)} requests decoding and "
+                raise ApiError(429, f"the server is busy: {running} requests decoding and "
                                f"{len(self._waiting)} waiting; retry shortly", type="rate_limit_exceeded",
                                code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
             self._waiting.append(job)
@@ -75,78 +153,92 @@ class Scheduler:
     def load(self) -> tuple[int, int]:
         """(requests decoding, requests waiting)."""
         with self._wake:
-            return len(self._running), len(self._waiting)
+            return self._n_running(), len(self._waiting)
 
     def stop(self) -> None:
         """Cancel everything and end the thread."""
         with self._wake:
             self._stopping = True
-            for job in self._waiting:
-                job.cancel()
-            for job, _ in self._running:
+            for job in list(self._waiting) + [j for unit in self._units for j in unit.jobs]:
                 job.cancel()
             self._wake.notify()
         self._thread.join(timeout=30)
+
+    def _n_running(self) -> int:
+        return sum(len(unit.jobs) for unit in self._units)
 
     # -- the decode thread -----------------------------------------------------------------------------------------
     def _main(self) -> None:
         while True:
             with self._wake:
-                while not self._stopping and not self._waiting and not self._running:
+                while not self._stopping and not self._waiting and not self._units:
                     self._wake.wait()
-                if self._stopping and not self._running:
+                if self._stopping and not self._units:
                     return
                 starting = []
-                while self._waiting and len(self._running) + len(starting) < self.limits.max_running:
+                while self._waiting and self._n_running() + len(starting) < self.limits.max_running:
                     starting.append(self._waiting.popleft())
             for job in starting:
-                self._begin(job)
-            if self._running:
-                self._step()
+                self._guarded(job, lambda job=job: self._begin(job))
+            for unit in list(self._units):
+                self._guarded(unit, unit.step)
 
-    def _begin(self, job: Job) -> None:
-        """Build the job's run (BadInput: a 400 to its client) and add it to the running ones."""
-        from studio.run.session import Run
-        if job.cancelled.is_set():
-            return
+    def _guarded(self, owner, work) -> None:
+        """Run `work` (a start or a step); the jobs it finished leave, and an error ends the jobs involved with a
+        400 (bad input) or a 500, the others going on."""
+        jobs = owner.jobs if not isinstance(owner, Job) else [owner]
         try:
-            strategy, settings = job.request.config.build()
-            run = Run(self.engine, strategy, settings, job.request.prompt_text, job.prompt_ids,
-                      trace_path=self.trace_dir / f"{job.id}.jsonl")
+            self._finished(work() or [])
         except BadInput as e:
-            job.post(("error", ApiError(400, str(e))))
-            return
-        except Exception as e:  # noqa: BLE001 - the client gets a 500, the server goes on
-            log.exception("request %s failed to start", job.id)
-            job.post(("error", ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")))
-            return
-        job.post(("start", run.trace_header))
-        with self._wake:
-            self._running.append((job, run))
+            self._failed(jobs, ApiError(400, str(e)))
+        except Exception as e:  # noqa: BLE001 - these requests failed; the server goes on
+            log.exception("requests %s failed", ", ".join(j.id for j in jobs))
+            self._failed(jobs, ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
 
-    def _step(self) -> None:
-        """Advance the running job with the fewest forwards by one step (a cancelled one ends there)."""
-        with self._wake:
-            job, run = min(self._running, key=lambda jr: jr[1].forwards)
+    def _begin(self, job: Job) -> list[Job]:
+        """Start a job: join its batch, or build its run; the jobs that finished at once."""
+        from studio import events as ev
+        from studio.engine.batch import ContinuousBatch, unbatchable
+        from studio.run.session import Run, kv_length_needed, run_header
         if job.cancelled.is_set():
-            run.cancel()
-        try:
-            events = run.advance()
-        except Exception as e:  # noqa: BLE001 - one request failed; the others go on
-            log.exception("request %s failed", job.id)
-            self._drop(job)
-            job.post(("error", ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")))
-            return
-        if events:
-            job.post(("events", events))
-        if run.done:
-            self._drop(job)
-            self._keep_trace(job.id)
-            job.post(("done", run.result))
-
-    def _drop(self, job: Job) -> None:
+            return []
+        strategy, settings = job.request.config.build()
+        if unbatchable(strategy, settings.sampling) is None:
+            view = self.engine.for_strategy(strategy.name)
+            kv_length_needed(view, strategy, settings, job.prompt_ids)
+            header = run_header(view, strategy, settings, job.request.prompt_text, job.prompt_ids)
+            if "drafting" in header["params"]:   # a batch drafts in full (studio.engine.batch.round_shape)
+                header["params"]["drafting"] = "fixed"
+            job.header = ev.full_header(dict(header, batched=True))
+            key = (strategy.name, getattr(strategy.params, "stride", 1), view.adapter)
+            if key not in self._batches:
+                self._batches[key] = _Batch(ContinuousBatch(view, strategy, settings.sampling))
+                with self._wake:
+                    self._units.append(self._batches[key])
+            return self._batches[key].join(job, settings)
+        run = Run(self.engine, strategy, settings, job.request.prompt_text, job.prompt_ids)
+        job.header = ev.full_header(run.header)
+        job.post(("start", job.header))
         with self._wake:
-            self._running = [(j, r) for j, r in self._running if j is not job]
+            self._units.append(_Solo(job, run))
+        return []
+
+    def _finished(self, jobs: list[Job]) -> None:
+        """Write each finished job's trace, then tell its client (who may ask for the trace at once)."""
+        for job in jobs:
+            job.result.save(self.trace_dir / f"{job.id}.jsonl")
+            self._keep_trace(job.id)
+            job.post(("done", job.result))
+        with self._wake:   # ended runs and emptied batches leave (a batch comes back with its next request)
+            self._units = [u for u in self._units if u.jobs]
+            self._batches = {k: b for k, b in self._batches.items() if b in self._units}
+
+    def _failed(self, jobs: list[Job], error: ApiError) -> None:
+        for job in jobs:
+            job.post(("error", error))
+        with self._wake:
+            self._units = [u for u in self._units if not set(map(id, u.jobs)) & set(map(id, jobs))]
+            self._batches = {k: b for k, b in self._batches.items() if b in self._units}
 
     def _keep_trace(self, rid: str) -> None:
         with self._wake:

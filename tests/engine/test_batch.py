@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from studio import events as ev
 from studio.cli import app
-from studio.engine.batch import decode_strategy_batch, round_shape
+from studio.engine.batch import ContinuousBatch, decode_strategy_batch, round_shape
 from studio.engine.engine import Engine
 from studio.engine.lora import attach_adapter
 from studio.engine.sampling import SamplingParams
@@ -143,13 +143,46 @@ def test_lora_gate_isd_on_real_rows_risd_on_mask_rows_never_on_padding(tmp_path,
         assert set(n_gated.tolist()) == {stride, 2 * stride - 1}
 
 
+@pytest.mark.parametrize("name, params", [CASES[0], CASES[2], CASES[4]])
+def test_sequences_joining_and_leaving_a_running_batch_decode_as_alone(tmp_path, name, params):
+    """The server's continuous batch: prompts join between rounds (one while two others run, one after some left),
+    and every sequence records its batch-1 run's events; a dropped sequence stops where it was, cancelled."""
+    engine = adapted(tmp_path, "llama")
+    with_eos(engine, eos_some_reach([alone(engine, name, params, p).token_ids for p in PROMPTS]))
+    want = [alone(engine, name, params, p) for p in PROMPTS]
+    batch = ContinuousBatch(engine.for_strategy(name), make_strategy(name, params), GREEDY)
+    seqs, sizes = [], []
+    for rounds, joining in ((2, [0]), (2, [1, 2]), (1, [3]), (0, [4])):
+        seqs += [batch.join(PROMPTS[i], N_NEW) for i in joining]
+        for _ in range(rounds):
+            sizes.append(len(batch.sequences))
+            batch.step()
+    dropped = seqs[-1]                                          # the last to join, before its first round
+    assert dropped in batch.sequences
+    batch.drop(dropped, "cancelled")
+    while batch.sequences:
+        sizes.append(len(batch.sequences))
+        batch.step()
+    assert max(sizes) >= 3 and 1 in sizes                       # the batch grew and shrank while it ran
+    for seq, alone_run in zip(seqs, want):
+        got = seq.result()
+        if seq is dropped:
+            assert got.footer["stop_reason"] == "cancelled"
+            assert got.token_ids == alone_run.token_ids[:len(got.token_ids)]
+        else:
+            assert without_clock(got.events) == without_clock(alone_run.events)
+            assert got.footer["stop_reason"] == alone_run.footer["stop_reason"]
+
+
 @pytest.mark.parametrize("name, params, needle", [
     ("jacobi", None, "batched decoding supports ar, isd, r-isd, not 'jacobi'"),
     ("isd", SamplingParams(temperature=0.7), "greedy only"),
+    ("r-isd", {"tau": 0.5}, "verifies exactly"),
 ])
 def test_what_batched_decoding_refuses(name, params, needle):
     with pytest.raises(BadInput, match=needle) as e:
-        round_shape(make_strategy(name), params if isinstance(params, SamplingParams) else GREEDY)
+        sampling = params if isinstance(params, SamplingParams) else GREEDY
+        round_shape(make_strategy(name, params if isinstance(params, dict) else None), sampling)
     assert "\n" not in str(e.value)
 
 
