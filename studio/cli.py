@@ -207,7 +207,7 @@ def serve(
 ):
     """An OpenAI-compatible server: /v1/chat/completions and /v1/completions (streaming or not, the strategy per
     request), /v1/models, /v1/traces/{id}."""
-    from studio.serve.app import build_app, run_server
+    from studio.serve.app import build_app, listen, run_server
     from studio.serve.protocol import Limits
 
     for flag, value in (("--max-tokens-limit", max_tokens), ("--max-running", max_running)):
@@ -218,6 +218,7 @@ def serve(
     if ":" in name or not name:
         raise BadInput(f"--name must be a non-empty name without ':', got {name!r}")
     config.build()
+    sock = listen(host, port)
     engine = model.load()
     limits = Limits(max_tokens=max_tokens, max_running=max_running, max_queued=max_queued)
     app_ = build_app(engine, config, served=name, chat_template=model.chat_template, api_key=api_key,
@@ -226,10 +227,7 @@ def serve(
         typer.echo(f"dlm-studio: note: serving on {host} without --api-key: anyone who can reach it can use it",
                    err=True)
     typer.echo(f"dlm-studio serve: {engine.title} as {name!r} on http://{host}:{port}/v1 (Ctrl+C stops)", err=True)
-    try:
-        run_server(app_, host, port)
-    except OSError as e:
-        raise BadInput(f"cannot serve on {host}:{port}: {e}") from None
+    run_server(app_, sock)
 
 
 def _chat_session(model: ModelChoice, config: RunConfig):

@@ -13,6 +13,7 @@ import hmac
 import json
 import logging
 import shutil
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from fastapi import Depends, FastAPI, Request as HttpRequest
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from studio.errors import BadInput
 from studio.run.config import RunConfig
 from studio.run.session import encode_messages
 from studio.serve.protocol import FINISH, ApiError, Limits, Request, bad, chunk, error_body, parse, response, usage_chunk
@@ -216,7 +218,19 @@ async def _stream(request: Request, job: Job, inbox: asyncio.Queue, header: dict
         job.cancel()
 
 
-def run_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
-    """Serve until Ctrl+C (uvicorn)."""
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (before the model loads: a taken port is a one-line error at once)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        raise BadInput(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def run_server(app: FastAPI, sock: socket.socket, log_level: str = "info") -> None:
+    """Serve on `sock` until Ctrl+C (uvicorn)."""
     import uvicorn
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)).run(sockets=[sock])

@@ -209,3 +209,19 @@ def test_the_served_trace_reads_as_a_trace_file(url, tmp_path):
     path.write_bytes(httpx.get(f"{url}/v1/traces/{out.id}").content)
     trace = read_trace(path)
     assert trace.footer["text"] == out.choices[0].text and trace.header["strategy"] == "jacobi"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--max-running", "0"], "--max-running must be >= 1"),
+    (["--port", "{taken}"], "cannot serve on 127.0.0.1:{taken}"),
+])
+def test_serve_refuses_bad_options_in_one_line_before_loading_the_model(args, needle):
+    import socket
+
+    from tests.support.cli import assert_one_line_error, cli
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        fill = [a.replace("{taken}", port) for a in args]
+        assert_one_line_error(cli("serve", "--model", "random:smollm2-135m", *fill), needle.replace("{taken}", port))
