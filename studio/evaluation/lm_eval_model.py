@@ -1,0 +1,151 @@
+"""The `dlm-studio` model of lm-evaluation-harness: `dlm-studio lm-eval --model dlm-studio --model_args
+model=default,strategy=r-isd ...` (docs/serving.md#lm-eval).
+
+Importing this module registers the model (lm-eval finds models only in its own registry, so its `lm_eval` command
+cannot see ours: `dlm-studio lm-eval` imports this, then runs lm-eval's command line unchanged).
+
+- `generate_until`: every strategy, through the same runs as `dlm-studio run` (the context as given: lm-eval applies
+  the chat template itself with --apply_chat_template), stopping at the task's `until` strings.
+- `loglikelihood`, `loglikelihood_rolling`: the log-probabilities of the model the strategy decodes (its adapter
+  where the strategy's clean rows carry it), which must be causal (a bidirectional model scores nothing
+  left-to-right: a clear error).
+model_args: model, strategy (or a preset), preset, adapter, device, dtype, max_gen_toks; any other key is a strategy
+parameter (`strategy=isd,stride=3`).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from studio.errors import BadInput
+
+log = logging.getLogger("dlm-studio.lm-eval")
+
+GREEDY_KEYS = {"until", "max_gen_toks", "do_sample", "temperature", "top_p", "top_k"}
+
+
+@register_model("dlm-studio")
+class StudioLM(LM):
+    def __init__(self, model: str = "default", strategy: str | None = None, preset: str | None = None,
+                 adapter: str | None = None, device: str = "auto", dtype: str = "auto", max_gen_toks: int = 256,
+                 batch_size=None, **params):   # batch_size: lm-eval passes its own; runs here are one at a time
+        super().__init__()
+        from studio.run.config import ModelChoice, RunConfig, strategy_or_preset
+        named, named_preset = strategy_or_preset(strategy) if strategy else ("ar", None)
+        if named_preset and preset:
+            raise BadInput(f"strategy={strategy} is a preset: give it or preset={preset}, not both")
+        self.config = RunConfig(named if not (preset or named_preset) else named, preset or named_preset,
+                                params=dict(params), max_new_tokens=int(max_gen_toks))
+        self.strategy, _ = self.config.build()
+        self.engine = ModelChoice(str(model), None if adapter is None else str(adapter), device=device,
+                                  dtype=dtype).load()
+        self.stats = {"tokens": 0, "forwards": 0, "decode_s": 0.0}
+
+    # -- generation ----------------------------------------------------------------------------------------------
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        import dataclasses
+
+        from studio.run.session import Session
+        out = []
+        for request in requests:
+            context, kwargs = request.args
+            unknown = set(kwargs) - GREEDY_KEYS
+            if unknown:
+                raise BadInput(f"generation argument(s) {', '.join(sorted(unknown))} are not supported")
+            until = kwargs.get("until") or []
+            config = dataclasses.replace(
+                self.config, stop=tuple([until] if isinstance(until, str) else until),
+                max_new_tokens=int(kwargs.get("max_gen_toks", self.config.max_new_tokens)),
+                temperature=float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0,
+                top_p=kwargs.get("top_p") if kwargs.get("do_sample") else None)
+            strategy, settings = config.build()
+            result = Session(self.engine, strategy, settings).run(context, self._encode(context))
+            f = result.footer
+            self.stats["tokens"] += f["n_tokens"]
+            self.stats["forwards"] += f["forwards"]
+            self.stats["decode_s"] += f["wall_s"] - f["prefill_s"]
+            out.append(f["text"])
+            self.cache_hook.add_partial("generate_until", request.args, f["text"])
+        s = self.stats
+        if s["forwards"]:
+            log.info("dlm-studio %s: %d tokens in %d forwards (TPF %.2f), %.1f tok/s", self.config.label, s["tokens"],
+                     s["forwards"], s["tokens"] / s["forwards"], s["tokens"] / max(s["decode_s"], 1e-9))
+        return out
+
+    # -- scoring -------------------------------------------------------------------------------------------------
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        out = []
+        for request in requests:
+            context, continuation = request.args
+            context_ids, continuation_ids = self._split(context, continuation)
+            logp, greedy = self._score(context_ids, continuation_ids)
+            out.append((logp, greedy))
+            self.cache_hook.add_partial("loglikelihood", request.args, (logp, greedy))
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        out = []
+        for request in requests:
+            ids = self._encode(request.args[0])
+            windows = get_rolling_token_windows(ids, self._prefix_id(), self.engine.config.max_seq_len, 1)
+            total = 0.0
+            for context_ids, target_ids in map(make_disjoint_window, windows):
+                total += self._score(context_ids, target_ids)[0]
+            out.append(total)
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+        return out
+
+    def _split(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """Token ids of the context and the continuation as the whole text tokenizes (a word at the boundary may
+        merge); the context's trailing spaces go with the continuation, as lm-eval's own models do."""
+        spaces = len(context) - len(context.rstrip(" "))
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        if not context:
+            return [self._prefix_id()], self._encode(continuation)
+        whole, head = self._encode(context + continuation), self._encode(context)
+        return head, whole[len(head):]
+
+    @torch.inference_mode()
+    def _score(self, context_ids: list[int], target_ids: list[int]) -> tuple[float, bool]:
+        """log p(target | context) under the decoded model, and whether greedy decoding would produce it."""
+        view = self.engine.for_strategy(self.strategy.name)
+        cfg = view.config
+        if cfg.attention != "causal" or not cfg.logit_shift:
+            raise BadInput(f"loglikelihood needs a causal model; {self.engine.name} decodes bidirectionally: "
+                           "use generate_until tasks with it")
+        ids = (context_ids + target_ids)[-cfg.max_seq_len:]
+        n = len(target_ids)
+        view.activate()
+        dev = view.model.lm_head.weight.device
+        tokens = torch.tensor(ids, device=dev)
+        gate = torch.full((len(ids),), self.strategy.clean_gate(view.lora), device=dev)
+        logits = view.model(tokens, torch.arange(len(ids), device=dev), view.model.new_cache(len(ids)),
+                            lora_gate=gate, logits_rows=list(range(len(ids) - n - 1, len(ids) - 1)))[0]
+        logp = torch.log_softmax(logits.float(), -1)
+        target = torch.tensor(target_ids, device=dev)
+        return float(logp.gather(-1, target[:, None]).sum()), bool((logp.argmax(-1) == target).all())
+
+    # -- text ----------------------------------------------------------------------------------------------------
+    def _encode(self, text: str) -> list[int]:
+        return self.engine.tokenizer.encode(text)
+
+    def _prefix_id(self) -> int:
+        """What an empty context is conditioned on: the model's BOS, else its first EOS."""
+        tok = self.engine.tokenizer
+        bos = getattr(tok, "bos_id", None)
+        return bos if bos is not None else self.engine.eos_ids()[0]
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(getattr(self.engine.tokenizer, "name", self.engine.name))
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        tok = self.engine.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise BadInput(f"{self.engine.name} has no chat template: drop --apply_chat_template")
+        return tok.apply_chat_template(chat_history, add_generation_prompt=add_generation_prompt)
