@@ -311,6 +311,8 @@ def compare(
 def bench(
     strategies: str = STRATEGIES,
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="One prompt per line (or JSONL with 'prompt')."),
+    task: Optional[str] = typer.Option(None, "--task", help="A question set (a shipped name: quick; or a JSONL file "
+                                       "of prompt and answer): accuracy beside speed, and its figure in --html."),
     repeats: int = typer.Option(3, "--repeats", help="Timed runs of every strategy on every prompt."),
     warmup: int = typer.Option(1, "--warmup", help="Untimed runs first (each strategy on the first prompt)."),
     no_transformers: bool = typer.Option(False, "--no-transformers", help="Skip the transformers baseline."),
@@ -330,7 +332,7 @@ def bench(
     *, model: ModelChoice, config: RunConfig,
 ):
     """Speed and agreement of strategies against ar (and transformers generate), measured in one run
-    (--max-new-tokens defaults to 64 here)."""
+    (--max-new-tokens defaults to 64 here, 32 with --task); with --task, accuracy on its questions too."""
     from rich.console import Console
     from rich.progress import Progress
     from studio.run.bench import check_concurrency, load_prompts, run_bench
@@ -340,11 +342,21 @@ def bench(
         raise BadInput("--repeats must be >= 1 and --warmup >= 0")
     if forwards:
         return _bench_forwards(model.load(), repeats, warmup, as_json)
-    config = dataclasses.replace(config, max_new_tokens=config.max_new_tokens or 64, oracle_accept=oracle_accept)
+    if task and prompts:
+        raise BadInput("give --prompts or --task, not both")
+    if task and oracle_accept is not None:
+        raise BadInput("--oracle-accept makes outputs meaningless: it cannot be scored with --task")
+    config = dataclasses.replace(config, max_new_tokens=config.max_new_tokens or (32 if task else 64),
+                                 oracle_accept=oracle_accept)
     with_transformers = not no_transformers and concurrency == 1
     configs = compare_configs(strategies + (f",{config.preset}" if config.preset else ""), config,
                               ar_alone=True)   # `-s ar`: ar's own speed (beside transformers generate unless skipped)
-    texts = load_prompts(prompts)
+    if task:
+        from studio.evaluation.questions import load_task, score
+        task_name, questions = load_task(task)
+        texts = [q.prompt for q in questions]
+    else:
+        texts = load_prompts(prompts)
     check_concurrency([c.build() for c in configs.values()], concurrency)   # bad input fails before the model loads
     if html:
         check_writable(html, force)
@@ -357,10 +369,12 @@ def bench(
     units = (len(texts) + concurrency - 1) // concurrency    # runs per strategy and repeat: prompts, or batches
     total = warmup * len(configs) + repeats * units * per_round
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
-        task = bar.add_task("bench", total=total)
+        bar_task = bar.add_task("bench", total=total)
         def progress(phase, label):
-            bar.update(task, advance=1, description=f"{phase}: {label}")
+            bar.update(bar_task, advance=1, description=f"{phase}: {label}")
         report = run_bench(engine, texts, configs, repeats, warmup, with_transformers, progress, concurrency, exact)
+    if task:
+        score(report, task_name, questions)
     if html:
         from studio.run.bench import write_bench_html
         typer.echo(f"report: {write_bench_html(report, html)}", err=True)

@@ -74,6 +74,7 @@ class Samples:
     accept: list[float | None] = field(default_factory=list)   # None: the run verified no drafts
     same_as_ar: list[bool] = field(default_factory=list)   # the baseline's tokens (ar's, where it runs)
     tokens: list[list[int]] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
 
     def add(self, result, ar_ids: list[int]) -> None:
         """TPF, acceptance and agreement of one repeat, from a run's footer and events (a `RunResult`, or a
@@ -84,6 +85,7 @@ class Samples:
         self.accept.append(result.footer["accept_rate"] if verified else None)
         self.same_as_ar.append(first_difference(ar_ids, result.token_ids) is None)
         self.tokens.append(list(result.token_ids))
+        self.texts.append(result.footer["text"])
 
 
 def spread(xs: list[float]) -> dict | None:
@@ -308,7 +310,7 @@ def _report(engine, prompts, runs, samples, hf, repeats, warmup, concurrency=1, 
             "expected_tpf": None if oracle is None else strategy.expected_tpf(oracle),
             # the raw samples the numbers above come from: per prompt, one entry per repeat
             "per_prompt": [{"tok_s": None if batches else s.tok_s, "tpf": s.tpf, "accept_rate": s.accept,
-                            "same_as_ar": s.same_as_ar} for s in per_prompt],
+                            "same_as_ar": s.same_as_ar, "text": s.texts} for s in per_prompt],
             "batch_tok_s": batch_tok_s[label] if batches else None,
         })
     return out
@@ -326,13 +328,15 @@ def table_rows(report: dict) -> tuple[list[str], list[list[str]]]:
     speed = "tok/s" if report["concurrency"] == 1 else "batch tok/s"
     base = "ar" if report.get("baseline", "ar") == "ar" else "base"
     exact = any(r.get("reference") for r in report["strategies"])
-    head = ["strategy", speed, "TPF", *(["TPF expected"] if oracle else []), "accept", f"× {base}", "× transformers",
-            f"= {base}", *(["= exact"] if exact else [])]
+    task = report.get("task") is not None
+    head = ["strategy", *(["accuracy"] if task else []), speed, "TPF", *(["TPF expected"] if oracle else []), "accept",
+            f"× {base}", "× transformers", f"= {base}", *(["= exact"] if exact else [])]
     rows = []
     for r in report["strategies"]:
         expected = ["—" if r["expected_tpf"] is None else f"{r['expected_tpf']:.2f}"] if oracle else []
         same = "—" if r["exact_match_vs_ar"] is None else f"{r['exact_match_vs_ar']:.0%}"
-        rows.append([r["label"], format_spread(r["tok_s"], 1), format_spread(r["tpf"]), *expected,
+        rows.append([r["label"], *([f"{r['accuracy']:.0%}"] if task else []), format_spread(r["tok_s"], 1),
+                     format_spread(r["tpf"]), *expected,
                      format_spread(r["accept_rate"]), format_spread(r["speedup_vs_ar"]),
                      format_spread(r["speedup_vs_transformers"]), same, *([same_as_exact(r)] if exact else [])])
     return head, rows
@@ -349,7 +353,9 @@ def same_as_exact(row: dict) -> str:
 def report_title(report: dict) -> str:
     oracle, c = report["oracle_accept"], report["concurrency"]
     base = report.get("baseline", "ar")
-    return (f"bench: {len(report['prompts'])} prompts × {report['repeats']} repeats"
+    task = report.get("task")
+    return (f"bench: {len(report['prompts'])} {'questions of ' + task['name'] if task else 'prompts'} "
+            f"× {report['repeats']} repeats"
             + ("" if base == "ar" else f", baseline {base} (the model has no AR mode)")
             + ("" if c == 1 else f", stationary batches of {c} (batch tok/s: new tokens ÷ the batch's wall time)")
             + ("" if oracle is None else f", oracle acceptance {oracle:g} (outputs not meaningful)"))
@@ -359,7 +365,7 @@ def write_bench_html(report: dict, path) -> Path:
     """A self-contained HTML page (plotly.js inlined, opens offline): the bench table and its figure."""
     import html as _html
     import plotly.io as pio
-    from studio.viz.figures import bench_figure
+    from studio.viz.figures import accuracy_figure, bench_figure
 
     hf = report["transformers_tok_s"]
     head, rows = table_rows(report)
@@ -374,6 +380,8 @@ def write_bench_html(report: dict, path) -> Path:
             f"<p>model {_html.escape(report['model']['name'])} · median [min–max] over prompts and repeats · "
             f"transformers generate: {format_spread(hf, 1)} tok/s</p>{cells}"
             + pio.to_html(bench_figure(report), full_html=False, include_plotlyjs=True, config={"displaylogo": False})
+            + (pio.to_html(accuracy_figure(report), full_html=False, include_plotlyjs=False,
+                           config={"displaylogo": False}) if report.get("task") else "")
             + "<h2>Prompts</h2><ol>" + "".join(f"<li>{_html.escape(p)}</li>" for p in report["prompts"])
             + "</ol></body></html>")
     path = Path(path)

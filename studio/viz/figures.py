@@ -345,6 +345,25 @@ def run_figures(header: Mapping[str, Any] | None, events: Sequence[Mapping[str, 
     }
 
 
+def accuracy_figure(report: dict) -> go.Figure:
+    """`bench --task`: accuracy against speed vs ar, one point per strategy (median speed, min–max whiskers) -- the
+    trade-off a lossy setting makes, and that lossless ones do not."""
+    fig = go.Figure()
+    fig.update_layout(**_BASE_LAYOUT, title=f"Accuracy vs speed on {report['task']['name']}",
+                      xaxis_title="speed vs ar (×, median over questions)", yaxis_title="accuracy",
+                      yaxis_tickformat=".0%", yaxis_range=[-0.05, 1.05])
+    for i, r in enumerate(report["strategies"]):
+        s = r["speedup_vs_ar"] or {"median": 0, "min": 0, "max": 0}
+        fig.add_trace(go.Scatter(
+            x=[s["median"]], y=[r["accuracy"]], mode="markers+text", name=r["label"], text=[r["label"]],
+            textposition="top center", marker=dict(size=12, color=RUN_COLORS[i % len(RUN_COLORS)]),
+            error_x=dict(type="data", symmetric=False, array=[s["max"] - s["median"]],
+                         arrayminus=[s["median"] - s["min"]]),
+            hovertemplate=f"{r['label']}<br>%{{x:.2f}}× ar<br>accuracy %{{y:.0%}}<extra></extra>"))
+    fig.add_vline(x=1.0, line_dash="dot", line_color="#555555")
+    return fig
+
+
 def bench_figure(report: dict) -> go.Figure:
     """`dlm-studio bench` at a glance: speed vs ar and TPF per strategy, bars at the median with
     min–max whiskers (the spread over prompts and repeats)."""

@@ -225,3 +225,45 @@ def test_bench_on_a_model_without_an_ar_mode_reports_its_baseline_and_each_cache
     assert cached["reference"] == "fast-dllm-prefix · cache=none" and exact["reference"] is None
     firsts = cached["reference_first_difference"]
     assert len(firsts) == 2 and cached["exact_match_vs_reference"] == sum(k is None for k in firsts) / 2
+
+
+def test_bench_task_scores_every_strategy_on_the_same_questions(engine, monkeypatch, tmp_path):
+    """Accuracy beside speed: the answers are what ar says on two questions and nonsense on the third, so ar and the
+    lossless isd score 2/3 on every repeat; the report names the task and marks each output; the HTML has the figure."""
+    monkeypatch.setattr(Engine, "load", staticmethod(lambda spec, adapter=None, **kw: engine))
+    said = [engine.tokenizer.decode(_tokens(engine, "ar", None, p, n=6)) for p in PROMPTS]
+    task = tmp_path / "task.jsonl"
+    task.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n"
+                            for p, a in zip(PROMPTS, [said[0], [said[1], "x y"], "no such answer"])))
+    html = tmp_path / "report.html"
+    res = CliRunner().invoke(app, ["bench", "--task", str(task), "-s", "isd", "--repeats", "2", "--warmup", "0",
+                                   "--max-new-tokens", "6", "--no-transformers", "--json", "--html", str(html)])
+    assert res.exit_code == 0, (res.output, res.exception)
+    rep = json.loads(res.stdout)
+    assert rep["task"] == {"name": "task", "answers": [[said[0]], [said[1], "x y"], ["no such answer"]]}
+    for row in rep["strategies"]:
+        assert row["accuracy"] == pytest.approx(2 / 3)
+        assert [p["correct"] for p in row["per_prompt"]] == [[True, True], [True, True], [False, False]]
+    assert "Accuracy vs speed on task" in html.read_text()
+
+
+@pytest.mark.parametrize("line, needle", [
+    ('{"prompt": "abc"}', "expected a JSON object with 'prompt' and 'answer'"),
+    ('{"prompt": "abc", "answer": []}', "'answer' one or a list of them"),
+    ("", "has no questions"),
+])
+def test_bench_task_refuses_a_bad_question_file(bench, tmp_path, line, needle):
+    from studio.evaluation.questions import load_task
+    task = tmp_path / "bad.jsonl"
+    task.write_text(line + "\n")
+    with pytest.raises(BadInput, match=needle):
+        load_task(str(task))
+
+
+def test_a_shipped_question_set_loads_and_scores_whole_words():
+    from studio.evaluation.questions import Question, load_task, shipped_tasks
+    assert "quick" in shipped_tasks()
+    name, questions = load_task("quick")
+    assert name == "quick" and len(questions) >= 30 and len({q.prompt for q in questions}) == len(questions)
+    five = Question("2 + 3?", ("5",))
+    assert five.correct("2 + 3 = 5.") and not five.correct("It is 15.") and not five.correct("5.5")
