@@ -326,6 +326,9 @@ def bench(
         False, "--forwards", help="Instead of decoding: time one forward of each shape the strategies use (1-token "
         "step, 7- and 16-token extends, the 7-token extend with r-isd's adapter on its 3 MASK rows, a batch-8 "
         "step), 10 x --repeats times round-robin, each against the 1-token step."),
+    clients: int = typer.Option(
+        0, "--clients", help="N >= 1: through `dlm-studio serve` (in process, loopback): the prompts from N concurrent "
+        "clients against one at a time, per strategy (ar, isd and r-isd batch; the others queue)."),
     html: Optional[Path] = typer.Option(None, "--html", help="Write a self-contained HTML report."),
     as_json: bool = typer.Option(False, "--json"),
     force: bool = FORCE,
@@ -342,6 +345,10 @@ def bench(
         raise BadInput("--repeats must be >= 1 and --warmup >= 0")
     if forwards:
         return _bench_forwards(model.load(), repeats, warmup, as_json)
+    if clients:
+        return _bench_clients(model, config, strategies, load_prompts(prompts), clients, repeats, as_json,
+                              conflicts={"--task": task, "--concurrency": concurrency > 1, "--html": html,
+                                         "--oracle-accept": oracle_accept is not None})
     if task and prompts:
         raise BadInput("give --prompts or --task, not both")
     if task and oracle_accept is not None:
@@ -382,6 +389,37 @@ def bench(
         print(json.dumps(report))
         return
     Console(width=max(Console().width, 120)).print(_bench_table(report))
+
+
+def _bench_clients(model: ModelChoice, config: RunConfig, strategies: str, prompts: list[str], clients: int,
+                   repeats: int, as_json: bool, conflicts: dict) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+    from studio.run.bench import format_spread
+    from studio.run.compare import compare_configs
+    from studio.serve.load import measure_clients
+
+    if clients < 1:
+        raise BadInput(f"--clients must be >= 1, got {clients}")
+    if given := [flag for flag, on in conflicts.items() if on]:
+        raise BadInput(f"--clients measures the server alone: drop {', '.join(given)}")
+    configs = compare_configs(strategies, config, ar_alone=True)
+    engine = model.load()
+    with Console(stderr=True).status(f"{len(prompts)} prompts from {clients} clients and from one"):
+        report = measure_clients(engine, configs, prompts, clients, config.max_new_tokens or 64, repeats,
+                                 chat_template=model.chat_template)
+    if as_json:
+        print(json.dumps(report))
+        return
+    t = Table(title=escape(f"bench --clients {clients}: {len(prompts)} prompts × {report['repeats']} repeats through "
+                           "dlm-studio serve (median [min–max])"), title_justify="left")
+    for col in ("strategy", "batched", f"tok/s, {clients} clients", "tok/s, one at a time", "speedup", "identical"):
+        t.add_column(col, justify="left" if col == "strategy" else "right")
+    for r in report["strategies"]:
+        t.add_row(r["label"], "yes" if r["batched"] else "queued", format_spread(r["tok_s_concurrent"], 1),
+                  format_spread(r["tok_s_one_at_a_time"], 1), format_spread(r["speedup"]), f"{r['identical']:.0%}")
+    Console(width=max(Console().width, 120)).print(t)
 
 
 def _bench_forwards(engine, repeats: int, warmup: int, as_json: bool) -> None:

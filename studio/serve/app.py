@@ -230,6 +230,30 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+@contextlib.contextmanager
+def serving_in_thread(app: FastAPI, host: str = "127.0.0.1"):
+    """Serve `app` on a free port of `host` from a thread until the block ends; yields the base URL (the load
+    measurement of `bench --clients` and the tests talk HTTP to it)."""
+    import threading
+
+    import uvicorn
+    sock = listen(host, 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="dlm-studio-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
 def run_server(app: FastAPI, sock: socket.socket, log_level: str = "info") -> None:
     """Serve on `sock` until Ctrl+C (uvicorn)."""
     import uvicorn

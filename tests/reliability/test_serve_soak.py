@@ -14,9 +14,9 @@ from studio.engine.strategies import STRATEGIES
 from studio.run.config import RunConfig
 from studio.run.session import Run
 from studio.serve.app import build_app
+from studio.serve.app import serving_in_thread as serving
 from studio.serve.protocol import Limits
 from tests.reliability.test_soak import live, random_params, resident_bytes
-from tests.support.serve import serving
 from tests.support.tiny import tiny_engine
 
 CLIENTS, WARMUP, TOTAL = 4, 40, 200

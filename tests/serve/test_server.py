@@ -12,8 +12,8 @@ from studio.events.schema import footer_problem, header_problem, validate_event
 from studio.run.config import RunConfig
 from studio.run.session import Session, encode_messages
 from studio.serve.app import build_app
+from studio.serve.app import serving_in_thread as serving
 from studio.serve.protocol import Limits
-from tests.support.serve import serving
 from tests.support.tiny import tiny_engine
 
 openai = pytest.importorskip("openai")
@@ -225,3 +225,23 @@ def test_serve_refuses_bad_options_in_one_line_before_loading_the_model(args, ne
         port = str(taken.getsockname()[1])
         fill = [a.replace("{taken}", port) for a in args]
         assert_one_line_error(cli("serve", "--model", "random:smollm2-135m", *fill), needle.replace("{taken}", port))
+
+
+def test_bench_clients_measures_the_server_concurrent_against_one_at_a_time(engine, monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from studio.cli import app
+    from studio.engine.engine import Engine
+    monkeypatch.setattr(Engine, "load", staticmethod(lambda spec, adapter=None, **kw: engine))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(PROMPTS[:4]) + "\n")
+    res = CliRunner().invoke(app, ["bench", "--clients", "3", "-s", "isd,jacobi", "--prompts", str(prompts),
+                                   "--max-new-tokens", "6", "--repeats", "2", "--json"])
+    assert res.exit_code == 0, (res.output, res.exception)
+    rep = json.loads(res.stdout)
+    assert rep["clients"] == 3 and rep["repeats"] == 2
+    assert [(s["label"], s["batched"]) for s in rep["strategies"]] == [("ar", True), ("isd", True), ("jacobi", False)]
+    for s in rep["strategies"]:
+        assert s["identical"] == 1.0 and s["speedup"]["n"] == 2 and s["tok_s_concurrent"]["min"] > 0
+    bad = CliRunner().invoke(app, ["bench", "--clients", "3", "--task", "quick"])
+    assert "--clients measures the server alone: drop --task" in str(bad.exception)
