@@ -6,7 +6,7 @@ is a run of its own. Each turn of the loop advances every batch by one round and
 One thread owns the engine: runs are built, advanced and finished only here, so the HTTP side never touches the
 model. A job's messages go back to its handler through `Job.post` (thread-safe), in order:
   ("start", header)           the run was built (its trace header); the handler may now answer 200
-  ("events", [event, ...])    one step's events
+  ("events", [event, ...])    one step's events (to streaming requests only)
   ("done", RunResult)         the run ended
   ("error", ApiError)         the run could not start (400) or failed (500); nothing follows
 A cancelled job (its client went away) stops at the next step boundary and posts "done" with stop_reason
@@ -46,6 +46,11 @@ class Job:
     def cancel(self) -> None:
         self.cancelled.set()
 
+    def post_events(self, events: list[dict]) -> None:
+        """One step's events, to a streaming client only (a whole answer waits for "done": no wake-up per step)."""
+        if events and self.request.stream:
+            self.post(("events", events))
+
 
 class _Solo:
     """A request decoded by a `Run` of its own."""
@@ -61,9 +66,7 @@ class _Solo:
         """One step; the jobs it finished (their `result` set)."""
         if self.job.cancelled.is_set():
             self.run.cancel()
-        events = self.run.advance()
-        if events:
-            self.job.post(("events", events))
+        self.job.post_events(self.run.advance())
         if not self.run.done:
             return []
         self.job.result = dataclasses.replace(self.run.result, header=self.job.header)
@@ -104,9 +107,8 @@ class _Batch:
 
     def _post(self, seq) -> None:
         job, seen = self.members[id(seq)]
-        if len(seq.events) > seen:
-            job.post(("events", seq.events[seen:]))
-            self.members[id(seq)] = job, len(seq.events)
+        job.post_events(seq.events[seen:])
+        self.members[id(seq)] = job, len(seq.events)
 
     def _finish(self, seq) -> Job:
         from studio.run.session import RunResult
