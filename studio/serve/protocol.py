@@ -168,13 +168,14 @@ def _config(body: dict, model: Any, served: str, default: RunConfig, limits: Lim
         config, params={**config.params, **params}, seed=seed, stop=stop if stop is not None else config.stop,
         temperature=_typed(body, "temperature", (int, float), config.temperature),
         top_p=_typed(body, "top_p", (int, float), config.top_p), top_k=_typed(body, "top_k", int, config.top_k),
-        max_new_tokens=limit if limit is not None else config.max_new_tokens and min(config.max_new_tokens,
-                                                                                     limits.max_tokens))
+        max_new_tokens=limit if limit is not None else config.max_new_tokens)
     try:
-        config.build()
+        _, settings = config.build()
     except (BadInput, TypeError) as e:
         named = next((k for k in ("temperature", "top_k", "top_p") if str(e).startswith(k)), None)
         raise bad(str(e), named) from None
+    if settings.max_new_tokens > limits.max_tokens:   # a preset's or the default length past this server's limit
+        config = dataclasses.replace(config, max_new_tokens=limits.max_tokens)
     return config
 
 

@@ -245,3 +245,10 @@ def test_bench_clients_measures_the_server_concurrent_against_one_at_a_time(engi
         assert s["identical"] == 1.0 and s["speedup"]["n"] == 2 and s["tok_s_concurrent"]["min"] > 0
     bad = CliRunner().invoke(app, ["bench", "--clients", "3", "--task", "quick"])
     assert "--clients measures the server alone: drop --task" in str(bad.exception)
+
+
+def test_a_request_without_max_tokens_stays_within_the_server_limit(engine):
+    """The default length (128 here) is cut to --max-tokens-limit, not refused and not exceeded."""
+    with serving(build_app(engine, RunConfig("ar"), limits=Limits(max_tokens=5))) as base:
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "abc"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
