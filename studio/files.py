@@ -27,6 +27,16 @@ class Interrupted(Exception):
     Not a KeyboardInterrupt on purpose: Typer would turn that into a silent exit and lose the message."""
 
 
+def read_user_text(path: str | os.PathLike, what: str) -> str:
+    """A file the user named, as UTF-8 text; BadInput saying which `what` ("prompts file") could not be read."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise BadInput(f"cannot read {what} {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise BadInput(f"{what} {path} is not UTF-8 text (byte {e.start})") from None
+
+
 def check_writable(path: str | os.PathLike, force: bool = False) -> Path:
     """`path` can be written: its directory exists and it is not an existing file (unless `force`) nor a
     directory. Call it before any work, so that a clash never costs a run. Returns `path` as a Path."""

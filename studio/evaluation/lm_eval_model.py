@@ -14,6 +14,7 @@ parameter (`strategy=isd,stride=3`).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -38,8 +39,7 @@ class StudioLM(LM):
         named, named_preset = strategy_or_preset(strategy) if strategy else ("ar", None)
         if named_preset and preset:
             raise BadInput(f"strategy={strategy} is a preset: give it or preset={preset}, not both")
-        self.config = RunConfig(named if not (preset or named_preset) else named, preset or named_preset,
-                                params=dict(params), max_new_tokens=int(max_gen_toks))
+        self.config = RunConfig(named, preset or named_preset, params=dict(params), max_new_tokens=int(max_gen_toks))
         self.strategy, _ = self.config.build()
         self.engine = ModelChoice(str(model), None if adapter is None else str(adapter), device=device,
                                   dtype=dtype).load()
@@ -47,8 +47,6 @@ class StudioLM(LM):
 
     # -- generation ----------------------------------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        import dataclasses
-
         from studio.run.session import Session
         out = []
         for request in requests:

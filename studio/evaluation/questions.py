@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from studio.errors import BadInput
+from studio.files import read_user_text
 
 SHIPPED = Path(__file__).parent / "questions"
 
@@ -34,13 +35,9 @@ def shipped_tasks() -> list[str]:
 def load_task(spec: str) -> tuple[str, list[Question]]:
     """(the task's name, its questions) from a shipped name or a JSONL file; BadInput naming the line at fault."""
     path = SHIPPED / f"{spec}.jsonl" if spec in shipped_tasks() else Path(spec)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise BadInput(f"no task {spec!r}: not a shipped task ({', '.join(shipped_tasks())}) nor a readable file "
-                       f"({e.strerror or e})") from None
-    except UnicodeDecodeError as e:
-        raise BadInput(f"task file {path} is not UTF-8 text (byte {e.start})") from None
+    if not path.exists():
+        raise BadInput(f"no task {spec!r}: not a shipped task ({', '.join(shipped_tasks())}) nor a file")
+    text = read_user_text(path, "task file")
     questions = []
     for i, line in enumerate(text.split("\n"), 1):
         if not line.strip():

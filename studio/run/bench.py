@@ -23,6 +23,7 @@ from typing import Mapping
 from studio.engine.batch import decode_strategy_batch, round_shape
 from studio.engine.device import synchronize
 from studio.errors import BadInput
+from studio.files import read_user_text
 from studio.run.compare import first_difference
 from studio.run.config import RunConfig
 from studio.run.session import Session, encode_prompt, kv_length_needed
@@ -39,12 +40,7 @@ def load_prompts(path: Path | None) -> list[str]:
     """One prompt per line, or JSON Lines with a "prompt" field."""
     if path is None:
         return list(BUILTIN_PROMPTS)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise BadInput(f"cannot read prompts file {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise BadInput(f"prompts file {path} is not UTF-8 text (byte {e.start})") from None
+    text = read_user_text(path, "prompts file")
     # Lines end at \n only (read_text turns \r\n and \r into \n): str.splitlines() also splits at U+2028,
     # U+0085, \x0b ..., which a JSON string may hold unescaped.
     prompts = []

@@ -57,6 +57,7 @@ def build_app(engine, default: RunConfig, *, served: str = "default", chat_templ
                 shutil.rmtree(where, ignore_errors=True)
 
     key = api_key.encode() if api_key else None
+    runnable = _runnable(engine)   # the model names GET /v1/models lists (read once: it reads every preset file)
 
     def authorize(request: HttpRequest) -> None:
         """With an API key, every route wants it as a bearer token (compared in constant time)."""
@@ -86,7 +87,7 @@ def build_app(engine, default: RunConfig, *, served: str = "default", chat_templ
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "dlm-studio"}
-                                           for m in [served] + [f"{served}:{n}" for n in _runnable(engine)]]}
+                                           for m in [served] + [f"{served}:{n}" for n in runnable]]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HttpRequest):

@@ -231,15 +231,18 @@ class Scheduler:
             job.result.save(self.trace_dir / f"{job.id}.jsonl")
             self._keep_trace(job.id)
             job.post(("done", job.result))
-        with self._wake:   # ended runs and emptied batches leave (a batch comes back with its next request)
-            self._units = [u for u in self._units if u.jobs]
-            self._batches = {k: b for k, b in self._batches.items() if b in self._units}
+        # ended runs and emptied batches leave (a batch comes back with its next request)
+        self._keep_units(lambda unit: bool(unit.jobs))
 
     def _failed(self, jobs: list[Job], error: ApiError) -> None:
         for job in jobs:
             job.post(("error", error))
+        failed = set(map(id, jobs))
+        self._keep_units(lambda unit: not failed & set(map(id, unit.jobs)))
+
+    def _keep_units(self, keep: Callable[[object], bool]) -> None:
         with self._wake:
-            self._units = [u for u in self._units if not set(map(id, u.jobs)) & set(map(id, jobs))]
+            self._units = [u for u in self._units if keep(u)]
             self._batches = {k: b for k, b in self._batches.items() if b in self._units}
 
     def _keep_trace(self, rid: str) -> None:
