@@ -36,7 +36,8 @@ class StudioLM(LM):
                  batch_size=None, **params):   # batch_size: lm-eval passes its own; runs here are one at a time
         super().__init__()
         from studio.run.config import ModelChoice, RunConfig, strategy_or_preset
-        named, named_preset = strategy_or_preset(strategy) if strategy else ("ar", None)
+        # no strategy: the preset's, else ar
+        named, named_preset = strategy_or_preset(strategy) if strategy else (None if preset else "ar", None)
         if named_preset and preset:
             raise BadInput(f"strategy={strategy} is a preset: give it or preset={preset}, not both")
         self.config = RunConfig(named, preset or named_preset, params=dict(params), max_new_tokens=int(max_gen_toks))

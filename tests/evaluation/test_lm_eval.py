@@ -109,3 +109,10 @@ def test_loglikelihood_refuses_a_bidirectional_model(engine, tmp_path):
     lm = StudioLM(strategy="ar")
     with pytest.raises(BadInput, match="loglikelihood needs a causal model"):
         lm._score([1, 2], [3])
+
+
+def test_a_preset_alone_runs_its_own_strategy_and_parameters(engine):
+    from studio.evaluation.lm_eval_model import StudioLM
+    lm = StudioLM(preset="jacobi-mr-cpu")
+    assert lm.strategy.name == "jacobi-mr" and lm.config.label == "jacobi-mr-cpu"
+    assert StudioLM(strategy="jacobi-mr-cpu").strategy.header_params() == lm.strategy.header_params()
