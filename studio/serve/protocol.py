@@ -21,10 +21,10 @@ NEUTRAL = {"frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, Non
            "top_logprobs": (0, None), "logit_bias": ({}, None), "user": None, "echo": (False, None),
            "best_of": (1, None), "suffix": (None, ""), "parallel_tool_calls": None, "store": (False, None),
            "metadata": None, "service_tier": None}
-SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options", "max_tokens",
+COMMON = ("temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options", "max_tokens",
             "max_completion_tokens", "model", "strategy", "params")
-CHAT_FIELDS = frozenset(SAMPLING + ("messages",))
-TEXT_FIELDS = frozenset(SAMPLING + ("prompt",))
+CHAT_FIELDS = frozenset(COMMON + ("messages",))
+TEXT_FIELDS = frozenset(COMMON + ("prompt",))
 ROLES = ("system", "user", "assistant")
 MAX_STOPS = 4
 
