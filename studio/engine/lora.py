@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from studio.engine.config import ModelConfig
-from studio.engine.model import Linear
+from studio.engine.model import Linear, keep_packed_copy
 from studio.engine.weights import _load_safetensors, _one_line, _short
 from studio.errors import BadInput
 
@@ -363,7 +363,7 @@ def _write_embedding_rows(model: nn.Module, rows: torch.Tensor) -> None:
     V, k = head.weight.shape[0], rows.shape[0]
     if old.shape[0] >= V + k:
         with torch.no_grad():
-            old[V:V + k].copy_(rows)
+            keep_packed_copy(head.weight, lambda: old[V:V + k].copy_(rows))
         return
     tied = head.weight.data_ptr() == old.data_ptr()
     table = torch.cat([old.detach()[:V], rows.to(device=old.device, dtype=old.dtype)])

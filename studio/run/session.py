@@ -17,6 +17,7 @@ from studio import events as ev
 from studio.engine.cost_model import cost_table
 from studio.engine.device import synchronize
 from studio.engine.engine import Engine
+from studio.engine.model import pack_weights
 from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import DecodeContext, Output, Strategy
 from studio.errors import BadInput
@@ -161,6 +162,8 @@ class Run:
         self.out = Output(engine.tokenizer, settings.max_new_tokens, frozenset(engine.eos_ids()), tuple(settings.stop))
         # a cost-aware strategy plans with the machine's forward costs: measured here on first use, off the run's clock
         costs = cost_table(engine) if strategy.plans_drafts else None
+        if strategy.wide_forwards:
+            pack_weights(engine.model)
         self.ctx = DecodeContext(engine.model, engine.tokenizer, settings.sampling, settings.seed, self.out,
                                  engine.config.mask_token_id, kv_len, kv=kv, oracle_accept=settings.oracle_accept,
                                  graphs=engine.graphs, clean_gate=strategy.clean_gate(engine.lora), costs=costs)

@@ -336,6 +336,27 @@ def test_adapter_adds_an_input_only_mask_row(tmp_path, tie):
     assert logits.shape == (1, 3, 24) and torch.isfinite(logits).all()
 
 
+def test_switching_adapters_keeps_the_tied_heads_packed_copy(tmp_path):
+    """Two adapters with their own MASK rows, installed in turn as a comparison does every step: each install writes
+    its rows past the tied head, the head's packed copy (made once) stays, and every forward equals a fresh model's."""
+    engine = _engine_without_mask(tie_embeddings=True)
+    views = [engine.with_adapter(str(random_adapter(tmp_path / name, engine.model, mask_token_id=24,
+                                                    mask_embedding=torch.randn(1, engine.config.dim), seed=seed)))
+             for name, seed in (("a", 1), ("b", 2))]
+    tokens, gate = [1, 5, 24, 24], [False, False, True, True]
+    expected = []
+    for view in views:   # each adapter alone, packed copies made fresh
+        view.activate()
+        expected.append(run_chunks(view.model, tokens, [4], gate))
+        view.model.lm_head.weight._onednn = None
+    packed = None
+    for view, want in [*zip(views, expected)] * 2:
+        view.activate()
+        assert torch.equal(run_chunks(view.model, tokens, [4], gate), want)
+        packed = view.model.lm_head.weight._onednn[1] if packed is None else packed
+        assert view.model.lm_head.weight._onednn[1] is packed   # not re-packed by the switch
+
+
 def test_resized_table_only_its_new_rows_are_read(tmp_path):
     """PEFT modules_to_save style: a full [V + k, dim] table; existing rows stay base (the gate cannot switch them)."""
     engine = _engine_without_mask()

@@ -37,6 +37,16 @@ def test_advancing_by_hand_equals_session_run(name):
     assert run.advance() == []
 
 
+@pytest.mark.parametrize("name, packed", [("ar", False), ("isd", True)])
+def test_a_run_of_wide_forwards_packs_the_weights_before_its_clock_starts(name, packed):
+    """The CPU's packed weight copies are made when the run is built, not inside its timed forwards; an ar run, whose
+    forwards are one row wide, never uses them and makes none."""
+    engine = tiny_engine("llama", vocab=24, seed=3)
+    Run(engine, make_strategy(name), settings(), "", PROMPT)
+    weights = [m.weight for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(isinstance(getattr(w, "_onednn", None), tuple) == packed for w in weights)
+
+
 def test_cancel_between_steps_writes_a_readable_trace_and_leaves_the_engine_reusable(tmp_path):
     engine = tiny_engine("qwen2", vocab=24, seed=1)
     fresh = Session(engine, make_strategy("isd"), settings(n=30)).run("", PROMPT)

@@ -23,6 +23,7 @@ def has_ar_mode(config) -> bool:
 
 class AR(Strategy):
     name = "ar"
+    wide_forwards = False
     needs_causal_model = False   # the AR mode of a diffusion model too (check_run)
 
     @dataclass

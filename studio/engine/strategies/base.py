@@ -287,6 +287,8 @@ class Strategy:
     decodes_ar_models: ClassVar[bool] = True
     # samples at a schedule of its own (DiffusionGemma's temperatures): --temperature, --top-k, --top-p do not apply
     own_sampling: ClassVar[bool] = False
+    # decodes with forwards of several rows: on a CPU they run on packed weight copies, made before the run's clock
+    wide_forwards: ClassVar[bool] = True
 
     @classmethod
     def fits(cls, config) -> bool:
