@@ -50,5 +50,12 @@ for c in $CONCURRENCY; do
   step "concurrency-$c" "${bench[@]}" -s ar,isd --concurrency "$c" --prompts "$DIR/prompts.txt" --max-new-tokens 128 \
     --repeats 1 --no-transformers
 done
+# tensor parallelism, where the machine has 2 GPUs or more (NCCL): AR and r-isd at --tp 2 beside --tp 1
+if [ "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  step tp-2 "${bench[@]}" -s ar,r-isd --tp 2 --max-new-tokens 256 --repeats "$REPEATS"
+  step tp-1 "${bench[@]}" -s ar,r-isd --max-new-tokens 256 --repeats "$REPEATS"
+else
+  echo "tp-2: skipped (one GPU)" | tee -a "$DIR/steps.txt"
+fi
 echo "$failed step(s) failed" | tee -a "$DIR/steps.txt"
 exit $failed

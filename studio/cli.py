@@ -42,7 +42,7 @@ try:   # Ctrl+C while the CLI is still importing: the same one line and exit 130
     import typer
 
     import dataclasses
-    from studio.errors import BadInput
+    from studio.errors import BadInput, RankLost
     from studio.files import Interrupted, check_writable
     from studio.run.config import ModelChoice, RunConfig
     from studio.run.options import DEVICE, DTYPE, FORCE, GRAPHS, generation_options, say_when_measuring_costs
@@ -343,6 +343,8 @@ def bench(
 
     if repeats < 1 or warmup < 0:
         raise BadInput("--repeats must be >= 1 and --warmup >= 0")
+    if model.tp > 1 and (forwards or clients):
+        raise BadInput(f"{'--forwards' if forwards else '--clients'} does not run under --tp yet")
     if forwards:
         return _bench_forwards(model.load(), repeats, warmup, as_json)
     if clients:
@@ -727,6 +729,9 @@ def main() -> None:
     except BadInput as e:
         typer.echo(f"dlm-studio: error: {e}", err=True)
         sys.exit(2)
+    except RankLost as e:   # tensor parallelism: another rank died or stopped answering
+        typer.echo(f"dlm-studio: error: {e}", err=True)
+        sys.exit(1)
     except Exception as e:  # an internal error: one line, the traceback only on request
         if os.environ.get("DLM_STUDIO_DEBUG"):
             raise

@@ -3,3 +3,7 @@
 
 class BadInput(Exception):
     """The user's input is wrong (exit code 2): a missing file, an unknown strategy, a malformed trace."""
+
+
+class RankLost(RuntimeError):
+    """Tensor parallelism: another rank died or stopped answering within the collective timeout (exit code 1)."""

@@ -90,7 +90,14 @@ def table_key(engine) -> dict:
         rank = int(a.shape[0])
     return {"version": TABLE_VERSION, "model": engine.name, "arch": cfg.arch, "dim": cfg.dim, "layers": cfg.n_layers, "vocab": cfg.vocab_size,
             "device": str(p.device), "dtype": str(p.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "lora_rank": rank}
+            "torch": torch.__version__, "lora_rank": rank, **_parallel_key(engine)}
+
+
+def _parallel_key(engine) -> dict:
+    """A tensor-parallel shard's forwards cost what its rank count makes them (one process: nothing, so the tables
+    cached before tensor parallelism still read back)."""
+    plan = getattr(engine.model, "parallel", None)
+    return {} if plan is None else {"tp": plan.world}
 
 
 def calibrate(engine, max_rows: int = MAX_ROWS, repeats: int = 5, warmup: int = 1,
@@ -142,7 +149,7 @@ def cost_table(engine, refresh: bool = False) -> CostTable:
     path = table_path(key)
     random_weights = engine.source == RANDOM_SOURCE
     if not refresh:
-        table = _random_tables.get(path.name) if random_weights else _read(path, key)
+        table = stored_table(engine)
         if table is not None:
             return table
     if on_measure is not None and not random_weights:
@@ -157,6 +164,13 @@ def cost_table(engine, refresh: bool = False) -> CostTable:
         with atomic_write(path) as f:
             json.dump(table.to_dict(), f, indent=1)
     return table
+
+
+def stored_table(engine) -> CostTable | None:
+    """`engine`'s table if one is cached (or, for random weights, measured in this process), else None."""
+    key = table_key(engine)
+    path = table_path(key)
+    return _random_tables.get(path.name) if engine.source == RANDOM_SOURCE else _read(path, key)
 
 
 def _read(path: Path, key: dict) -> CostTable | None:

@@ -272,6 +272,9 @@ class LoadedAdapter:
 def load_adapter(model: nn.Module, path: str | Path) -> LoadedAdapter:
     """Read `path` and check it against `model` (BadInput, and the model untouched, when it does not fit)."""
     adapter = read_adapter(path, model.config)
+    if getattr(model, "parallel", None) is not None:   # one rank's shard: its part of each pair
+        adapter = dataclasses.replace(adapter, lora={name: model.parallel.shard_lora(name, A, B)
+                                                     for name, (A, B) in adapter.lora.items()})
     modules = _fitting_modules(model, adapter)
     rows = _new_embedding_rows(model, adapter)
     w = model.lm_head.weight
@@ -331,7 +334,7 @@ def _fitting_modules(model: nn.Module, adapter: Adapter) -> dict[str, Linear]:
 
 def _new_embedding_rows(model: nn.Module, adapter: Adapter) -> torch.Tensor | None:
     """The embedding rows the adapter appends after the base (output) vocabulary, or None."""
-    V, dim = model.lm_head.weight.shape
+    V, dim = _base_vocab(model), model.lm_head.weight.shape[1]
     mask_id = adapter.mask_token_id
     rows = None
     if adapter.mask_embedding is not None:
@@ -355,22 +358,30 @@ def _new_embedding_rows(model: nn.Module, adapter: Adapter) -> torch.Tensor | No
     return rows
 
 
+def _base_vocab(model: nn.Module) -> int:
+    """The tokens the head scores (a tensor-parallel shard's head has its share of them)."""
+    rows = model.lm_head.weight.shape[0]
+    parallel = getattr(model, "parallel", None)
+    return rows if parallel is None else rows * parallel.world
+
+
 def _write_embedding_rows(model: nn.Module, rows: torch.Tensor) -> None:
     """Rows V.. of the embedding table = `rows` (the table grows when it has fewer); the head keeps the
     base rows (MASK is input-only)."""
     emb, head = model.model.embed_tokens, model.lm_head
     old = emb.weight
-    V, k = head.weight.shape[0], rows.shape[0]
+    V, k = _base_vocab(model), rows.shape[0]
     if old.shape[0] >= V + k:
         with torch.no_grad():
             keep_packed_copy(head.weight, lambda: old[V:V + k].copy_(rows))
         return
-    tied = head.weight.data_ptr() == old.data_ptr()
+    tied = head.weight.untyped_storage().data_ptr() == old.untyped_storage().data_ptr()
     table = torch.cat([old.detach()[:V], rows.to(device=old.device, dtype=old.dtype)])
     emb.weight = nn.Parameter(table, requires_grad=old.requires_grad)
     emb.num_embeddings = table.shape[0]
     if tied:  # a view of the new table: still one copy of the shared rows
-        head.weight = nn.Parameter(table[:V], requires_grad=old.requires_grad)
+        rows_of_head = slice(0, V) if getattr(model, "parallel", None) is None else model.parallel.vocab
+        head.weight = nn.Parameter(table[rows_of_head], requires_grad=old.requires_grad)
 
 
 def detach_adapter(model: nn.Module) -> None:

@@ -66,11 +66,17 @@ class Linear(nn.Linear):
     lora_A: torch.Tensor | None = None   # [r, in]
     lora_B: torch.Tensor | None = None   # [out, r]
     lora_scale: float = 0.0
+    # tensor parallelism: a projection split by input columns makes a partial sum, which this adds up across the
+    # ranks (studio.parallel.tensor); None on one process
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, gate: RowGate | None = None) -> torch.Tensor:
         y = linear(x, self.weight, self.bias)
-        if self.lora_A is None or gate is None:
-            return y
+        if self.lora_A is not None and gate is not None:
+            y = self._with_lora(x, y, gate)
+        return y if self.reduce is None else self.reduce(y)
+
+    def _with_lora(self, x: torch.Tensor, y: torch.Tensor, gate: RowGate) -> torch.Tensor:
         if gate.rows is None:
             delta = F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scale
             return y + delta if gate.mult is None else y + delta * gate.mult   # gate 0: y + 0 == y exactly
@@ -204,6 +210,7 @@ class LanguageModel(nn.Module):
     write the forward."""
     backbone = Backbone
     block = Block   # what one layer builds (studio.engine.weights checks shapes layer by layer)
+    parallel = None   # this rank's TensorParallel plan when the model is one rank's shard (studio.parallel.tensor)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -260,7 +267,8 @@ class Transformer(LanguageModel):
             x = layer(x, cos, sin, kv, i, mask, gate)
         if rows is not None:
             x = x[:, rows]
-        return vocab_logits(self.lm_head.weight, self.model.norm(x))
+        logits = vocab_logits(self.lm_head.weight, self.model.norm(x))
+        return logits if self.parallel is None else self.parallel.gather_vocab(logits)
 
 
 # Row counts up to which a CPU projection runs as W @ x.T or through oneDNN (`linear`)

@@ -187,6 +187,10 @@ def run_bench(engine, prompts: list[str], configs: Mapping[str, RunConfig], repe
         raise BadInput("bench needs a baseline first (compare_configs puts ar there)")
     runs = {label: config.build() for label, config in configs.items()}
     check_concurrency(runs.values(), concurrency)
+    if engine.model.parallel is not None:
+        if concurrency > 1:
+            raise BadInput("--concurrency: batches are not split across ranks yet (--tp)")
+        with_transformers = False   # a rank holds a shard of the weights, not a model transformers could load
     ids = [encode_prompt(engine, p) for p in prompts]
     if concurrency > 1:
         samples, batches, batch_tok_s, solo = _bench_batched(engine, ids, runs, repeats, warmup, concurrency,

@@ -8,6 +8,7 @@ and `studio.run.compare.make_runs`. Values merge as: explicit settings > the pre
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tomllib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
@@ -146,10 +147,23 @@ class ModelChoice:
     dtype: str = "auto"
     graphs: bool = True
     chat_template: bool = True
+    tp: int = 1   # tensor-parallel ranks (studio.parallel)
 
     def load(self) -> Engine:
         from studio.engine.engine import Engine
-        return Engine.load(self.model, adapter=self.adapter, device=self.device, dtype=self.dtype, graphs=self.graphs)
+        from studio.parallel.group import check_world, torchrun_world
+        check_world(self.tp)
+        if self.tp == 1 and torchrun_world() == 1:
+            return Engine.load(self.model, adapter=self.adapter, device=self.device, dtype=self.dtype,
+                               graphs=self.graphs)
+        if self.draft_model is not None or self.draft_adapter is not None:
+            raise BadInput("--tp: SimSD's separate drafter is not split across ranks yet")
+        from studio.engine.device import resolve_device
+        from studio.parallel.launch import start
+        device = resolve_device(self.device).type
+        build = functools.partial(Engine.load, self.model, adapter=None, device=self.device, dtype=self.dtype,
+                                  graphs=False)
+        return start(self.tp, build, device=device, adapter=self.adapter)
 
     def load_draft(self) -> Engine | None:
         """SimSD's drafter (`--draft-model`, default: the target model, with `--draft-adapter`) on the target's

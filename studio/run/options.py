@@ -37,6 +37,8 @@ MODEL_OPTIONS = {
     "device": (str, DEVICE),
     "dtype": (str, DTYPE),
     "graphs": (bool, GRAPHS),
+    "tp": (int, typer.Option(1, "--tp", help="Tensor parallelism: split the model across N ranks (processes started "
+           "here; gloo on the CPU, NCCL on GPUs). Under torchrun: the launch's world size.")),
     "raw": (bool, typer.Option(False, "--raw", help="Do not apply the chat template.")),
 }
 
@@ -56,7 +58,8 @@ RUN_OPTIONS = {
 
 def model_choice(values: dict) -> ModelChoice:
     return ModelChoice(values["model"], values["adapter"], values["draft_model"], values["draft_adapter"],
-                       values["device"], values["dtype"], values["graphs"], chat_template=not values["raw"])
+                       values["device"], values["dtype"], values["graphs"], chat_template=not values["raw"],
+                       tp=values["tp"])
 
 
 def run_config(strategy: str | None, values: dict) -> RunConfig:

@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from studio import events as ev
-from studio.engine.cost_model import cost_table
+from studio.engine.cost_model import cost_table, stored_table
 from studio.engine.device import synchronize
 from studio.engine.engine import Engine
 from studio.engine.model import pack_weights
 from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import DecodeContext, Output, Strategy
 from studio.errors import BadInput
+from studio.parallel import mirror
 
 CANCELLED = "cancelled"
 PREFILL_CHUNK = 256   # prompt tokens per prefill forward of a long prompt: a cancel waits for one chunk at most
@@ -117,6 +118,19 @@ def kv_length_needed(engine: Engine, strategy: Strategy, settings: Settings, pro
     return kv_len
 
 
+def planning_costs(engine: Engine):
+    """The cost table a cost-aware run plans with. Under tensor parallelism the forwards that measure it are
+    collective: rank 0 has every rank measure (when it has no stored table) and announces the table with the run,
+    which a following rank takes in place of this placeholder."""
+    if mirror.following():
+        return None
+    leader = mirror.leader()
+    if leader is None or stored_table(engine) is not None:
+        return cost_table(engine)
+    leader.send("calibrate", engine.adapter)
+    return cost_table(engine, refresh=True)
+
+
 def run_header(engine: Engine, strategy: Strategy, settings: Settings, prompt_text: str, prompt_ids: list[int]) -> dict:
     """The trace header of a run of `strategy` on `engine` (its adapter view) with `settings` (docs/events.md)."""
     s = settings
@@ -161,7 +175,7 @@ class Run:
         self.header = run_header(engine, strategy, settings, prompt_text, self.prompt_ids)
         self.out = Output(engine.tokenizer, settings.max_new_tokens, frozenset(engine.eos_ids()), tuple(settings.stop))
         # a cost-aware strategy plans with the machine's forward costs: measured here on first use, off the run's clock
-        costs = cost_table(engine) if strategy.plans_drafts else None
+        costs = planning_costs(engine) if strategy.plans_drafts else None
         if strategy.wide_forwards:
             pack_weights(engine.model)
         self.ctx = DecodeContext(engine.model, engine.tokenizer, settings.sampling, settings.seed, self.out,
@@ -178,6 +192,9 @@ class Run:
         self.prefill_s = 0.0
         self.decode_s = 0.0
         self.result: RunResult | None = None
+        # under tensor parallelism rank 0 announces the run to the other ranks, which build it alike
+        leader = mirror.leader()
+        self.mirror_id = leader.announce(self, prompt_text, getattr(kv, "mirror_id", None), costs) if leader else None
 
     def _plan_chunks(self) -> list[int]:
         """Prompt lengths after each chunk forward: chunks from the committed KV on, leaving the strategy's prefill
@@ -225,7 +242,10 @@ class Run:
         An exception leaves the trace truncated (the honest record)."""
         if self.done:
             return []
-        if self._cancel.is_set():
+        cancelled = self._cancel.is_set()   # read once: every rank must see the same answer
+        if self.mirror_id is not None:
+            mirror.leader().send("advance", self.mirror_id, cancelled)
+        if cancelled:
             self.out.stop_reason = CANCELLED
             events = self._publish()   # a prefill cancelled between chunks: the chunks that ran
             self._finish()

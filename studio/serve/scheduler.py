@@ -205,7 +205,8 @@ class Scheduler:
         if job.cancelled.is_set():
             return []
         strategy, settings = job.request.config.build()
-        if unbatchable(strategy, settings.sampling) is None:
+        # a tensor-parallel engine runs every request on its own: batches are not mirrored to the other ranks yet
+        if unbatchable(strategy, settings.sampling) is None and self.engine.model.parallel is None:
             view = self.engine.for_strategy(strategy.name)
             kv_length_needed(view, strategy, settings, job.prompt_ids)
             header = run_header(view, strategy, settings, job.request.prompt_text, job.prompt_ids)

@@ -1,0 +1,99 @@
+"""Starting a tensor-parallel engine: ranks spawned on this machine (`--tp N`) or started by `torchrun`.
+
+`start` returns rank 0's shard of the engine to the command that asked for it; every other rank builds the same
+engine, keeps its shard and follows rank 0 (studio.parallel.mirror) until rank 0 ends, then exits.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import multiprocessing
+import os
+import sys
+from typing import Callable
+
+from studio.errors import BadInput, RankLost
+from studio.parallel import group as groups
+from studio.parallel import mirror
+from studio.parallel.tensor import TensorParallel, check_splittable, shard_model
+
+_workers: list = []
+
+
+def shard_engine(engine, group: groups.Group):
+    """This rank's shard of `engine` (no adapter attached yet: adapters are split as they load)."""
+    from studio.engine.graphs import CachePool
+    check_splittable(engine.config, group.world)
+    if engine.lora is not None:
+        raise ValueError("shard the engine before attaching an adapter")
+    plan = TensorParallel(group.rank, group.world, group.pg, engine.config)
+    model = shard_model(engine.model, plan)
+    return dataclasses.replace(engine, model=model, config=model.config, graphs=False, _views={}, caches=CachePool())
+
+
+def start(world: int, build: Callable[[], object], device: str = "cpu", adapter: str | None = None,
+          timeout_s: float = groups.TIMEOUT_S):
+    """Rank 0's shard of the engine `build()` makes (a picklable callable, run on every rank), split across `world`
+    ranks: under torchrun (RANK and WORLD_SIZE set) this process's rank, a rank > 0 following rank 0 and exiting when
+    it is done; otherwise ranks 1.. are spawned here. `adapter` attaches to every rank's shard."""
+    if groups.torchrun_world() > 1:
+        rank, launched = int(os.environ["RANK"]), groups.torchrun_world()
+        if world not in (1, launched):
+            raise BadInput(f"--tp {world}, but torchrun started {launched} ranks")
+        world = launched
+        if rank:
+            _serve(rank, world, None, build, device, adapter, timeout_s)
+            sys.exit(0)
+        group = groups.join(0, world, device=device, timeout_s=timeout_s)
+    else:
+        port = groups.free_port()
+        spawn = multiprocessing.get_context("spawn")
+        for rank in range(1, world):
+            p = spawn.Process(target=_serve, args=(rank, world, port, build, device, adapter, timeout_s), daemon=True)
+            p.start()
+            _workers.append(p)
+        groups.set_threads(world)
+        group = groups.join(0, world, port=port, device=device, timeout_s=timeout_s)
+    engine = _shard(build(), group, adapter)
+    mirror.lead(group)
+    atexit.register(finish)
+    return engine
+
+
+def finish() -> None:
+    """Tell the other ranks to stop, wait for the ones spawned here, leave the group (rank 0, at exit)."""
+    try:
+        if mirror.leader() is not None:
+            mirror.stop_leading()
+    except RankLost:
+        pass
+    for p in _workers:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    _workers.clear()
+    groups.leave()
+
+
+def _shard(engine, group: groups.Group, adapter: str | None):
+    engine = shard_engine(engine, group)
+    if adapter and adapter != "none":
+        from studio.engine.lora import attach_adapter
+        from studio.presets.shipped import adapter_path
+        attach_adapter(engine, adapter_path(adapter))
+    elif adapter == "none":
+        engine.adapter_choice = "none"
+    return engine
+
+
+def _serve(rank: int, world: int, port: int | None, build, device: str, adapter: str | None, timeout_s: float):
+    """A rank > 0: join, build the same engine, keep its shard, follow rank 0 until it stops (or is lost)."""
+    groups.set_threads(world)
+    group = groups.join(rank, world, port=port, device=device, timeout_s=timeout_s)
+    try:
+        mirror.follow(_shard(build(), group, adapter), group)
+    except Exception as e:   # rank 0 ended without a stop (it failed or was killed), or this rank failed
+        print(f"dlm-studio: rank {rank}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}",
+              file=sys.stderr)
+    finally:
+        groups.leave()

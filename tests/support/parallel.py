@@ -1,0 +1,72 @@
+"""Runs of every strategy on a tiny engine, alone or as rank 0 of a tensor-parallel group (tests/parallel).
+
+`python -m tests.support.parallel '{"world": 2, ...}'` starts the group (ranks spawned here, gloo), decodes `RUNS`
+and prints them as JSON; the test decodes the same on one process and compares.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import sys
+
+PROMPT = [1, 2, 3, 4]
+# (strategy, parameters, temperature, on the adapter's model): every strategy of a causal model, greedy and sampled
+FIXED = {"drafting": "fixed"}   # the cost tables of one process and of a shard differ: plans would too
+RUNS = [("ar", {}, 0.0, False), ("isd", {"stride": 4, **FIXED}, 0.0, False), ("jacobi", FIXED, 0.0, False),
+        ("jacobi-mr", FIXED, 0.0, False), ("s2d2", FIXED, 0.0, False), ("simsd", FIXED, 0.0, False),
+        ("r-isd", {"stride": 3, **FIXED}, 0.0, True), ("isd", {"stride": 3, **FIXED}, 0.0, True),
+        ("ar", {}, 1.0, False), ("isd", {"stride": 4, **FIXED}, 1.0, False),
+        ("r-isd", {"stride": 3, **FIXED}, 1.0, True), ("jacobi-mr", FIXED, 1.0, False)]
+TIMING = ("ms", "wall_ms")
+
+
+def build(family: str = "llama", vocab: int = 24, seed: int = 3):
+    from tests.support.tiny import tiny_engine
+    return tiny_engine(family, vocab=vocab, seed=seed, max_seq_len=1024)
+
+
+def decode(engine, adapter: str, runs=RUNS, n: int = 24) -> dict:
+    """label -> {"tokens", "events" (without their timings)} of each run, through `Run` as every command drives it."""
+    from studio.engine.sampling import SamplingParams
+    from studio.engine.strategies import make_strategy
+    from studio.run.session import Session, Settings
+    out = {}
+    for name, params, temperature, adapted in runs:
+        view = engine.with_adapter(adapter) if adapted else engine
+        settings = Settings(max_new_tokens=n, sampling=SamplingParams(temperature), seed=7)
+        result = Session(view, make_strategy(name, params), settings).run("", PROMPT)
+        label = f"{name} {params} t={temperature}{' adapted' if adapted else ''}"
+        out[label] = {"tokens": result.token_ids,
+                      "events": [{k: v for k, v in e.items() if k not in TIMING} for e in result.events]}
+    return out
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    from studio.parallel.launch import _workers, finish, start
+    engine = start(args["world"], functools.partial(build, args.get("family", "llama")),
+                   timeout_s=args.get("timeout_s", 60.0))
+    if args.get("kill_after"):   # a rank dies mid-run: rank 0 must end with one line, not hang
+        from studio.engine.strategies import make_strategy
+        from studio.errors import RankLost
+        from studio.run.session import Run, Settings
+        run = Run(engine, make_strategy("ar"), Settings(max_new_tokens=60), "", PROMPT)
+        for i in range(60):
+            if i == args["kill_after"]:
+                os.kill(_workers[0].pid, signal.SIGKILL)
+                _workers[0].join()
+            try:
+                run.advance()
+            except RankLost as e:
+                print(json.dumps({"lost": str(e), "step": i}))
+                return
+        print(json.dumps({"lost": None}))
+        return
+    print(json.dumps(decode(engine, args["adapter"])))
+    finish()
+
+
+if __name__ == "__main__":
+    main()
