@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import weakref
 
 import torch.distributed as dist
@@ -52,13 +53,17 @@ class Leader:
         self.group = group
         self._ids = itertools.count(1)
         self._gone: list[int] = []   # runs whose KV cache rank 0 dropped since the last message
+        # held from a message through the collectives it starts (a step's forwards): a UI thread announcing a run
+        # while a decode thread steps another must not interleave its broadcast with that step's all-reduces
+        self.lock = threading.RLock()
 
     def send(self, *message) -> None:
-        gone, self._gone = self._gone, []
-        try:
-            dist.broadcast_object_list([(gone, message)], src=0, group=self.group.pg)
-        except Exception as e:   # gloo/NCCL raise RuntimeError subclasses, or DistError on a timeout
-            raise lost(e) from None
+        with self.lock:
+            gone, self._gone = self._gone, []
+            try:
+                dist.broadcast_object_list([(gone, message)], src=0, group=self.group.pg)
+            except Exception as e:   # gloo/NCCL raise RuntimeError subclasses, or DistError on a timeout
+                raise lost(e) from None
 
     def announce(self, run, prompt_text: str, kv_from: int | None, costs) -> int:
         """Tell the other ranks to build `run`; its id, which its advances carry."""

@@ -127,8 +127,9 @@ def planning_costs(engine: Engine):
     leader = mirror.leader()
     if leader is None or stored_table(engine) is not None:
         return cost_table(engine)
-    leader.send("calibrate", engine.adapter)
-    return cost_table(engine, refresh=True)
+    with leader.lock:
+        leader.send("calibrate", engine.adapter)
+        return cost_table(engine, refresh=True)
 
 
 def run_header(engine: Engine, strategy: Strategy, settings: Settings, prompt_text: str, prompt_ids: list[int]) -> dict:
@@ -240,11 +241,18 @@ class Run:
         """The prefill (one chunk per call for a long prompt, handing out nothing until the strategy's own prefill
         has run), then one strategy step per call; returns the events of what ran. A finished run returns [].
         An exception leaves the trace truncated (the honest record)."""
+        if self.mirror_id is None:
+            return self._advance(self._cancel.is_set())
+        leader = mirror.leader()
+        with leader.lock:   # the step's collectives follow its message, nothing between them
+            cancelled = self._cancel.is_set()   # read once: every rank must see the same answer
+            if not self.done:
+                leader.send("advance", self.mirror_id, cancelled)
+            return self._advance(cancelled)
+
+    def _advance(self, cancelled: bool) -> list[dict]:
         if self.done:
             return []
-        cancelled = self._cancel.is_set()   # read once: every rank must see the same answer
-        if self.mirror_id is not None:
-            mirror.leader().send("advance", self.mirror_id, cancelled)
         if cancelled:
             self.out.stop_reason = CANCELLED
             events = self._publish()   # a prefill cancelled between chunks: the chunks that ran
