@@ -2,8 +2,8 @@
 mode (`compare.fit_baseline`) -- and `transformers` generate, in one process, interleaved. A run that approximates
 an exact decode (a cached canvas run) is also compared with that exact run (`compare.with_references`), per prompt.
 
-For every prompt and repeat, every strategy runs once in turn, so slow drifts of the machine hit all
-strategies alike. Speedups are per-prompt ratios of medians; spread is reported, never hidden.
+For every prompt and repeat, every strategy's run advances in lock-step with the others, one forward at a time (each
+timed by its own clock), so drifts of the machine hit all strategies alike. Speedups are per-prompt ratios of medians; spread is reported, never hidden.
 With `concurrency` C > 1 the prompts run in stationary batches of C (studio.engine.batch: ar, isd, r-isd,
 greedy) instead: speed is a batch's throughput (its new tokens / its wall time, prefill included) and
 speedups are per-batch ratios to ar at the same concurrency; TPF, acceptance and agreement stay per sequence.
@@ -26,7 +26,7 @@ from studio.errors import BadInput
 from studio.files import read_user_text
 from studio.run.compare import first_difference
 from studio.run.config import RunConfig
-from studio.run.session import Session, encode_prompt, kv_length_needed
+from studio.run.session import Run, Session, drive, encode_prompt, kv_length_needed
 
 BUILTIN_PROMPTS = [
     "What is the capital of France?",                                      # chat
@@ -213,10 +213,16 @@ def run_bench(engine, prompts: list[str], configs: Mapping[str, RunConfig], repe
             hf_generate_tok_s(engine, ids[0], n_new)
     for rep in range(repeats):
         for i, prompt in enumerate(prompts):
+            # every strategy's run of this prompt in lock-step, one forward at a time (each timed by its own clock):
+            # the machine's drift, which swings a run's speed by 10-20 % from one second to the next here, then hits
+            # every strategy alike instead of whichever ran during it
+            prompt_runs = {label: Run(engine, strategy, settings, prompt, ids[i])
+                           for label, (strategy, settings) in runs.items()}
+            drive(list(prompt_runs.values()))
             ar_ids = None
-            for label, (strategy, settings) in runs.items():
-                r = Session(engine, strategy, settings).run(prompt, ids[i])
-                if ar_ids is None:   # the baseline runs first
+            for label, run in prompt_runs.items():
+                r = run.result
+                if ar_ids is None:   # the baseline comes first
                     ar_ids = r.token_ids
                 samples[label][i].tok_s.append(r.footer["tok_s"])
                 samples[label][i].add(r, ar_ids)
