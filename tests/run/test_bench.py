@@ -82,6 +82,21 @@ def test_bench_json_speedups_repeats_spread(bench):
     assert [s["exact_match_vs_ar"] for s in rep["strategies"]] == [1.0, 1.0, 1.0]
 
 
+def test_a_prompts_runs_advance_in_lock_step(bench, monkeypatch):
+    """Every strategy's run of a prompt is driven together, one forward at a time, so a slow spell of the machine
+    lands on all of them: the drives are one per prompt and repeat, each over all the strategies."""
+    import studio.run.bench as bench_module
+    drives = []
+
+    def recording_drive(runs, *args, **kw):
+        drives.append([r.strategy.name for r in runs])
+        return real_drive(runs, *args, **kw)
+    real_drive = bench_module.drive
+    monkeypatch.setattr(bench_module, "drive", recording_drive)
+    bench("-s", "isd,jacobi", "--repeats", "2", "--max-new-tokens", "8", "--no-transformers")
+    assert drives == [["ar", "isd", "jacobi"]] * (2 * len(PROMPTS))
+
+
 def test_bench_exact_match_rate_sampled(bench, engine):
     """Sampled runs: the rate is the share of (prompt, repeat) runs whose tokens equal ar's, checked against
     runs of our own with the same seed (each run is deterministic given its seed)."""
