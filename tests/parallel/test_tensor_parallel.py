@@ -14,7 +14,7 @@ from studio.engine.lora import attach_adapter
 from studio.errors import BadInput
 from studio.parallel.tensor import TensorParallel, check_splittable, shard_model
 from tests.support.lora import random_adapter
-from tests.support.parallel import build, decode
+from tests.support.parallel import build, decode, served
 from tests.support.tiny import tiny_model
 
 
@@ -55,6 +55,11 @@ def same(a, b) -> bool:
     if isinstance(a, list):
         return isinstance(b, list) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     return a == b
+
+
+def test_the_server_on_two_ranks_answers_concurrent_requests_as_one_process_does(tmp_path):
+    """`serve --tp`: the decode thread steps several runs in turn, each step's message and collectives together."""
+    assert ranks({"world": 2, "serve": True}, tmp_path) == served(build())
 
 
 def test_shards_hold_their_part_and_sum_to_the_whole_projection():

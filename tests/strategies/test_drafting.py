@@ -5,7 +5,8 @@ import pytest
 from studio.engine.cost_model import CostTable
 from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import make_strategy
-from studio.engine.strategies.drafting import BlockPlanner, SlotAcceptance, chain_rate, isd_rate
+from studio.engine.strategies.drafting import (MARGIN, BlockPlanner, DraftPlanner, SlotAcceptance, chain_rate,
+                                               isd_rate)
 from studio.engine.strategies.isd import expected_tpf
 from studio.run.session import Session, Settings
 from tests.support.dlm import generate
@@ -94,6 +95,37 @@ class _Ctx:
 
     def event(self, kind, at_step=None, **fields):
         self.events.append(fields)
+
+
+CPU = CostTable({}, 0, (1.0, 1.03) + (1.27,) * 4 + (1.3,) * 10)   # this CPU's table: 2 rows ~free, 3-16 rows flat
+
+
+def _chain_plan(planner: DraftPlanner, top: int = 8) -> int:
+    return planner.plan(lambda reach, cost: chain_rate(reach, cost), limit=top)
+
+
+def test_a_planner_probes_with_one_draft_before_a_long_chain():
+    """The first slot, accepted now and then, reads optimistically; the deeper ones, hardly ever tried behind it,
+    at their means: a cheap one-draft probe, not a 5-draft chain whose unknown slots would read high for having
+    no evidence (what made Jacobi probe every few forwards of an ordinary prompt)."""
+    planner = DraftPlanner(_Ctx(CPU), 8)
+    for i in range(60):
+        planner.acceptance.fade()
+        if i % 4 == 0:
+            planner.observe(1, 1 if i % 12 == 0 else 0)   # the first draft accepted a third of the time
+    assert _chain_plan(planner) == 1
+    planner.acceptance.deep = True   # every slot optimistic: the long chain looked worth its rows
+    assert _chain_plan(planner) > 3
+
+
+def test_a_draft_must_promise_more_than_the_margin_over_an_ar_step():
+    """The cost table prices rows, not the drafting step's own work: a draft promising under MARGIN stays an AR
+    step; one promising more is verified."""
+    planner = DraftPlanner(_Ctx(FLAT), 1)
+    planner.acceptance = SlotAcceptance(1, weight=1e9, decay=1.0, optimism=0.0, prior=0.04)   # pinned: +4 %
+    assert planner.plan(lambda reach, cost: chain_rate(reach, cost)) == 0
+    planner.acceptance.prior = 2 * MARGIN
+    assert planner.plan(lambda reach, cost: chain_rate(reach, cost)) == 1
 
 
 def _block_planner(costs, accept: float, forced: int = 1) -> BlockPlanner:

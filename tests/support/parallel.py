@@ -43,6 +43,27 @@ def decode(engine, adapter: str, runs=RUNS, n: int = 24) -> dict:
     return out
 
 
+# requests the server decodes at once (each its own run under --tp: batches are not split across ranks)
+REQUESTS = [("default:ar", "abc"), ("default:isd", "pon"), ("default:jacobi", "hello"), ("default:r-isd", "abc")]
+
+
+def served(engine, n: int = 12) -> list[str]:
+    """The texts of REQUESTS sent at once to `dlm-studio serve`'s app on `engine` (greedy completions)."""
+    import concurrent.futures
+    import urllib.request
+    from studio.run.config import RunConfig
+    from studio.serve.app import build_app, serving_in_thread
+
+    def post(base: str, model: str, prompt: str) -> str:
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": n}).encode()
+        req = urllib.request.Request(f"{base}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())["choices"][0]["text"]
+    with serving_in_thread(build_app(engine, RunConfig("ar"), chat_template=False)) as base:
+        with concurrent.futures.ThreadPoolExecutor(len(REQUESTS)) as pool:
+            return list(pool.map(lambda r: post(base, *r), REQUESTS))
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     from studio.parallel.launch import _workers, finish, start
@@ -64,7 +85,10 @@ def main() -> None:
                 return
         print(json.dumps({"lost": None}))
         return
-    print(json.dumps(decode(engine, args["adapter"])))
+    if args.get("serve"):
+        print(json.dumps(served(engine)))
+    else:
+        print(json.dumps(decode(engine, args["adapter"])))
     finish()
 
 
