@@ -16,7 +16,7 @@ import weakref
 
 import torch.distributed as dist
 
-from studio.parallel.group import Group, lost
+from studio.parallel.group import Group, current, lost
 
 _leader: "Leader | None" = None
 
@@ -28,7 +28,6 @@ def leader() -> "Leader | None":
 
 def following() -> bool:
     """Whether this process repeats rank 0's runs (a rank > 0)."""
-    from studio.parallel.group import current
     group = current()
     return group is not None and not group.main
 

@@ -36,29 +36,30 @@ class TensorParallel:
     group: object
     config: ModelConfig   # the whole model's
 
+    def _share(self, total: int) -> slice:
+        """This rank's equal share of `total` consecutive units."""
+        n = total // self.world
+        return slice(self.rank * n, (self.rank + 1) * n)
+
     @property
     def q_heads(self) -> slice:
-        n = self.config.n_heads // self.world
-        return slice(self.rank * n, (self.rank + 1) * n)
+        return self._share(self.config.n_heads)
 
     @property
     def kv_heads(self) -> slice:
         kv, w = self.config.n_kv_heads, self.world
         if kv % w == 0:
-            n = kv // w
-            return slice(self.rank * n, (self.rank + 1) * n)
+            return self._share(kv)
         head = self.rank // (w // kv)   # fewer K/V heads than ranks: the one this rank's query heads read
         return slice(head, head + 1)
 
     @property
     def ffn(self) -> slice:
-        n = self.config.ffn_dim // self.world
-        return slice(self.rank * n, (self.rank + 1) * n)
+        return self._share(self.config.ffn_dim)
 
     @property
     def vocab(self) -> slice:
-        n = self.config.vocab_size // self.world
-        return slice(self.rank * n, (self.rank + 1) * n)
+        return self._share(self.config.vocab_size)
 
     def shard_config(self) -> ModelConfig:
         cfg = self.config
