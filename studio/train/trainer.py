@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from studio.errors import BadInput
+from studio.interrupts import uninterruptible
 from studio.train.data import Sequence
 from studio.train.objectives import Objective
 from studio.train.trainable import Trainable
@@ -121,14 +122,13 @@ def train(model, seqs: list[Sequence], objective: Objective, cfg: TrainConfig, o
             opt.zero_grad(set_to_none=True)
             losses.total.backward()
             torch.nn.utils.clip_grad_norm_([t for _, t in tensors], 1.0)
-            opt.step()
-            step += 1
             n_counted = int(losses.counted.nonzero().max()) + 1 if losses.counted.any() else 0
             acc = (losses.correct / losses.counted.clamp(min=1))[:n_counted].tolist()   # slots this objective has
-            report = StepReport(step, float(losses.total.detach()), losses.task, losses.clean, lr, width, acc,
-                                int((batch.targets != -100).sum()) / max(1e-9, time.perf_counter() - t0))
-            state["step"] = step
-            _append_log(root, report)
+            rows = int((batch.targets != -100).sum())
+            report = _take_step(root, opt, state, lambda: StepReport(
+                step + 1, float(losses.total.detach()), losses.task, losses.clean, lr, width, acc,
+                rows / max(1e-9, time.perf_counter() - t0)))
+            step = report.step
             if on_step:
                 on_step(report)
             if step % cfg.save_every == 0 or step == cfg.steps:
@@ -142,6 +142,16 @@ def train(model, seqs: list[Sequence], objective: Objective, cfg: TrainConfig, o
     state["train_s"] = state.get("train_s", 0.0) + time.perf_counter() - t_start
     _save(root, trainable, opt, tensors, state, objective)
     return state
+
+
+@uninterruptible   # a Ctrl+C waits for the step to be whole: the weights, train_state's step and the log agree
+def _take_step(root: Path, opt, state: dict, report_at: Callable[[], StepReport]) -> StepReport:
+    """The optimizer's step and its record (`report_at()`, made once the step is taken)."""
+    opt.step()
+    report = report_at()
+    state["step"] = report.step
+    _append_log(root, report)
+    return report
 
 
 def _start(root: Path, cfg: TrainConfig, n_seqs: int, resume: bool):
@@ -173,6 +183,7 @@ def _start(root: Path, cfg: TrainConfig, n_seqs: int, resume: bool):
     return {"config": asdict(cfg), "step": 0, "n_sequences": n_seqs}, init
 
 
+@uninterruptible   # safetensors' writer garbles an interrupt; a checkpoint is written whole or not at all
 def _save(root: Path, trainable: Trainable, opt, tensors, state: dict, objective: Objective) -> None:
     from safetensors.torch import save_file
 

@@ -222,9 +222,10 @@ def test_bench_concurrency_reports_batch_throughput_against_ar(bench):
         assert s["speedup_vs_ar"]["n"] == 2 and s["tpf"]["n"] == len(BENCH_PROMPTS) * 2
         assert all(p["tok_s"] is None and len(p["tpf"]) == 2 for p in s["per_prompt"])
         assert s["exact_match_vs_ar"] == 1.0                         # greedy isd/r-isd without an adapter: lossless
-    # per sequence, TPF is that of the prompt's batch-1 run
+    # per sequence, TPF is that of the prompt's batch-1 run drafting in full, as every round of a batch does
     engine = bench.engine
-    want = [alone(engine, "isd", None, encode_prompt(engine, p), 8).footer["tpf"] for p in BENCH_PROMPTS]
+    fixed = {"drafting": "fixed"}
+    want = [alone(engine, "isd", fixed, encode_prompt(engine, p), 8).footer["tpf"] for p in BENCH_PROMPTS]
     assert [p["tpf"] for p in rep["strategies"][1]["per_prompt"]] == [[pytest.approx(t)] * 2 for t in want]
 
 

@@ -174,6 +174,29 @@ def test_run_interrupted_right_after_the_header(tiny_dir, tmp_path):
     assert "TRUNCATED" in _reads_with_a_warning("trace", "info", trace, cwd=tmp_path).stdout
 
 
+def test_an_interrupt_while_safetensors_loads_waits_for_the_load(tiny_dir):
+    """safetensors turns a KeyboardInterrupt raised in the torch calls it makes into a ValueError, which read as a
+    corrupt model file; under the CLI's handler the interrupt waits until the file is loaded (studio.interrupts).
+    Alarms at random moments of many loads: each load ends loaded or interrupted, never "corrupt"."""
+    import random
+
+    from studio.cli import _hold_interrupts
+    from studio.engine.weights import _load_safetensors
+    restore, rng, outcomes = _hold_interrupts(), random.Random(0), {"loaded": 0, "interrupted": 0}
+    try:
+        for _ in range(200):
+            try:
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0, 0.002))   # SIGALRM: the handler's own path
+                _load_safetensors(tiny_dir / "model.safetensors")
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                outcomes["loaded"] += 1
+            except KeyboardInterrupt:
+                outcomes["interrupted"] += 1
+    finally:
+        restore()
+    assert outcomes["loaded"] > 0 and outcomes["interrupted"] > 0, outcomes
+
+
 @pytest.mark.parametrize("cpu_s", [0.05, 0.3, 0.6])
 def test_run_interrupted_while_starting(tiny_dir, tmp_path, cpu_s):
     """During start-up (the CLI's imports, torch's, the model load): exit 130 and one line all the same (an
