@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv run test fuzz gpu-numbers clean
+.PHONY: venv run test test-parallel fuzz gpu-numbers clean
 
 venv: $(STAMP)
 
@@ -29,6 +29,10 @@ test: venv
 fuzz: venv
 	DLM_FUZZ=long $(BIN)/python -m pytest -q tests/reliability/test_fuzz_*.py tests/reliability/test_soak.py --hypothesis-show-statistics \
 		-p no:cacheprovider
+
+# tensor and expert parallelism on every family, 2 and 4 gloo ranks (make test runs a few families on 2; ~5 min)
+test-parallel: venv
+	DLM_PARALLEL=long $(BIN)/python -m pytest -q tests/parallel -p no:cacheprovider
 
 # the GPU checks and numbers in one go (needs CUDA; JSON in gpu-numbers/): scripts/gpu-numbers.sh says what it runs
 gpu-numbers: venv

@@ -50,12 +50,16 @@ for c in $CONCURRENCY; do
   step "concurrency-$c" "${bench[@]}" -s ar,isd --concurrency "$c" --prompts "$DIR/prompts.txt" --max-new-tokens 128 \
     --repeats 1 --no-transformers
 done
-# tensor parallelism, where the machine has 2 GPUs or more (NCCL): AR and r-isd at --tp 2 beside --tp 1
+# tensor and expert parallelism, where the machine has 2 GPUs or more (NCCL): AR and r-isd at --tp 2 beside --tp 1;
+# the first MoE model's AR with its experts placed across 2 GPUs (--ep 2) and split by columns (--tp 2)
 if [ "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
   step tp-2 "${bench[@]}" -s ar,r-isd --tp 2 --max-new-tokens 256 --repeats "$REPEATS"
   step tp-1 "${bench[@]}" -s ar,r-isd --max-new-tokens 256 --repeats "$REPEATS"
+  moe=(bench --model "random:${MOE_MODELS%% *}" --device "$DEVICE" --json --no-transformers -s ar --max-new-tokens 128)
+  step ep-2 "$PYTHON" -m studio "${moe[@]}" --ep 2 --repeats "$REPEATS"
+  step moe-tp-2 "$PYTHON" -m studio "${moe[@]}" --tp 2 --repeats "$REPEATS"
 else
-  echo "tp-2: skipped (one GPU)" | tee -a "$DIR/steps.txt"
+  echo "tp-2, ep-2: skipped (one GPU)" | tee -a "$DIR/steps.txt"
 fi
 echo "$failed step(s) failed" | tee -a "$DIR/steps.txt"
 exit $failed

@@ -344,7 +344,7 @@ def bench(
 
     if repeats < 1 or warmup < 0:
         raise BadInput("--repeats must be >= 1 and --warmup >= 0")
-    if model.tp > 1 and (forwards or clients):
+    if model.world > 1 and (forwards or clients):
         raise BadInput(f"{'--forwards' if forwards else '--clients'} does not run under --tp yet")
     if forwards:
         return _bench_forwards(model.load(), repeats, warmup, as_json)

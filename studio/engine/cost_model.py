@@ -97,7 +97,7 @@ def _parallel_key(engine) -> dict:
     """A tensor-parallel shard's forwards cost what its rank count makes them (one process: nothing, so the tables
     cached before tensor parallelism still read back)."""
     plan = getattr(engine.model, "parallel", None)
-    return {} if plan is None else {"tp": plan.world}
+    return {} if plan is None else {"tp": plan.world, **({"ep": True} if plan.place_experts else {})}
 
 
 def calibrate(engine, max_rows: int = MAX_ROWS, repeats: int = 5, warmup: int = 1,

@@ -10,7 +10,8 @@ and 1/sqrt(D), softmax, the top k renormalised, each times its expert's learned 
 Experts are SwiGLU (silu) or GeGLU (tanh-approximated gelu: Gemma) by `ModelConfig.hidden_act`. Tokens are grouped by expert (one stable sort of the token→expert assignments), so each expert that received
 tokens runs once over all of them: a Python loop over experts, never over tokens -- or, on CUDA in bf16, three
 grouped GEMMs over all experts at once (`F.grouped_mm`), the loop being its oracle. The weighted outputs are
-scattered back with one `index_add_`.
+scattered back with one `index_add_`. Under expert parallelism a rank holds some of the experts (`Experts.held`) and
+runs only the assignments to them; the ranks' partial outputs are added up by one all-reduce (`MoE.reduce`).
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ class SwiGLU(nn.Module):
 class Experts(nn.Module):
     """E gated experts as stacked tensors: gate_proj, up_proj [E, I, D], down_proj [E, D, I]."""
     path = "auto"   # auto: grouped GEMMs on CUDA in bf16, else the loop (their oracle); or force "grouped" | "loop"
+    # expert parallelism: the router's experts this rank holds (E of them, studio.parallel.tensor); None: all of them
+    held: slice | None = None
 
     def __init__(self, n: int, dim: int, ffn: int, act: str = "silu"):
         super().__init__()
@@ -56,12 +59,17 @@ class Experts(nn.Module):
         """sum_k weights[:, k] * expert_{experts[:, k]}(flat) for flat [N, D], weights and experts [N, k]; and the
         number of distinct experts that ran (a 0-d tensor: reading it is the caller's sync)."""
         k = experts.shape[1]
-        order = experts.flatten().argsort(stable=True)       # assignments grouped by expert
-        token = order // k
-        counts = torch.bincount(experts.flatten(), minlength=self.gate_proj.shape[0])
+        assignment, mine = experts.flatten(), None
+        if self.held is not None:   # only this rank's experts run here; the other ranks add theirs (one all-reduce)
+            mine = ((assignment >= self.held.start) & (assignment < self.held.stop)).nonzero().squeeze(1)
+            assignment = assignment[mine] - self.held.start
+        order = assignment.argsort(stable=True)               # assignments grouped by expert
+        slot = order if mine is None else mine[order]         # the (token, k) assignment of each grouped row
+        token = slot // k
+        counts = torch.bincount(assignment, minlength=self.gate_proj.shape[0])
         grouped = flat[token]
         out = self._grouped(grouped, counts) if self.uses_grouped_mm(flat) else self._looped(grouped, counts)
-        weighted = out * weights.flatten()[order, None]   # routers weigh in fp32: back to the stream's dtype
+        weighted = out * weights.flatten()[slot, None]    # routers weigh in fp32: back to the stream's dtype
         y = torch.zeros_like(flat).index_add_(0, token, weighted.to(flat.dtype))
         return y, (counts > 0).sum()
 
@@ -127,6 +135,10 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
+    # tensor/expert parallelism: the routed and shared outputs are this rank's partial sum, which this adds up
+    # across the ranks (studio.parallel.tensor); None on one process
+    reduce = None
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate = Router(cfg)
@@ -141,6 +153,8 @@ class MoE(nn.Module):
         weights, experts = self.gate(flat)
         expert_flat = flat if expert_input is None else expert_input.reshape(flat.shape)
         y, self.experts_run = self.experts.mix(expert_flat, weights, experts)   # read for the forward event
+        if self.experts.held is not None:   # every expert the router chose, not only this rank's
+            self.experts_run = (torch.bincount(experts.flatten(), minlength=self.gate.weight.shape[0]) > 0).sum()
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
-        return y.view_as(x)
+        return (y if self.reduce is None else self.reduce(y)).view_as(x)

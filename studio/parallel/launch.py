@@ -20,41 +20,44 @@ from studio.parallel.tensor import TensorParallel, check_splittable, shard_model
 _workers: list = []
 
 
-def shard_engine(engine, group: groups.Group):
-    """This rank's shard of `engine` (no adapter attached yet: adapters are split as they load)."""
+def shard_engine(engine, group: groups.Group, place_experts: bool = False):
+    """This rank's shard of `engine` (no adapter attached yet: adapters are split as they load); `place_experts`:
+    an MoE model's experts placed whole across the ranks (--ep)."""
     from studio.engine.graphs import CachePool
-    check_splittable(engine.config, group.world)
+    check_splittable(engine.config, group.world, place_experts)
     if engine.lora is not None:
         raise ValueError("shard the engine before attaching an adapter")
-    plan = TensorParallel(group.rank, group.world, group.pg, engine.config)
+    plan = TensorParallel(group.rank, group.world, group.pg, engine.config, place_experts)
     model = shard_model(engine.model, plan)
     return dataclasses.replace(engine, model=model, config=model.config, graphs=False, _views={}, caches=CachePool())
 
 
 def start(world: int, build: Callable[[], object], device: str = "cpu", adapter: str | None = None,
-          timeout_s: float = groups.TIMEOUT_S):
+          timeout_s: float = groups.TIMEOUT_S, place_experts: bool = False):
     """Rank 0's shard of the engine `build()` makes (a picklable callable, run on every rank), split across `world`
     ranks: under torchrun (RANK and WORLD_SIZE set) this process's rank, a rank > 0 following rank 0 and exiting when
-    it is done; otherwise ranks 1.. are spawned here. `adapter` attaches to every rank's shard."""
+    it is done; otherwise ranks 1.. are spawned here. `adapter` attaches to every rank's shard; `place_experts`:
+    expert parallelism for an MoE model."""
+    split = (adapter, place_experts)
     if groups.torchrun_world() > 1:
         rank, launched = int(os.environ["RANK"]), groups.torchrun_world()
         if world not in (1, launched):
             raise BadInput(f"--tp {world}, but torchrun started {launched} ranks")
         world = launched
         if rank:
-            _serve(rank, world, None, build, device, adapter, timeout_s)
+            _serve(rank, world, None, build, device, split, timeout_s)
             sys.exit(0)
         group = groups.join(0, world, device=device, timeout_s=timeout_s)
     else:
         port = groups.free_port()
         spawn = multiprocessing.get_context("spawn")
         for rank in range(1, world):
-            p = spawn.Process(target=_serve, args=(rank, world, port, build, device, adapter, timeout_s), daemon=True)
+            p = spawn.Process(target=_serve, args=(rank, world, port, build, device, split, timeout_s), daemon=True)
             p.start()
             _workers.append(p)
         groups.set_threads(world)
         group = groups.join(0, world, port=port, device=device, timeout_s=timeout_s)
-    engine = _shard(build(), group, adapter)
+    engine = _shard(build(), group, *split)
     mirror.lead(group)
     atexit.register(finish)
     return engine
@@ -75,8 +78,8 @@ def finish() -> None:
     groups.leave()
 
 
-def _shard(engine, group: groups.Group, adapter: str | None):
-    engine = shard_engine(engine, group)
+def _shard(engine, group: groups.Group, adapter: str | None, place_experts: bool):
+    engine = shard_engine(engine, group, place_experts)
     if adapter and adapter != "none":
         from studio.engine.lora import attach_adapter
         from studio.presets.shipped import adapter_path
@@ -86,12 +89,12 @@ def _shard(engine, group: groups.Group, adapter: str | None):
     return engine
 
 
-def _serve(rank: int, world: int, port: int | None, build, device: str, adapter: str | None, timeout_s: float):
+def _serve(rank: int, world: int, port: int | None, build, device: str, split: tuple, timeout_s: float):
     """A rank > 0: join, build the same engine, keep its shard, follow rank 0 until it stops (or is lost)."""
     groups.set_threads(world)
     group = groups.join(rank, world, port=port, device=device, timeout_s=timeout_s)
     try:
-        mirror.follow(_shard(build(), group, adapter), group)
+        mirror.follow(_shard(build(), group, *split), group)
     except Exception as e:   # rank 0 ended without a stop (it failed or was killed), or this rank failed
         print(f"dlm-studio: rank {rank}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}",
               file=sys.stderr)

@@ -1,13 +1,19 @@
-"""Tensor parallelism for the compact Transformer (Llama, Qwen2, Qwen3 and the DLMs built on them).
+"""Tensor and expert parallelism for the compact Transformer (Llama, Qwen2, Qwen3, the DLMs built on them, and the
+mixture-of-experts families).
 
 Rank r of `world` keeps (Megatron's layout):
 - attention: its `n_heads / world` query heads and the K/V heads they read (`n_kv_heads / world` of them, or the
   one they share when there are fewer K/V heads than ranks: it is then kept on several ranks), so its KV cache holds
   those heads only; q/k/v are split by output rows, o_proj by input columns;
 - MLP: `ffn_dim / world` columns of gate/up and the matching input columns of down;
+- MoE layers: the router whole (every rank routes every token the same way); the experts either split like MLPs
+  (`moe_ffn_dim / world` columns of every expert) or, with `--ep`, placed whole (`n_experts / world` experts per
+  rank, each rank running only the assignments to its own); a shared expert split like an MLP;
 - the head: `vocab / world` rows of the vocabulary; each forward gathers the logits of the rows the strategy asked
   for, so every rank holds the whole logits and decides the same way (studio.parallel.mirror).
-o_proj and down_proj produce partial sums that one all-reduce each adds up (`Linear.reduce`). The embedding table
+o_proj, down_proj and an MoE layer produce partial sums that one all-reduce each adds up (`Linear.reduce`,
+`MoE.reduce`): activations are whole on every rank between layers, so the experts need no all-to-all -- a rank
+skips the tokens routed elsewhere and the all-reduce the layer needs anyway brings their outputs. The embedding table
 (with an adapter's MASK rows) stays whole on every rank. A LoRA pair is split like its projection: B by rows where
 the projection is split by rows, A by columns where it is split by columns (its partial product joins the same
 all-reduce, as B is linear).
@@ -22,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from studio.engine.config import ModelConfig
+from studio.engine.moe import Experts, MoE
 from studio.errors import BadInput
 
 BY_ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")   # split by output rows (column-parallel)
@@ -30,11 +37,13 @@ BY_COLUMNS = ("o_proj", "down_proj")                               # split by in
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """Rank `rank` of `world`'s shard plan for one model config, and its two collectives."""
+    """Rank `rank` of `world`'s shard plan for one model config, and its two collectives. `place_experts`: an MoE
+    model's experts are placed whole across the ranks (expert parallelism) rather than split by columns."""
     rank: int
     world: int
     group: object
     config: ModelConfig   # the whole model's
+    place_experts: bool = False
 
     def _share(self, total: int) -> slice:
         """This rank's equal share of `total` consecutive units."""
@@ -54,49 +63,66 @@ class TensorParallel:
         return slice(head, head + 1)
 
     @property
-    def ffn(self) -> slice:
-        return self._share(self.config.ffn_dim)
-
-    @property
     def vocab(self) -> slice:
         return self._share(self.config.vocab_size)
 
-    def shard_config(self) -> ModelConfig:
+    @property
+    def experts(self) -> slice:
+        """The experts this rank holds: its share with `place_experts`, else all of them (each split by columns)."""
+        n = self.config.n_experts
+        return self._share(n) if self.place_experts else slice(0, n)
+
+    def ffn_of(self, parts: list[str]) -> slice:
+        """This rank's columns of the feed-forward that state-dict name `parts` belongs to: a shared expert's, an
+        expert's (all of them when the experts are placed whole) or the dense MLP's."""
         cfg = self.config
+        if "shared_experts" in parts:
+            return self._share(cfg.moe_shared_ffn_dim)
+        if "experts" in parts:
+            return slice(0, cfg.moe_ffn_dim) if self.place_experts else self._share(cfg.moe_ffn_dim)
+        return self._share(cfg.ffn_dim)
+
+    def shard_config(self) -> ModelConfig:
+        cfg, w = self.config, self.world
         kv = self.kv_heads
-        return dataclasses.replace(cfg, n_heads=cfg.n_heads // self.world, n_kv_heads=kv.stop - kv.start,
-                                   ffn_dim=cfg.ffn_dim // self.world)
+        moe_ffn = cfg.moe_ffn_dim if self.place_experts else cfg.moe_ffn_dim // w
+        return dataclasses.replace(cfg, n_heads=cfg.n_heads // w, n_kv_heads=kv.stop - kv.start,
+                                   ffn_dim=cfg.ffn_dim // w, moe_ffn_dim=moe_ffn,
+                                   moe_shared_ffn_dim=cfg.moe_shared_ffn_dim // w)
 
-    def rows_of(self, module: str) -> slice:
-        """The output rows of projection `module` (its last name) this rank keeps."""
+    def rows_of(self, parts: list[str]) -> slice:
+        """The output rows this rank keeps of the projection whose dotted name is `parts` (last: the module)."""
         hd = self.config.head_dim
-        if module == "q_proj":
+        if parts[-1] == "q_proj":
             return _scaled(self.q_heads, hd)
-        if module in ("k_proj", "v_proj"):
+        if parts[-1] in ("k_proj", "v_proj"):
             return _scaled(self.kv_heads, hd)
-        return self.ffn
+        return self.ffn_of(parts)
 
-    def columns_of(self, module: str) -> slice:
-        return _scaled(self.q_heads, self.config.head_dim) if module == "o_proj" else self.ffn
+    def columns_of(self, parts: list[str]) -> slice:
+        return _scaled(self.q_heads, self.config.head_dim) if parts[-1] == "o_proj" else self.ffn_of(parts)
 
     def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of the state-dict entry `name` (a view; whole when it is not split)."""
         parts = name.split(".")
         if name == "lm_head.weight":
             return tensor[self.vocab]
+        if len(parts) >= 2 and parts[-2] == "experts":   # stacked [E, I, D] (gate, up) or [E, D, I] (down)
+            tensor = tensor[self.experts]
+            return tensor[:, :, self.ffn_of(parts)] if parts[-1] == "down_proj" else tensor[:, self.ffn_of(parts)]
         if len(parts) >= 2 and parts[-2] in BY_ROWS:
-            return tensor[self.rows_of(parts[-2])]
+            return tensor[self.rows_of(parts[:-1])]
         if len(parts) >= 2 and parts[-2] in BY_COLUMNS and parts[-1] == "weight":
-            return tensor[:, self.columns_of(parts[-2])]
+            return tensor[:, self.columns_of(parts[:-1])]
         return tensor
 
     def shard_lora(self, module: str, A: torch.Tensor, B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A LoRA pair ([r, in], [out, r]) of the Linear at `module` (a dotted name), split as that Linear is."""
-        last = module.rsplit(".", 1)[-1]
-        if last in BY_ROWS:
-            return A, B[self.rows_of(last)]
-        if last in BY_COLUMNS:
-            return A[:, self.columns_of(last)], B
+        parts = module.split(".")
+        if parts[-1] in BY_ROWS:
+            return A, B[self.rows_of(parts)]
+        if parts[-1] in BY_COLUMNS:
+            return A[:, self.columns_of(parts)], B
         return A, B
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
@@ -116,16 +142,23 @@ def _scaled(heads: slice, size: int) -> slice:
     return slice(heads.start * size, heads.stop * size)
 
 
-def check_splittable(cfg: ModelConfig, world: int) -> None:
+def check_splittable(cfg: ModelConfig, world: int, place_experts: bool = False) -> None:
     """BadInput, naming what does not divide, when `cfg` cannot be split across `world` ranks."""
     if cfg.arch == "gemma4" or cfg.layer_types:
         raise BadInput("--tp: DiffusionGemma models are not split across ranks yet")
+    if place_experts and not cfg.n_experts:
+        raise BadInput("--ep: the model has no experts to place (it is not a mixture of experts)")
+    parts = [("attention heads", cfg.n_heads), ("vocabulary", cfg.vocab_size)]
+    if not cfg.n_experts or cfg.first_dense_layers:
+        parts.append(("MLP columns", cfg.ffn_dim))
     if cfg.n_experts:
-        raise BadInput("--tp: MoE models are not split across ranks yet (expert parallelism is planned)")
-    kv = cfg.n_kv_heads
-    for what, n in (("attention heads", cfg.n_heads), ("MLP columns", cfg.ffn_dim), ("vocabulary", cfg.vocab_size)):
+        parts.append(("experts", cfg.n_experts) if place_experts else ("expert columns", cfg.moe_ffn_dim))
+    if cfg.moe_shared_ffn_dim:
+        parts.append(("shared-expert columns", cfg.moe_shared_ffn_dim))
+    for what, n in parts:
         if n % world:
             raise BadInput(f"--tp {world}: the model's {n} {what} do not split into {world} equal parts")
+    kv = cfg.n_kv_heads
     if kv % world and world % kv:
         raise BadInput(f"--tp {world}: the model's {kv} K/V heads neither split into {world} parts nor divide it")
 
@@ -138,6 +171,12 @@ def shard_model(model: nn.Module, plan: TensorParallel) -> nn.Module:
     p = model.lm_head.weight
     with torch.device("meta"):
         shard = model_class(cfg)(cfg)
+        if plan.place_experts:   # each MoE layer holds its share of the experts, whole
+            for layer in shard.model.layers:
+                if isinstance(layer.mlp, MoE):
+                    held = plan.experts
+                    layer.mlp.experts = Experts(held.stop - held.start, cfg.dim, cfg.moe_ffn_dim, cfg.hidden_act)
+                    layer.mlp.experts.held = held
     shard.lm_head = nn.Linear(cfg.dim, cfg.vocab_size // plan.world, bias=False, device="meta")
     whole = model.state_dict()
     state = {name: plan.shard(name, t).clone() for name, t in whole.items()}
@@ -156,6 +195,9 @@ def shard_model(model: nn.Module, plan: TensorParallel) -> nn.Module:
         setattr(shard, name, table.to(p.device))
     for layer in shard.model.layers:
         layer.self_attn.o_proj.reduce = plan.reduce
-        layer.mlp.down_proj.reduce = plan.reduce
+        if isinstance(layer.mlp, MoE):
+            layer.mlp.reduce = plan.reduce
+        else:
+            layer.mlp.down_proj.reduce = plan.reduce
     shard.parallel = plan
     return shard.eval().requires_grad_(False)

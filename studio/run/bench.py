@@ -189,7 +189,7 @@ def run_bench(engine, prompts: list[str], configs: Mapping[str, RunConfig], repe
     check_concurrency(runs.values(), concurrency)
     if engine.model.parallel is not None:
         if concurrency > 1:
-            raise BadInput("--concurrency: batches are not split across ranks yet (--tp)")
+            raise BadInput("--concurrency: batches are not split across ranks yet (--tp, --ep)")
         with_transformers = False   # a rank holds a shard of the weights, not a model transformers could load
     ids = [encode_prompt(engine, p) for p in prompts]
     if concurrency > 1:

@@ -148,12 +148,21 @@ class ModelChoice:
     graphs: bool = True
     chat_template: bool = True
     tp: int = 1   # tensor-parallel ranks (studio.parallel)
+    ep: int = 1   # expert-parallel ranks: an MoE model's experts placed across the same ranks
+
+    @property
+    def world(self) -> int:
+        """The ranks the model is split across (--ep N alone splits the attention across the same N ranks)."""
+        if self.ep not in (1, max(self.tp, self.ep)):
+            raise BadInput(f"--ep {self.ep} with --tp {self.tp}: experts are placed across the tensor-parallel "
+                           "ranks, so --ep is 1 or equal to --tp")
+        return max(self.tp, self.ep)
 
     def load(self) -> Engine:
         from studio.engine.engine import Engine
         from studio.parallel.group import check_world, torchrun_world
-        check_world(self.tp)
-        if self.tp == 1 and torchrun_world() == 1:
+        check_world(self.world)
+        if self.world == 1 and torchrun_world() == 1:
             return Engine.load(self.model, adapter=self.adapter, device=self.device, dtype=self.dtype,
                                graphs=self.graphs)
         if self.draft_model is not None or self.draft_adapter is not None:
@@ -163,7 +172,7 @@ class ModelChoice:
         device = resolve_device(self.device).type
         build = functools.partial(Engine.load, self.model, adapter=None, device=self.device, dtype=self.dtype,
                                   graphs=False)
-        return start(self.tp, build, device=device, adapter=self.adapter)
+        return start(self.world, build, device=device, adapter=self.adapter, place_experts=self.ep > 1)
 
     def load_draft(self) -> Engine | None:
         """SimSD's drafter (`--draft-model`, default: the target model, with `--draft-adapter`) on the target's

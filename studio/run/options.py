@@ -39,6 +39,8 @@ MODEL_OPTIONS = {
     "graphs": (bool, GRAPHS),
     "tp": (int, typer.Option(1, "--tp", help="Tensor parallelism: split the model across N ranks (processes started "
            "here; gloo on the CPU, NCCL on GPUs). Under torchrun: the launch's world size.")),
+    "ep": (int, typer.Option(1, "--ep", help="Expert parallelism for an MoE model: its experts placed whole across N "
+           "ranks, the attention split across the same ranks (1 or --tp's N; --ep N alone means --tp N too).")),
     "raw": (bool, typer.Option(False, "--raw", help="Do not apply the chat template.")),
 }
 
@@ -59,7 +61,7 @@ RUN_OPTIONS = {
 def model_choice(values: dict) -> ModelChoice:
     return ModelChoice(values["model"], values["adapter"], values["draft_model"], values["draft_adapter"],
                        values["device"], values["dtype"], values["graphs"], chat_template=not values["raw"],
-                       tp=values["tp"])
+                       tp=values["tp"], ep=values["ep"])
 
 
 def run_config(strategy: str | None, values: dict) -> RunConfig:

@@ -1,6 +1,7 @@
-"""Tensor parallelism on the CPU (gloo): 2 and 4 ranks decode exactly what one process does -- every strategy's
-greedy output and events, sampled output with the same seed, adapters included; a rank that dies ends rank 0 with
-one line, not a hang."""
+"""Tensor and expert parallelism on the CPU (gloo): 2 and 4 ranks decode exactly what one process does -- every
+strategy's greedy output and events, sampled output with the same seed, adapters included, on a tiny model of each
+family (mixtures of experts split by columns and placed whole); a rank that dies ends rank 0 with one line, not a
+hang. `make test` runs a few families on 2 ranks; `make test-parallel` (DLM_PARALLEL=long) every family on 2 and 4."""
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ from studio.engine.lora import attach_adapter
 from studio.errors import BadInput
 from studio.parallel.tensor import TensorParallel, check_splittable, shard_model
 from tests.support.lora import random_adapter
-from tests.support.parallel import build, decode, served
+from tests.support.parallel import FAMILIES, build, decode, served
 from tests.support.tiny import tiny_model
 
 
@@ -44,6 +45,24 @@ def test_every_strategy_decodes_on_n_ranks_what_one_process_does(tmp_path, world
     # the runs are not trivial: drafts were accepted and rejected
     kinds = {e["t"] for run in alone.values() for e in run["events"]}
     assert {"accept", "reject", "propose"} <= kinds
+
+
+MOE = ("llada-moe", "llada2")
+QUICK = [("sdar", 2, False), ("llada", 2, False), ("llada-moe", 2, False), ("llada2", 2, True)]
+EVERY = [(family, world, ep) for family in FAMILIES if family != "llama" for world in (2, 4)
+         for ep in ((False, True) if family in MOE else (False,))]
+
+
+@pytest.mark.parametrize("family, world, ep", EVERY if os.environ.get("DLM_PARALLEL") == "long" else QUICK)
+def test_each_family_decodes_on_n_ranks_what_one_process_does(tmp_path, family, world, ep):
+    """`ep`: an MoE model's experts placed whole across the ranks (--ep), else split by columns like an MLP."""
+    alone = decode(build(family), None, FAMILIES[family][1])
+    split = ranks({"world": world, "family": family, "ep": ep}, tmp_path)
+    assert list(split) == list(alone)
+    for label in alone:
+        assert split[label]["tokens"] == alone[label]["tokens"], label
+        if "t=0.0" in label:
+            assert same(split[label]["events"], alone[label]["events"]), label
 
 
 def same(a, b) -> bool:
@@ -77,23 +96,50 @@ def test_shards_hold_their_part_and_sum_to_the_whole_projection():
         assert attn.q_proj.weight.shape[0] == cfg.n_heads // 2 * cfg.head_dim
         assert attn.q_proj.bias is not None and attn.q_proj.bias.shape[0] == attn.q_proj.weight.shape[0]
         assert shard.new_cache(8).k.shape[2] == cfg.n_kv_heads // 2
-        cols = plan.columns_of("o_proj")
+        cols = plan.columns_of(["o_proj"])
         with torch.no_grad():
             parts.append(x[:, cols] @ attn.o_proj.weight.T)
     with torch.no_grad():
         assert torch.allclose(parts[0] + parts[1], x @ whole.weight.T, atol=1e-5)
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(n_heads=6, n_kv_heads=2), "6 attention heads do not split into 4"),
-    (dict(vocab_size=30), "30 vocabulary do not split into 4"),
-    (dict(n_experts=4, n_experts_per_tok=2), "MoE models are not split"),
+@pytest.mark.parametrize("place_experts", [False, True])
+def test_expert_shards_hold_their_part_and_sum_to_the_whole_layer(place_experts):
+    """Without collectives: placed whole, each rank holds half the experts and runs only the tokens routed to them;
+    split by columns, every expert's half; either way the ranks' partial outputs (shared expert included) add up to
+    the whole layer's, and each rank reports the experts the router chose, not its own share."""
+    from studio.engine.moe import MoE
+    from tests.support.parallel import SIGMOID_MOE
+    model = tiny_model("llama", vocab=24, seed=2, **SIGMOID_MOE)
+    cfg = model.config
+    layer = model.model.layers[1].mlp
+    assert isinstance(layer, MoE)
+    x = torch.randn(1, 5, cfg.dim)
+    parts = []
+    with torch.no_grad():
+        whole = layer(x)
+        for rank in range(2):
+            shard = shard_model(model, TensorParallel(rank, 2, None, cfg, place_experts)).model.layers[1].mlp
+            experts = shard.experts.gate_proj.shape
+            assert experts == ((4, 16, cfg.dim) if place_experts else (8, 8, cfg.dim))
+            shard.reduce = None   # the partial sum, as the all-reduce receives it
+            parts.append(shard(x))
+            assert int(shard.experts_run) == int(layer.experts_run)
+    assert torch.allclose(parts[0] + parts[1], whole, atol=1e-5)
+
+
+@pytest.mark.parametrize("change, place_experts, message", [
+    (dict(n_heads=6, n_kv_heads=2), False, "6 attention heads do not split into 4"),
+    (dict(vocab_size=30), False, "30 vocabulary do not split into 4"),
+    (dict(n_experts=6, n_experts_per_tok=2, moe_ffn_dim=8), True, "6 experts do not split into 4"),
+    (dict(n_experts=6, n_experts_per_tok=2, moe_ffn_dim=6), False, "6 expert columns do not split into 4"),
+    ({}, True, "--ep: the model has no experts"),
 ])
-def test_a_model_that_does_not_split_is_refused_in_one_line(change, message):
+def test_a_model_that_does_not_split_is_refused_in_one_line(change, place_experts, message):
     import dataclasses
     cfg = dataclasses.replace(tiny_model("llama", vocab=24).config, **change)
     with pytest.raises(BadInput, match=message):
-        check_splittable(cfg, 4)
+        check_splittable(cfg, 4, place_experts)
 
 
 def test_a_killed_rank_ends_rank_0_with_one_line_within_the_timeout(tmp_path):

@@ -19,15 +19,38 @@ RUNS = [("ar", {}, 0.0, False), ("isd", {"stride": 4, **FIXED}, 0.0, False), ("j
         ("r-isd", {"stride": 3, **FIXED}, 0.0, True), ("isd", {"stride": 3, **FIXED}, 0.0, True),
         ("ar", {}, 1.0, False), ("isd", {"stride": 4, **FIXED}, 1.0, False),
         ("r-isd", {"stride": 3, **FIXED}, 1.0, True), ("jacobi-mr", FIXED, 1.0, False)]
+CANVAS = {"block_size": 8, "steps": 12}
+CANVAS_RUNS = [("canvas", CANVAS, 0.0, False), ("canvas", CANVAS, 1.0, False)]
+# a mixture of experts as LLaDA-MoE has it (softmax router) and as LLaDA2 does (sigmoid router over groups, a bias,
+# a shared expert, a dense first layer)
+SOFTMAX_MOE = dict(n_experts=8, n_experts_per_tok=2, moe_ffn_dim=16)
+SIGMOID_MOE = dict(n_experts=8, n_experts_per_tok=2, moe_ffn_dim=16, moe_router="sigmoid", moe_groups=4,
+                   moe_topk_groups=2, moe_expert_bias=True, moe_renormalize=True, moe_scale=2.5,
+                   moe_shared_ffn_dim=16, first_dense_layers=1)
+# family -> (its tiny engine's maker and arguments, the runs it decodes)
+FAMILIES = {
+    "llama": (("tiny_engine", {"family": "llama"}), RUNS),
+    "qwen2": (("tiny_engine", {"family": "qwen2"}), RUNS[:3] + RUNS[8:10]),
+    "qwen3": (("tiny_engine", {"family": "qwen3"}), RUNS[:3] + RUNS[8:10]),
+    "sdar": (("tiny_dlm", {"family": "qwen3", "block": 4}),
+             [("blockdiff", {}, 0.0, False), ("s2d2", FIXED, 0.0, False), ("blockdiff", {}, 1.0, False)]),
+    "llada": (("tiny_mdm", {}), CANVAS_RUNS),
+    "dream": (("tiny_mdm", {"shift": True}), CANVAS_RUNS),
+    "llada-moe": (("tiny_mdm", SOFTMAX_MOE), CANVAS_RUNS),
+    "llada2": (("tiny_mdm", {"attention": "block", "block": 4, **SIGMOID_MOE}),
+               [("canvas", {**CANVAS, "block_size": 4, "steps": 12}, 0.0, False), ("s2d2", FIXED, 0.0, False),
+                ("s2d2", FIXED, 1.0, False)]),
+}
 TIMING = ("ms", "wall_ms")
 
 
 def build(family: str = "llama", vocab: int = 24, seed: int = 3):
-    from tests.support.tiny import tiny_engine
-    return tiny_engine(family, vocab=vocab, seed=seed, max_seq_len=1024)
+    from tests.support import tiny
+    (maker, kw), _ = FAMILIES[family]
+    return getattr(tiny, maker)(vocab=vocab, seed=seed, max_seq_len=1024, **kw)
 
 
-def decode(engine, adapter: str, runs=RUNS, n: int = 24) -> dict:
+def decode(engine, adapter: str | None, runs=RUNS, n: int = 24) -> dict:
     """label -> {"tokens", "events" (without their timings)} of each run, through `Run` as every command drives it."""
     from studio.engine.sampling import SamplingParams
     from studio.engine.strategies import make_strategy
@@ -67,8 +90,9 @@ def served(engine, n: int = 12) -> list[str]:
 def main() -> None:
     args = json.loads(sys.argv[1])
     from studio.parallel.launch import _workers, finish, start
-    engine = start(args["world"], functools.partial(build, args.get("family", "llama")),
-                   timeout_s=args.get("timeout_s", 60.0))
+    family = args.get("family", "llama")
+    engine = start(args["world"], functools.partial(build, family), timeout_s=args.get("timeout_s", 60.0),
+                   place_experts=args.get("ep", False))
     if args.get("kill_after"):   # a rank dies mid-run: rank 0 must end with one line, not hang
         from studio.engine.strategies import make_strategy
         from studio.errors import RankLost
@@ -88,7 +112,7 @@ def main() -> None:
     if args.get("serve"):
         print(json.dumps(served(engine)))
     else:
-        print(json.dumps(decode(engine, args["adapter"])))
+        print(json.dumps(decode(engine, args.get("adapter"), FAMILIES[family][1])))
     finish()
 
 

@@ -47,8 +47,8 @@ def tiny_model(family: str = "llama", vocab: int = 16, seed: int = 0, dim: int =
     m = Transformer(cfg).eval()
     with torch.no_grad():
         for p in m.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.5 / p.shape[1] ** 0.5 * 2)
+            if p.dim() in (2, 3):   # 3: an MoE layer's stacked experts [E, out, in]
+                p.normal_(0, 0.5 / p.shape[-1] ** 0.5 * 2)
             elif p.dim() == 1 and p.shape[0] != cfg.dim and p.shape[0] != cfg.head_dim:
                 p.normal_(0, 0.1)  # biases
     return m
