@@ -38,6 +38,8 @@ def to_device(model: Transformer, device: torch.device, dtype: torch.dtype) -> N
     model.to(device=device, dtype=dtype)
     for name, table in tables.items():
         setattr(model, name, table.to(device))
+    if getattr(model, "parallel", None) is not None and model.config.tie_embeddings:   # a shard's head is a view of the embedding
+        model.parallel.tie_head(model)
 
 
 # The largest share of the machine's memory a CPU model's fp32 weights may take and still get packed copies of its
@@ -75,14 +77,17 @@ class Engine:
 
     @classmethod
     def load(cls, spec: str = "default", adapter: str | None = None, progress=None, device: str = "auto",
-             dtype: str = "auto", graphs: bool = True) -> "Engine":
+             dtype: str = "auto", graphs: bool = True, shard=None) -> "Engine":
         """`spec`: a model preset name (studio/presets/models), 'default', a HF directory, a .gguf file or
         `random:NAME` (random weights of a published shape, studio.engine.random_models).
         `adapter`: a PEFT directory or a shipped adapter's name (used for every strategy), 'none', or None:
         each strategy gets the adapter shipped for it and this model, if any (studio/presets/adapters).
         `device`: auto | cpu | cuda; `dtype`: auto | fp32 | bf16 | fp16 (studio.engine.device). The adapter
         attaches after the model is placed, so it lands on the model's device and dtype. `graphs`: CUDA graphs
-        for decode-sized forwards, on CUDA only (on the CPU a graph would only add copies)."""
+        for decode-sized forwards, on CUDA only (on the CPU a graph would only add copies). `shard`: a tensor-
+        parallel rank's planner (a config -> its TensorParallel plan): the model's files are read only as far as
+        this rank keeps them, and the engine is that rank's shard (random weights are made whole: launch splits
+        them)."""
         _init_torch()
         t0 = time.perf_counter()
         dev = resolve_device(device)
@@ -92,7 +97,7 @@ class Engine:
             engine = cls(model=build_random(cfg, dev, dt), tokenizer=ByteIdTokenizer(cfg.vocab_size), config=cfg,
                          name=cfg.name, source=RANDOM_SOURCE, load_s=0.0, from_cache=False, adapter_choice=adapter)
         else:
-            engine = cls._from_files(spec, progress, adapter)
+            engine = cls._from_files(spec, progress, adapter, shard)
             to_device(engine.model, dev, dt)
         if dev.type == "cpu" and _weight_bytes(engine.model) > PACKED_COPY_SHARE * _ram_bytes():
             forgo_packed_copies(engine.model)
@@ -106,15 +111,22 @@ class Engine:
         return engine
 
     @classmethod
-    def _from_files(cls, spec: str, progress, adapter: str | None) -> "Engine":
-        """The model of a preset, 'default', a directory or a GGUF, in fp32 on the CPU."""
+    def _from_files(cls, spec: str, progress, adapter: str | None, shard=None) -> "Engine":
+        """The model of a preset, 'default', a directory or a GGUF, in fp32 on the CPU (with `shard`, this rank's
+        part of it, read alone: studio.parallel.tensor)."""
         preset = load_model_preset(spec)
         if preset and preset.source != "default" and not Path(preset.source).expanduser().exists():
             raise BadInput(f"model preset {preset.name!r}: no weights at {preset.source}. {preset.note}".strip())
-        files = load_model_files(preset.source if preset else spec, progress=progress)
+        files = load_model_files(preset.source if preset else spec, progress=progress, shard=shard)
         cfg = files.config
         if preset:
             cfg = dataclasses.replace(cfg, **preset.overrides)
+        if files.sharded:
+            from studio.parallel.tensor import build_shard
+            model = build_shard(files.state_dict, shard(cfg))
+            return cls(model=model, tokenizer=files.tokenizer, config=model.config,
+                       name=preset.name if preset else cfg.name, source=files.source, load_s=0.0,
+                       from_cache=files.from_cache, adapter_choice=adapter)
         model = model_class(cfg)(cfg)
         missing, unexpected = model.load_state_dict(files.state_dict, strict=False)
         missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_embeddings)]

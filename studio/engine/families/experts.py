@@ -6,12 +6,14 @@ import re
 
 import torch
 
+from studio.engine.lazy_tensors import stack
 from studio.errors import BadInput
 
 EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def stack_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The per-expert tensors of `sd` stacked (unread ones stay unread: studio.engine.lazy_tensors)."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     for key, tensor in sd.items():
@@ -24,5 +26,5 @@ def stack_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         missing = sorted(set(range(max(by_index) + 1)) - set(by_index))
         if missing:
             raise BadInput(f"{prefix}: {proj} of experts {missing[:5]} missing from the checkpoint")
-        out[f"{prefix}.{proj}"] = torch.stack([by_index[e] for e in range(len(by_index))])
+        out[f"{prefix}.{proj}"] = stack([by_index[e] for e in range(len(by_index))])   # unread: a rank reads its own
     return out
