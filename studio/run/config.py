@@ -153,7 +153,7 @@ class ModelChoice:
     @property
     def world(self) -> int:
         """The ranks the model is split across (--ep N alone splits the attention across the same N ranks)."""
-        if self.ep not in (1, max(self.tp, self.ep)):
+        if self.ep > 1 and self.tp not in (1, self.ep):
             raise BadInput(f"--ep {self.ep} with --tp {self.tp}: experts are placed across the tensor-parallel "
                            "ranks, so --ep is 1 or equal to --tp")
         return max(self.tp, self.ep)

@@ -192,3 +192,10 @@ def test_a_killed_rank_ends_rank_0_with_one_line_within_the_timeout(tmp_path):
     assert out["lost"] and out["step"] == 5
     assert "\n" not in out["lost"] and "stopped answering" in out["lost"]
     assert time.monotonic() - t < 60
+
+
+def test_ep_alone_splits_the_attention_across_the_same_ranks_and_another_tp_is_refused():
+    from studio.run.config import ModelChoice
+    assert (ModelChoice(ep=2).world, ModelChoice(tp=2, ep=2).world, ModelChoice(tp=4).world) == (2, 2, 4)
+    with pytest.raises(BadInput, match="--ep 4 with --tp 2"):
+        ModelChoice(tp=2, ep=4).world
