@@ -129,6 +129,8 @@ class DiffusionGemma(LanguageModel):
         if logits_rows is not None:
             x = x[:, torch.as_tensor(logits_rows, device=tokens.device)]
         logits = vocab_logits(self.lm_head.weight, self.model.norm(x))
+        if self.parallel is not None:   # a shard's head gives its vocabulary rows' logits
+            logits = self.parallel.gather_vocab(logits)
         cap = self.config.logit_softcap
         return cap * torch.tanh(logits / cap) if cap else logits
 

@@ -1,10 +1,11 @@
-"""Tensor and expert parallelism for the compact Transformer (Llama, Qwen2, Qwen3, the DLMs built on them, and the
-mixture-of-experts families).
+"""Tensor and expert parallelism for the compact Transformer (Llama, Qwen2, Qwen3, the DLMs built on them, the
+mixture-of-experts families) and DiffusionGemma.
 
 Rank r of `world` keeps (Megatron's layout):
 - attention: its `n_heads / world` query heads and the K/V heads they read (`n_kv_heads / world` of them, or the
   one they share when there are fewer K/V heads than ranks: it is then kept on several ranks), so its KV cache holds
-  those heads only; q/k/v are split by output rows, o_proj by input columns;
+  those heads only; q/k/v are split by output rows, o_proj by input columns; each layer by its own geometry
+  (DiffusionGemma's full-attention layers have their own head size and K/V heads);
 - MLP: `ffn_dim / world` columns of gate/up and the matching input columns of down;
 - MoE layers: the router whole (every rank routes every token the same way); the experts either split like MLPs
   (`moe_ffn_dim / world` columns of every expert) or, with `--ep`, placed whole (`n_experts / world` experts per
@@ -54,9 +55,12 @@ class TensorParallel:
     def q_heads(self) -> slice:
         return self._share(self.config.n_heads)
 
-    @property
-    def kv_heads(self) -> slice:
-        kv, w = self.config.n_kv_heads, self.world
+    def kv_heads(self, layer: int) -> slice:
+        """The K/V heads of `layer` this rank keeps (DiffusionGemma's full-attention layers have fewer)."""
+        return self._kv_share(self.config.kv_geometry(layer)[0])
+
+    def _kv_share(self, kv: int) -> slice:
+        w = self.world
         if kv % w == 0:
             return self._share(kv)
         head = self.rank // (w // kv)   # fewer K/V heads than ranks: the one this rank's query heads read
@@ -84,23 +88,25 @@ class TensorParallel:
 
     def shard_config(self) -> ModelConfig:
         cfg, w = self.config, self.world
-        kv = self.kv_heads
+        kv = self._kv_share(cfg.n_kv_heads)
+        full = _count(self._kv_share(cfg.full_kv_heads)) if cfg.full_kv_heads else 0
         moe_ffn = cfg.moe_ffn_dim if self.place_experts else cfg.moe_ffn_dim // w
-        return dataclasses.replace(cfg, n_heads=cfg.n_heads // w, n_kv_heads=kv.stop - kv.start,
+        return dataclasses.replace(cfg, n_heads=cfg.n_heads // w, n_kv_heads=_count(kv), full_kv_heads=full,
                                    ffn_dim=cfg.ffn_dim // w, moe_ffn_dim=moe_ffn,
                                    moe_shared_ffn_dim=cfg.moe_shared_ffn_dim // w)
 
     def rows_of(self, parts: list[str]) -> slice:
         """The output rows this rank keeps of the projection whose dotted name is `parts` (last: the module)."""
-        hd = self.config.head_dim
-        if parts[-1] == "q_proj":
-            return _scaled(self.q_heads, hd)
-        if parts[-1] in ("k_proj", "v_proj"):
-            return _scaled(self.kv_heads, hd)
+        if parts[-1] in ("q_proj", "k_proj", "v_proj"):
+            layer = _layer_of(parts)
+            hd = self.config.kv_geometry(layer)[1]
+            return _scaled(self.q_heads if parts[-1] == "q_proj" else self.kv_heads(layer), hd)
         return self.ffn_of(parts)
 
     def columns_of(self, parts: list[str]) -> slice:
-        return _scaled(self.q_heads, self.config.head_dim) if parts[-1] == "o_proj" else self.ffn_of(parts)
+        if parts[-1] == "o_proj":
+            return _scaled(self.q_heads, self.config.kv_geometry(_layer_of(parts))[1])
+        return self.ffn_of(parts)
 
     def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of the state-dict entry `name` (a view; whole when it is not split)."""
@@ -148,10 +154,17 @@ def _scaled(heads: slice, size: int) -> slice:
     return slice(heads.start * size, heads.stop * size)
 
 
+def _count(heads: slice) -> int:
+    return heads.stop - heads.start
+
+
+def _layer_of(parts: list[str]) -> int:
+    """The layer index in a dotted name (`model.layers.3.self_attn.q_proj`)."""
+    return int(parts[parts.index("layers") + 1])
+
+
 def check_splittable(cfg: ModelConfig, world: int, place_experts: bool = False) -> None:
     """BadInput, naming what does not divide, when `cfg` cannot be split across `world` ranks."""
-    if cfg.arch == "gemma4" or cfg.layer_types:
-        raise BadInput("--tp: DiffusionGemma models are not split across ranks yet")
     if place_experts and not cfg.n_experts:
         raise BadInput("--ep: the model has no experts to place (it is not a mixture of experts)")
     parts = [("attention heads", cfg.n_heads), ("vocabulary", cfg.vocab_size)]
@@ -164,9 +177,9 @@ def check_splittable(cfg: ModelConfig, world: int, place_experts: bool = False) 
     for what, n in parts:
         if n % world:
             raise BadInput(f"--tp {world}: the model's {n} {what} do not split into {world} equal parts")
-    kv = cfg.n_kv_heads
-    if kv % world and world % kv:
-        raise BadInput(f"--tp {world}: the model's {kv} K/V heads neither split into {world} parts nor divide it")
+    for kv in {cfg.kv_geometry(i)[0] for i in range(cfg.n_layers)}:
+        if kv % world and world % kv:
+            raise BadInput(f"--tp {world}: the model's {kv} K/V heads neither split into {world} parts nor divide it")
 
 
 def shard_model(model: nn.Module, plan: TensorParallel) -> nn.Module:
@@ -178,16 +191,14 @@ def shard_model(model: nn.Module, plan: TensorParallel) -> nn.Module:
 def build_shard(state: dict[str, torch.Tensor], plan: TensorParallel, device=None) -> nn.Module:
     """The shard model holding `state` (each entry already this rank's part, `plan.shard`; taken, not copied): its
     row-parallel projections and MoE layers all-reduce and its head gathers the vocabulary."""
-    from studio.engine.model import model_class
+    from studio.engine.model import MLP, Attention, model_class
     cfg = plan.shard_config()
     with torch.device("meta"):
         shard = model_class(cfg)(cfg)
         if plan.place_experts:   # each MoE layer holds its share of the experts, whole
-            for layer in shard.model.layers:
-                if isinstance(layer.mlp, MoE):
-                    held = plan.experts
-                    layer.mlp.experts = Experts(held.stop - held.start, cfg.dim, cfg.moe_ffn_dim, cfg.hidden_act)
-                    layer.mlp.experts.held = held
+            for moe in (m for m in shard.modules() if isinstance(m, MoE)):
+                moe.experts = Experts(_count(plan.experts), cfg.dim, cfg.moe_ffn_dim, cfg.hidden_act)
+                moe.experts.held = plan.experts
     shard.lm_head = nn.Linear(cfg.dim, cfg.vocab_size // plan.world, bias=False, device="meta")
     state = dict(state)
     head = state.pop("lm_head.weight", None)
@@ -200,11 +211,12 @@ def build_shard(state: dict[str, torch.Tensor], plan: TensorParallel, device=Non
         shard.lm_head.weight = nn.Parameter(head, requires_grad=False)
     for name, table in model_class(cfg).rotary_buffers(cfg).items():
         setattr(shard, name, table.to(device or shard.lm_head.weight.device))
-    for layer in shard.model.layers:
-        layer.self_attn.o_proj.reduce = plan.reduce
-        if isinstance(layer.mlp, MoE):
-            layer.mlp.reduce = plan.reduce
-        else:
-            layer.mlp.down_proj.reduce = plan.reduce
+    for module in shard.modules():   # what ends in a partial sum: attention, MLPs (self-conditioning's too), MoEs
+        if isinstance(module, Attention):
+            module.o_proj.reduce = plan.reduce
+        elif isinstance(module, MLP):
+            module.down_proj.reduce = plan.reduce
+        elif isinstance(module, MoE):
+            module.reduce = plan.reduce
     shard.parallel = plan
     return shard.eval().requires_grad_(False)

@@ -47,8 +47,8 @@ def test_every_strategy_decodes_on_n_ranks_what_one_process_does(tmp_path, world
     assert {"accept", "reject", "propose"} <= kinds
 
 
-MOE = ("llada-moe", "llada2")
-QUICK = [("sdar", 2, False), ("llada", 2, False), ("llada-moe", 2, False), ("llada2", 2, True)]
+MOE = ("llada-moe", "llada2", "diffusiongemma")
+QUICK = [("sdar", 2, False), ("llada-moe", 2, False), ("llada2", 2, True), ("diffusiongemma", 2, False)]
 EVERY = [(family, world, ep) for family in FAMILIES if family != "llama" for world in (2, 4)
          for ep in ((False, True) if family in MOE else (False,))]
 
@@ -140,7 +140,7 @@ def test_shards_hold_their_part_and_sum_to_the_whole_projection():
         assert attn.q_proj.weight.shape[0] == cfg.n_heads // 2 * cfg.head_dim
         assert attn.q_proj.bias is not None and attn.q_proj.bias.shape[0] == attn.q_proj.weight.shape[0]
         assert shard.new_cache(8).k.shape[2] == cfg.n_kv_heads // 2
-        cols = plan.columns_of(["o_proj"])
+        cols = plan.columns_of("model.layers.0.self_attn.o_proj".split("."))
         with torch.no_grad():
             parts.append(x[:, cols] @ attn.o_proj.weight.T)
     with torch.no_grad():

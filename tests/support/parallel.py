@@ -40,6 +40,10 @@ FAMILIES = {
     "llada2": (("tiny_mdm", {"attention": "block", "block": 4, **SIGMOID_MOE}),
                [("canvas", {**CANVAS, "block_size": 4, "steps": 12}, 0.0, False), ("s2d2", FIXED, 0.0, False),
                 ("s2d2", FIXED, 1.0, False)]),
+    # its canvas strategy samples on its own schedule, seeded: "t=0.0" names the runs, which draw all the same
+    "diffusiongemma": (("tiny_gemma", {}), [("gemma-canvas", {"max_denoising_steps": 4}, 0.0, False),
+                                            ("gemma-canvas", {"max_denoising_steps": 6, "entropy_bound": 3.0}, 0.0,
+                                             False)]),
 }
 TIMING = ("ms", "wall_ms")
 

@@ -102,3 +102,35 @@ def tiny_mdm(shift: bool = False, attention: str = "bidirectional", block: int |
     engine.model.config = engine.config = dataclasses.replace(engine.config, logit_shift=shift, attention=attention,
                                                               block_size=block)
     return engine
+
+
+# DiffusionGemma's text model at tiny sizes: five sliding-window layers, then a full one with its own head size and
+# one K/V head; experts beside the dense MLP in every layer
+GEMMA_TEXT = {"model_type": "diffusion_gemma_text", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 6,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "global_head_dim": 16,
+              "num_global_key_value_heads": 1, "sliding_window": 8, "num_experts": 8, "top_k_experts": 2,
+              "moe_intermediate_size": 16, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
+              "final_logit_softcapping": 30.0,
+              "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                  "full_attention": {"rope_type": "proportional", "rope_theta": 1000000.0,
+                                                     "partial_rotary_factor": 0.25}}}
+
+
+def tiny_gemma(vocab: int = 24, seed: int = 0, max_seq_len: int = 256, canvas: int = 8):
+    """A tiny DiffusionGemma engine (random weights, no EOS), its matrices scaled up so its canvases are not uniform
+    noise -- by 5, not more: at 10 the self-conditioned steps amplify a different summation order's rounding (a
+    shard's) past 1e-4 in the probabilities."""
+    from studio.engine.engine import Engine
+    from studio.engine.random_models import build_random
+    raw = {"architectures": ["DiffusionGemmaForBlockDiffusion"], "model_type": "diffusion_gemma",
+           "canvas_length": canvas, "text_config": dict(GEMMA_TEXT, vocab_size=vocab, max_position_embeddings=max_seq_len)}
+    cfg = ModelConfig.from_hf(raw, name="tiny-gemma")
+    import dataclasses
+    cfg = dataclasses.replace(cfg, eos_ids=[], mask_token_id=None)
+    model = build_random(cfg, torch.device("cpu"), torch.float32, seed=seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(5.0)
+    return Engine(model=model, tokenizer=TinyTokenizer(vocab), config=cfg, name="tiny-gemma", source="test",
+                  load_s=0.0, from_cache=False)
