@@ -156,6 +156,27 @@ class Engine:
                                                     adapter_choice=loaded.path)
         return self._views[path]
 
+    def score_logits(self, ids: list[int], rows: list[int], gated: bool) -> torch.Tensor:
+        """Float logits [len(rows), V] of one forward over `ids` on a fresh cache, every row through this view's
+        adapter when `gated`: what scoring a text reads (lm-eval's log-likelihoods). Under tensor parallelism rank 0
+        has every rank run the same forward (studio.parallel.mirror)."""
+        from studio.parallel import mirror
+        leader = mirror.leader()
+        if leader is None:
+            return self.forward_rows(ids, rows, gated)
+        with leader.lock:   # the message and the forward's collectives together
+            leader.send("score", self.adapter, list(ids), list(rows), gated)
+            return self.forward_rows(ids, rows, gated)
+
+    @torch.inference_mode()
+    def forward_rows(self, ids: list[int], rows: list[int], gated: bool) -> torch.Tensor:
+        """`score_logits` on this process alone."""
+        self.activate()
+        dev = self.model.lm_head.weight.device
+        gate = torch.full((len(ids),), gated, device=dev)
+        return self.model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev),
+                          self.model.new_cache(len(ids)), lora_gate=gate, logits_rows=list(rows))[0].float()
+
     def for_strategy(self, strategy: str) -> "Engine":
         """The engine a run of `strategy` uses: a fixed adapter choice applies to every strategy; otherwise
         the adapter shipped for this model and strategy, if there is one."""

@@ -33,6 +33,7 @@ GREEDY_KEYS = {"until", "max_gen_toks", "do_sample", "temperature", "top_p", "to
 class StudioLM(LM):
     def __init__(self, model: str = "default", strategy: str | None = None, preset: str | None = None,
                  adapter: str | None = None, device: str = "auto", dtype: str = "auto", max_gen_toks: int = 256,
+                 tp: int = 1, ep: int = 1,
                  batch_size=None, **params):   # batch_size: lm-eval passes its own; runs here are one at a time
         super().__init__()
         from studio.run.config import ModelChoice, RunConfig, strategy_or_preset
@@ -43,7 +44,7 @@ class StudioLM(LM):
         self.config = RunConfig(named, preset or named_preset, params=dict(params), max_new_tokens=int(max_gen_toks))
         self.strategy, _ = self.config.build()
         self.engine = ModelChoice(str(model), None if adapter is None else str(adapter), device=device,
-                                  dtype=dtype).load()
+                                  dtype=dtype, tp=int(tp), ep=int(ep)).load()
         self.stats = {"tokens": 0, "forwards": 0, "decode_s": 0.0}
 
     # -- generation ----------------------------------------------------------------------------------------------
@@ -119,14 +120,9 @@ class StudioLM(LM):
                            "use generate_until tasks with it")
         ids = (context_ids + target_ids)[-cfg.max_seq_len:]
         n = len(target_ids)
-        view.activate()
-        dev = view.model.lm_head.weight.device
-        tokens = torch.tensor(ids, device=dev)
-        gate = torch.full((len(ids),), self.strategy.clean_gate(view.lora), device=dev)
-        logits = view.model(tokens, torch.arange(len(ids), device=dev), view.model.new_cache(len(ids)),
-                            lora_gate=gate, logits_rows=list(range(len(ids) - n - 1, len(ids) - 1)))[0]
-        logp = torch.log_softmax(logits.float(), -1)
-        target = torch.tensor(target_ids, device=dev)
+        logits = view.score_logits(ids, list(range(len(ids) - n - 1, len(ids) - 1)), self.strategy.clean_gate(view.lora))
+        logp = torch.log_softmax(logits, -1)
+        target = torch.tensor(target_ids, device=logits.device)
         return float(logp.gather(-1, target[:, None]).sum()), bool((logp.argmax(-1) == target).all())
 
     # -- text ----------------------------------------------------------------------------------------------------

@@ -112,6 +112,9 @@ def follow(engine, group: Group) -> None:
             return
         if kind == "calibrate":
             calibrate(_view(engine, message[1]))
+        elif kind == "score":   # a text scored by one forward (Engine.score_logits)
+            _, adapter, ids, rows, gated = message
+            _view(engine, adapter).forward_rows(ids, rows, gated)
         elif kind == "run":
             _, run_id, spec = message
             run = _build(engine, spec, caches)

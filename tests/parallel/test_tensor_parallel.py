@@ -109,6 +109,22 @@ def test_a_rank_reads_from_the_files_only_what_it_keeps(tmp_path, monkeypatch, p
         assert sum(read) == sum(t.numel() for t in part.values()) < sum(t.numel() for t in whole.values())
 
 
+def test_lm_eval_on_two_ranks_scores_and_answers_as_one_process(tmp_path):
+    """`dlm-studio lm-eval --model_args tp=2`: log-likelihoods (one forward each, every rank running it), rolling
+    ones and generations from a two-file checkpoint with a tied head, each rank reading its part."""
+    pytest.importorskip("lm_eval")
+    from studio.evaluation.lm_eval_model import StudioLM
+    from tests.support.hf_files import write_hf_dir
+    from tests.support.parallel import lm_eval_answers
+    write_hf_dir(tmp_path / "m", tie=True, sharded=True)
+    alone = lm_eval_answers(StudioLM(model=str(tmp_path / "m"), strategy="jacobi", device="cpu", dtype="fp32"))
+    split = ranks({"world": 2, "lm_eval": True, "model": str(tmp_path / "m")}, tmp_path)
+    assert split["generate"] == alone["generate"]
+    assert [greedy for _, greedy in split["loglikelihood"]] == [greedy for _, greedy in alone["loglikelihood"]]
+    assert same([lp for lp, _ in split["loglikelihood"]] + split["rolling"],
+                [lp for lp, _ in alone["loglikelihood"]] + alone["rolling"])
+
+
 def same(a, b) -> bool:
     """Equal, the probabilities in events to 1e-4: the shards add the same products in another order."""
     if isinstance(a, float) or isinstance(b, float):

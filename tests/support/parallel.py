@@ -98,8 +98,26 @@ def served(engine, n: int = 12) -> list[str]:
             return list(pool.map(lambda r: post(base, *r), REQUESTS))
 
 
+class _Request:
+    def __init__(self, *args):
+        self.args = args
+
+
+def lm_eval_answers(lm) -> dict:
+    """What `lm` (a StudioLM) answers to a few requests of each kind lm-eval sends."""
+    pairs = [("hello world", " the cat"), ("the cat", " sat"), ("a", " cat sat hello")]
+    return {"loglikelihood": lm.loglikelihood([_Request(*p) for p in pairs]),
+            "rolling": lm.loglikelihood_rolling([_Request("hello world the cat sat a cat")]),
+            "generate": lm.generate_until([_Request("hello world", {"until": ["sat"], "max_gen_toks": 6})])}
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
+    if "lm_eval" in args:   # lm-eval's model starts the group itself (model_args tp=N)
+        from studio.evaluation.lm_eval_model import StudioLM
+        lm = StudioLM(model=args["model"], strategy="jacobi", device="cpu", dtype="fp32", tp=args["world"])
+        print(json.dumps(lm_eval_answers(lm)))
+        return
     from studio.parallel.launch import _workers, finish, start
     family = args.get("family", "llama")
     make = functools.partial(build, family) if "model" not in args else functools.partial(load, args["model"])
