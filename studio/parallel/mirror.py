@@ -42,6 +42,7 @@ class RunSpec:
     prompt_text: str
     prompt_ids: tuple[int, ...]
     kv_from: int | None          # the run whose KV cache this one continues (a chat's next turn)
+    kv_length: int               # how much of that cache it keeps (rank 0 rolled it back to the shared prefix)
     costs: object                # the CostTable rank 0 plans with, or None
 
 
@@ -68,7 +69,7 @@ class Leader:
         """Tell the other ranks to build `run`; its id, which its advances carry."""
         run_id = next(self._ids)
         spec = RunSpec(run.engine.adapter, run.strategy.name, dataclasses.asdict(run.strategy.params), run.settings,
-                       prompt_text, tuple(run.prompt_ids), kv_from, costs)
+                       prompt_text, tuple(run.prompt_ids), kv_from, run.ctx.kv.length, costs)
         self.send("run", run_id, spec)
         run.ctx.kv.mirror_id = run_id
         weakref.finalize(run.ctx.kv, self._gone.append, run_id)
@@ -139,6 +140,8 @@ def _build(engine, spec: RunSpec, caches: dict):
     from studio.engine.strategies import make_strategy
     from studio.run.session import Run
     kv = caches[spec.kv_from] if spec.kv_from is not None else None
+    if kv is not None:   # as rank 0 left it: its run's commits past the answer and the unshared turns dropped
+        kv.rollback(spec.kv_length)
     run = Run(_view(engine, spec.adapter), make_strategy(spec.strategy, spec.params), spec.settings,
               spec.prompt_text, list(spec.prompt_ids), kv=kv)
     run.ctx.costs = spec.costs or run.ctx.costs

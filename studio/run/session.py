@@ -163,6 +163,7 @@ class Run:
                  on_finish: Callable[["Run"], None] | None = None, reference: str | None = None):
         engine = engine.for_strategy(strategy.name)      # the adapter this strategy runs with
         kv_len = kv_length_needed(engine, strategy, settings, prompt_ids)
+        continues = getattr(kv, "mirror_id", None)   # under tensor parallelism, the announced run whose cache this is
         if kv is not None and kv.max_len < kv_len:
             kv = kv.grown(engine.caches.size_for(engine.model, kv_len))
         # with graphs, a pooled cache brings the graphs earlier runs captured; it goes back when the run ends,
@@ -195,7 +196,7 @@ class Run:
         self.result: RunResult | None = None
         # under tensor parallelism rank 0 announces the run to the other ranks, which build it alike
         leader = mirror.leader()
-        self.mirror_id = leader.announce(self, prompt_text, getattr(kv, "mirror_id", None), costs) if leader else None
+        self.mirror_id = leader.announce(self, prompt_text, continues, costs) if leader else None
 
     def _plan_chunks(self) -> list[int]:
         """Prompt lengths after each chunk forward: chunks from the committed KV on, leaving the strategy's prefill

@@ -141,6 +141,19 @@ def test_the_server_on_two_ranks_answers_concurrent_requests_as_one_process_does
     assert ranks({"world": 2, "serve": True}, tmp_path) == served(build())
 
 
+def test_a_chat_on_two_ranks_reuses_its_kv_as_one_process_does(tmp_path):
+    """`chat --tp`: a turn continues the last one's KV cache (rolled back to the shared prefix on every rank when the
+    history was edited), a turn of another strategy starts afresh."""
+    from tests.support.parallel import chat
+    alone = chat(build())
+    prefilled = [sum(e["n_tokens"] for e in turn["events"] if e.get("role") == "prefill") for turn in alone]
+    assert max(prefilled[1:3]) < 10 < prefilled[3]   # turns 2 and 3 prefilled their new text, turn 4 everything
+    split = ranks({"world": 2, "chat": True}, tmp_path)
+    for turn_split, turn_alone in zip(split, alone, strict=True):
+        assert turn_split["tokens"] == turn_alone["tokens"]
+        assert same(turn_split["events"], turn_alone["events"])
+
+
 def test_shards_hold_their_part_and_sum_to_the_whole_projection():
     """Without collectives (world 1 group faked): each rank's q/k/v rows and o_proj columns are the heads it keeps;
     the partial o_proj products of all ranks add up to the whole model's."""

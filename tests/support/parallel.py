@@ -98,6 +98,29 @@ def served(engine, n: int = 12) -> list[str]:
             return list(pool.map(lambda r: post(base, *r), REQUESTS))
 
 
+# (user text, strategy, whether the last exchange is forgotten first): the second turn continues the first's KV, the
+# third the part of it the edited history still shares (rolled back), the fourth, of another strategy, starts afresh
+CHAT_TURNS = [("abc", "isd", False), ("pon", "isd", False), ("hello", "isd", True), ("fog", "ar", False)]
+
+
+def chat(engine, n: int = 12) -> list[dict]:
+    """A conversation's turns (tokens, events without timings), as `dlm-studio chat` drives them."""
+    from studio.engine.strategies import make_strategy
+    from studio.run.conversation import Conversation
+    from studio.run.session import Settings
+    conversation, out = Conversation(engine, chat=False), []
+    for text, name, forget in CHAT_TURNS:
+        if forget:
+            conversation.messages = conversation.messages[:-2]
+        params = {"stride": 3, **FIXED} if name == "isd" else {}
+        run = conversation.start_turn(text, make_strategy(name, params), Settings(max_new_tokens=n))
+        while not run.done:
+            run.advance()
+        out.append({"tokens": run.result.token_ids,
+                    "events": [{k: v for k, v in e.items() if k not in TIMING} for e in run.result.events]})
+    return out
+
+
 class _Request:
     def __init__(self, *args):
         self.args = args
@@ -140,6 +163,8 @@ def main() -> None:
         return
     if args.get("serve"):
         print(json.dumps(served(engine)))
+    elif args.get("chat"):
+        print(json.dumps(chat(engine)))
     else:
         print(json.dumps(decode(engine, args.get("adapter"), FAMILIES[family][1])))
     finish()
