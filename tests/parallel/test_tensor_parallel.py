@@ -229,3 +229,18 @@ def test_ep_alone_splits_the_attention_across_the_same_ranks_and_another_tp_is_r
     assert (ModelChoice(ep=2).world, ModelChoice(tp=2, ep=2).world, ModelChoice(tp=4).world) == (2, 2, 4)
     with pytest.raises(BadInput, match="--ep 4 with --tp 2"):
         ModelChoice(tp=2, ep=4).world
+
+
+@pytest.mark.skipif(not LONG, reason="make test-parallel")
+def test_torchrun_starts_the_ranks_and_rank_0_answers_as_one_process(tmp_path):
+    """`torchrun --nproc-per-node 2 -m studio run ...` (how several machines run it, here on one): rank 0 prints the
+    answer, the other rank only follows."""
+    from tests.support.hf_files import write_hf_dir
+    write_hf_dir(tmp_path / "m", tie=True, sharded=True)
+    args = ["run", "--model", str(tmp_path / "m"), "-s", "jacobi", "--max-new-tokens", "12", "--raw", "hello world"]
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), OMP_NUM_THREADS="1")
+    alone = subprocess.run([sys.executable, "-m", "studio", *args], capture_output=True, text=True, env=env, timeout=120)
+    launched = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               "-m", "studio", *args], capture_output=True, text=True, env=env, timeout=240)
+    assert alone.returncode == launched.returncode == 0, launched.stderr[-2000:]
+    assert launched.stdout == alone.stdout and alone.stdout.strip()
