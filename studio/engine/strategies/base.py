@@ -105,6 +105,7 @@ class DecodeContext:
         self._adapters: dict[int, bool] = {}   # id(model) -> has a LoRA adapter attached
         self._moe: dict[int, list] = {}         # id(model) -> its MoE layers (their expert counts go in the events)
         self.step = 0          # index of the last forward (0 = prefill)
+        self.table_ms = 0.0    # what `costs` prices the forwards after the prefill at (cost-aware drafting's regret)
         self._elapsed_s = 0.0  # the run's own clock: it runs only while the run is advancing, so a run
         self._since: float | None = None   # stepped in lock-step with others stamps only its own time
         self._pending: list[dict] = []
@@ -151,9 +152,12 @@ class DecodeContext:
             torch.as_tensor(positions, device=self.device)
         if lora_gate is None and self.clean_gate and model is self.model:
             lora_gate = [True] * len(tokens)
-        gate = None
+        gate, gated = None, 0
         if lora_gate is not None and self._has_adapter(model):
             gate = torch.tensor(lora_gate, dtype=torch.bool, device=self.device)
+            gated = sum(map(bool, lora_gate))
+        if role != "prefill":
+            self.table_ms += self.costs.forward_ms(len(tokens), gated)
         t = time.perf_counter()
         graphed = self._runner is not None and model is self.model and embed_shift is None
         run = self._runner.forward if graphed else model
@@ -164,7 +168,7 @@ class DecodeContext:
         if torch.isnan(logits).any():
             raise BadInput(f"model produced NaN logits at forward {self.step} ({role})")
         moe = self._moe_layers(model)
-        self.event("forward", role=role, n_tokens=len(tokens), lora_rows=0 if gate is None else int(gate.sum()),
+        self.event("forward", role=role, n_tokens=len(tokens), lora_rows=gated,
                    wall_ms=(time.perf_counter() - t) * 1000.0, **({"experts": [int(m.experts_run) for m in moe]} if moe else {}))
         return logits
 

@@ -36,6 +36,12 @@ def validate(owner: str, value: str) -> None:
 # made drafts promising a few percent lose about as much on ordinary prompts (R-ISD 0.90x ar at TPF 1.1)
 MARGIN = 0.05
 
+# How much slower than AR a cost-aware run may get, as a share of its forwards' cost by the table: the acceptance
+# estimate is optimistic about what it knows little of, so a run probes with drafts, and on a prompt where they are
+# refused each probe is lost time; once the run's loss exceeds this share of its time, it takes AR steps until its
+# time (growing with each) makes room for the next probe. A run whose drafts pay is never held back.
+REGRET_SHARE = 0.01
+
 # Forward costs for a planner: ms of a forward of `rows` rows, `gated` of them with the LoRA on.
 Cost = Callable[[int, int], float]
 
@@ -122,9 +128,22 @@ class _Planner:
         self.max_drafts = max_drafts
         self.acceptance = SlotAcceptance(max(max_drafts, 1))
         self.cost: Cost = ctx.costs.forward_ms
+        self._start: tuple[float, int] | None = None   # (table ms, tokens out) at the first plan after the prefill
+        self.regret_share = REGRET_SHARE
 
     def observe(self, verified: int, accepted: int) -> None:
         self.acceptance.observe(verified, accepted)
+
+    def in_debt(self) -> bool:
+        """Whether the run has lost more than REGRET_SHARE of its time to drafts, by the cost table: its forwards
+        since the prefill cost more than AR steps for the tokens they gave, by more than that share."""
+        ctx = self.ctx
+        if self._start is None:
+            self._start = (ctx.table_ms, ctx.n_out)
+            return False
+        spent = ctx.table_ms - self._start[0]
+        lost = spent - (ctx.n_out - self._start[1]) * self.cost(1, int(ctx.clean_gate))
+        return lost > self.regret_share * spent
 
 
 class DraftPlanner(_Planner):
@@ -151,7 +170,7 @@ class DraftPlanner(_Planner):
         reach = self.acceptance.reach(top)   # a slot's rate reads only the slots before it: d drafts reach reach[:d]
         rates = [rate(reach[:d], self.cost) for d in range(top + 1)]
         best = max(range(len(rates)), key=rates.__getitem__)
-        if rates[best] < rates[0] * (1.0 + MARGIN):
+        if rates[best] < rates[0] * (1.0 + MARGIN) or (best and not prefill and self.in_debt()):
             best = 0
         gain = rates[best] * self.cost(1, 0)
         self.ctx.event("plan", at_step=0 if prefill else self.ctx.step + 1, drafts=best, max_drafts=self.max_drafts,
