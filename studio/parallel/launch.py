@@ -103,6 +103,8 @@ def _serve(rank: int, world: int, port: int | None, build, device: str, split: t
     group = groups.join(rank, world, port=port, device=device, timeout_s=timeout_s)
     try:
         mirror.follow(_shard(build, group, *split), group)
+    except BadInput:   # the model or the options: rank 0 meets the same and says it, once
+        pass
     except Exception as e:   # rank 0 ended without a stop (it failed or was killed), or this rank failed
         print(f"dlm-studio: rank {rank}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}",
               file=sys.stderr)
