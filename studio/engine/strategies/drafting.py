@@ -129,7 +129,6 @@ class _Planner:
         self.acceptance = SlotAcceptance(max(max_drafts, 1))
         self.cost: Cost = ctx.costs.forward_ms
         self._start: tuple[float, int] | None = None   # (table ms, tokens out) at the first plan after the prefill
-        self.regret_share = REGRET_SHARE
 
     def observe(self, verified: int, accepted: int) -> None:
         self.acceptance.observe(verified, accepted)
@@ -143,7 +142,7 @@ class _Planner:
             return False
         spent = ctx.table_ms - self._start[0]
         lost = spent - (ctx.n_out - self._start[1]) * self.cost(1, int(ctx.clean_gate))
-        return lost > self.regret_share * spent
+        return lost > REGRET_SHARE * spent
 
 
 class DraftPlanner(_Planner):
