@@ -216,7 +216,7 @@ class BlockPlanner(_Planner):
         ar_ms = self._ms(1)
         best = max(1.0 / ar_ms, self.B / E[self.B - 1])   # tokens per ms: AR steps, or fresh blocks (B - 1 slots + 1)
         commit_ms = self._ms(filled)
-        go = E[masked] <= commit_ms + masked / best
+        go = E[masked] <= commit_ms + masked / best and not self.in_debt()
         self.ctx.event("plan", at_step=self.ctx.step + 1, drafts=max(masked - self.forced, 0) if go else 0,
                        max_drafts=self.max_drafts, gain=(masked + 1) / E[masked] * ar_ms if go else ar_ms / commit_ms)
         return go
