@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from studio.engine.config import ModelConfig
+from studio.engine.kernels import cpu as cpu_kernel
 from studio.engine.kv_cache import KVCache, new_cache
 from studio.engine.masks import causal
 from studio.engine.moe import ACTIVATIONS, MoE
@@ -306,9 +307,14 @@ def _cpu_small(x: torch.Tensor) -> bool:
 
 
 def _small_product(w: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-    """flat [R, D] through w [N, D] for R <= SMALL_ROWS on the CPU: 1-2 rows as w @ flat.T (MKL streams the weights
-    fastest there), 3+ through oneDNN on the packed weight, whose time barely grows with the rows where MKL's
-    small-M kernels grow ~linearly (docs/architecture.md#cpu-projections)."""
+    """flat [R, D] through w [N, D] for R <= SMALL_ROWS on the CPU: 1-4 rows through our own kernel (each weight row
+    read once for all of them, a row's result the same bits at any of those row counts), 5+ through oneDNN on the
+    packed weight, whose time barely grows with the rows where MKL's small-M kernels grow ~linearly. Without the
+    kernel (no C compiler) 1-2 rows run as w @ flat.T (docs/architecture.md#cpu-projections)."""
+    if flat.shape[0] <= cpu_kernel.MAX_ROWS:
+        y = cpu_kernel.skinny(w, flat.contiguous())
+        if y is not None:
+            return y
     packed = _packed(w) if flat.shape[0] >= PACKED_ROWS and _HAS_ONEDNN else None
     if packed is None:
         return _w_xt(w, flat)

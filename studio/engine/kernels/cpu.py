@@ -1,0 +1,87 @@
+"""The CPU's decode-sized projection kernel (`skinny.c`): 1-4 rows through an fp32 weight, each weight row read once,
+every row's result the same bits whatever the row count (docs/architecture.md#cpu-projections).
+
+Compiled at first use with the machine's C compiler for this very CPU (`-march=native`) into the user cache, keyed by
+the source, the compiler and the CPU, and loaded with ctypes: no build step at install, nothing to ship per
+platform. Where no compiler works, or DLM_STUDIO_CPU_KERNEL=0, `skinny()` is None and the projections keep torch's
+kernels (`studio.engine.model.linear`)."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+MAX_ROWS = 4   # the kernel's register blocking: wider products are compute-bound, where oneDNN does better
+SOURCE = Path(__file__).with_name("skinny.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+
+
+def _cpu_id() -> str:
+    """What the binary is built for: the CPU's model and flags (a cache shared between machines must not hand one
+    CPU's instructions to another)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        fields = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))]
+        return "\n".join(dict.fromkeys(fields))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _build(cc: str) -> Path | None:
+    from studio.engine.model_cache import cache_dir
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(FLAGS).encode(), _cpu_id().encode(),
+                                     sys.platform.encode()])).hexdigest()[:16]
+    lib = cache_dir().parent / "kernels" / f"skinny-{key}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    tmp = lib.parent / f"{lib.name}.{os.getpid()}.tmp"
+    done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, timeout=120)
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        return None
+    tmp.replace(lib)   # atomic: a second process never loads a half-written library
+    return lib
+
+
+@functools.cache
+def _library():
+    if os.environ.get("DLM_STUDIO_CPU_KERNEL", "1") == "0":
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    try:
+        path = _build(cc)
+        lib = ctypes.CDLL(str(path)) if path else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if lib is not None:
+        lib.skinny.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
+        lib.skinny.restype = None
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernel built and loaded here (it is built on the first call: ~0.5 s)."""
+    return _library() is not None
+
+
+def skinny(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    """x [R, D] @ w.T for 1 <= R <= MAX_ROWS, contiguous fp32 CPU tensors, as [R, N]; None where the kernel is not
+    available or the operands do not fit it."""
+    lib = _library()
+    if lib is None or not 1 <= x.shape[0] <= MAX_ROWS or not (w.is_contiguous() and x.is_contiguous()):
+        return None
+    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    lib.skinny(w.data_ptr(), x.data_ptr(), y.data_ptr(), w.shape[0], w.shape[1], x.shape[0], torch.get_num_threads())
+    return y
