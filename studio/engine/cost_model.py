@@ -24,7 +24,7 @@ from studio.engine.forward_cost import Shape, measure_forwards
 from studio.engine.random_models import RANDOM_SOURCE
 
 # Part of every table's key: bump it when the engine changes what a forward of n rows costs (2: the CPU's W @ x.T
-# projections, model.linear; 3: oneDNN for 3-16 rows; 4: our kernel for 1-4 rows)
+# projections, model.linear; 3: oneDNN for 3-16 rows; 4: our kernels for 1-4 rows and gated LoRA rows)
 TABLE_VERSION = 4
 MAX_ROWS = 16        # ISD stride 8 (2N - 1 = 15 rows + 1), Jacobi's default block of 16
 CONTEXT = 128        # KV length the forwards attend over: a short chat turn's

@@ -56,3 +56,36 @@ def test_without_a_compiler_the_projections_keep_torchs_kernels(monkeypatch, tmp
         assert not list(tmp_path.rglob("*.so"))   # nothing half-built left behind
     finally:
         cpu._library.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows, rank", [(1, 16), (3, 8), (4, 64)])
+def test_the_lora_kernel_adds_the_low_rank_term_in_place(rows, rank):
+    g = torch.Generator().manual_seed(rows + rank)
+    x, y = torch.randn(rows, 40, generator=g), torch.randn(rows, 24, generator=g)
+    a, b = torch.randn(rank, 40, generator=g), torch.randn(24, rank, generator=g)
+    want = y.double() + 0.5 * (x.double() @ a.double().T) @ b.double().T
+    assert cpu.lora_rows(x, y, a, b, 0.5)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-4)
+    assert not cpu.lora_rows(x, y, torch.randn(65, 40), torch.randn(24, 65), 0.5)   # past the kernel's rank
+
+
+@needs_kernel
+@pytest.mark.parametrize("gate", [[False, False, True, True, True], [True] * 5, [True, False, True, False, False]])
+def test_a_gated_lora_forward_through_the_kernel_matches_torchs(monkeypatch, gate):
+    """A projection with an adapter: the gated rows (a run of them, or every row) take the kernel, the others keep the
+    exact base projection; scattered rows keep torch's ops. Either way what torch computes."""
+    lin = model.Linear(32, 48, bias=False)
+    g = torch.Generator().manual_seed(1)
+    lin.lora_A, lin.lora_B, lin.lora_scale = torch.randn(8, 32, generator=g), torch.randn(48, 8, generator=g), 2.0
+    x, row_gate = torch.randn(1, 5, 32, generator=g), model.RowGate(torch.tensor([gate]))
+    calls, real = [], cpu.lora_rows
+    monkeypatch.setattr(cpu, "lora_rows", lambda x, *rest: calls.append(x.shape[0]) or real(x, *rest))
+    with torch.no_grad():
+        got = lin(x, row_gate)
+        monkeypatch.setattr(cpu, "lora_rows", lambda *args: False)
+        want = lin(x, row_gate)
+    assert calls == ([] if row_gate.rows is not None and row_gate.span is None else [sum(gate)])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    off = [i for i, on in enumerate(gate) if not on]
+    assert torch.equal(got[0, off], model.linear(x, lin.weight)[0, off])

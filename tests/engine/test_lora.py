@@ -343,16 +343,17 @@ def test_switching_adapters_keeps_the_tied_heads_packed_copy(tmp_path):
     views = [engine.with_adapter(str(random_adapter(tmp_path / name, engine.model, mask_token_id=24,
                                                     mask_embedding=torch.randn(1, engine.config.dim), seed=seed)))
              for name, seed in (("a", 1), ("b", 2))]
-    tokens, gate = [1, 5, 24, 24], [False, False, True, True]
+    # 6 rows: the head's product runs through oneDNN's packed copy (1-4 rows take the CPU kernel, which packs nothing)
+    tokens, gate = [1, 5, 7, 3, 24, 24], [False, False, False, False, True, True]
     expected = []
     for view in views:   # each adapter alone, packed copies made fresh
         view.activate()
-        expected.append(run_chunks(view.model, tokens, [4], gate))
+        expected.append(run_chunks(view.model, tokens, [6], gate))
         view.model.lm_head.weight._onednn = None
     packed = None
     for view, want in [*zip(views, expected)] * 2:
         view.activate()
-        assert torch.equal(run_chunks(view.model, tokens, [4], gate), want)
+        assert torch.equal(run_chunks(view.model, tokens, [6], gate), want)
         packed = view.model.lm_head.weight._onednn[1] if packed is None else packed
         assert view.model.lm_head.weight._onednn[1] is packed   # not re-packed by the switch
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 MAX_ROWS = 4   # the kernel's register blocking: wider products are compute-bound, where oneDNN does better
+MAX_RANK = 64  # lora_rows keeps a row's low-rank activations on the stack
 SOURCE = Path(__file__).with_name("skinny.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
@@ -68,6 +69,8 @@ def _library():
     if lib is not None:
         lib.skinny.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
         lib.skinny.restype = None
+        lib.lora_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_float]
+        lib.lora_rows.restype = None
     return lib
 
 
@@ -85,3 +88,15 @@ def skinny(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
     y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
     lib.skinny(w.data_ptr(), x.data_ptr(), y.data_ptr(), w.shape[0], w.shape[1], x.shape[0], torch.get_num_threads())
     return y
+
+
+def lora_rows(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> bool:
+    """y += scale * (x @ a.T) @ b.T in place, for x [R, D] and y [R, N] (a run of gated rows), contiguous fp32 CPU
+    tensors; False (and y untouched) where the kernel is not available or the operands do not fit it."""
+    lib = _library()
+    if lib is None or a.shape[0] > MAX_RANK or not all(t.is_contiguous() and t.dtype == torch.float32
+                                                       for t in (x, y, a, b)):
+        return False
+    lib.lora_rows(x.data_ptr(), y.data_ptr(), a.data_ptr(), b.data_ptr(), x.shape[0], x.shape[1], y.shape[1],
+                  a.shape[0], scale)
+    return True
