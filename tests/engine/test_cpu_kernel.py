@@ -89,3 +89,14 @@ def test_a_gated_lora_forward_through_the_kernel_matches_torchs(monkeypatch, gat
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     off = [i for i, on in enumerate(gate) if not on]
     assert torch.equal(got[0, off], model.linear(x, lin.weight)[0, off])
+
+
+@needs_kernel
+def test_the_c_function_takes_any_row_count_in_blocks_of_four():
+    """cpu.py sends it 1-4 rows; a wider call (a larger MAX_ROWS) must still compute every row, not the first four."""
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(33, 48, generator=g), torch.randn(7, 48, generator=g)
+    y = torch.full((7, 33), float("nan"))
+    cpu._library().skinny(w.data_ptr(), x.data_ptr(), y.data_ptr(), 33, 48, 7, 1)
+    torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y[4:], cpu.skinny(w, x[4:].contiguous()))   # the second block is the same sums

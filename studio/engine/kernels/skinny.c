@@ -1,4 +1,4 @@
-/* Decode-sized projections on the CPU: Y[r, n] = sum_k X[r, k] * W[n, k] for R <= 4 rows of X (fp32, row-major).
+/* Decode-sized projections on the CPU: Y[r, n] = sum_k X[r, k] * W[n, k] for R rows of X (fp32, row-major).
  *
  * A decode step is a product of a few rows against every weight, so its speed is how fast the weights stream: each
  * row of W is read once for all R rows of X. Each dot product keeps two 8-float accumulators (even and odd chunks of
@@ -31,15 +31,21 @@ static void block##RB(const float *w, const float *X, float *Y, long N, long K, 
 }
 BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4)
 
+/* Any R works (blocks of 4 rows over a weight row still in L1), but past 4 rows the loads of X bound it and oneDNN
+ * is faster: cpu.py sends it 1-4 rows. */
 void skinny(const float *W, const float *X, float *Y, long N, long K, long R, int threads) {
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (long n = 0; n < N; n++) {
         const float *w = W + n * K;
-        switch (R) {
-            case 1: block1(w, X, Y, N, K, n); break;
-            case 2: block2(w, X, Y, N, K, n); break;
-            case 3: block3(w, X, Y, N, K, n); break;
-            default: block4(w, X, Y, N, K, n);
+        for (long r0 = 0; r0 < R; r0 += 4) {
+            const float *x = X + r0 * K;
+            float *y = Y + r0 * N;
+            switch (R - r0) {
+                case 1: block1(w, x, y, N, K, n); break;
+                case 2: block2(w, x, y, N, K, n); break;
+                case 3: block3(w, x, y, N, K, n); break;
+                default: block4(w, x, y, N, K, n);
+            }
         }
     }
 }
