@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-MAX_ROWS = 4   # the kernel's register blocking: wider products are compute-bound, where oneDNN does better
+MAX_ROWS = 4   # the kernel's register blocking: past it the loads of x bound the kernel, and oneDNN is as fast
 MAX_RANK = 64  # lora_rows keeps a row's low-rank activations on the stack
 SOURCE = Path(__file__).with_name("skinny.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -75,15 +75,21 @@ def _library():
 
 
 def available() -> bool:
-    """Whether the kernel built and loaded here (it is built on the first call: ~0.5 s)."""
+    """Whether the kernel built and loaded here (it is built on the first call: ~0.2 s)."""
     return _library() is not None
+
+
+def _fits(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels can read the tensors by pointer: contiguous fp32 (a weight of another dtype beside fp32
+    activations would be read as garbage)."""
+    return all(t.is_contiguous() and t.dtype == torch.float32 for t in tensors)
 
 
 def skinny(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
     """x [R, D] @ w.T for 1 <= R <= MAX_ROWS, contiguous fp32 CPU tensors, as [R, N]; None where the kernel is not
     available or the operands do not fit it."""
     lib = _library()
-    if lib is None or not 1 <= x.shape[0] <= MAX_ROWS or not (w.is_contiguous() and x.is_contiguous()):
+    if lib is None or not 1 <= x.shape[0] <= MAX_ROWS or not _fits(w, x):
         return None
     y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
     lib.skinny(w.data_ptr(), x.data_ptr(), y.data_ptr(), w.shape[0], w.shape[1], x.shape[0], torch.get_num_threads())
@@ -94,8 +100,7 @@ def lora_rows(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     """y += scale * (x @ a.T) @ b.T in place, for x [R, D] and y [R, N] (a run of gated rows), contiguous fp32 CPU
     tensors; False (and y untouched) where the kernel is not available or the operands do not fit it."""
     lib = _library()
-    if lib is None or a.shape[0] > MAX_RANK or not all(t.is_contiguous() and t.dtype == torch.float32
-                                                       for t in (x, y, a, b)):
+    if lib is None or a.shape[0] > MAX_RANK or not _fits(x, y, a, b):
         return False
     lib.lora_rows(x.data_ptr(), y.data_ptr(), a.data_ptr(), b.data_ptr(), x.shape[0], x.shape[1], y.shape[1],
                   a.shape[0], scale)
