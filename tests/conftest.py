@@ -53,3 +53,4 @@ def _tiny_models_plan_on_a_fixed_cost_table(request, monkeypatch):
     if not request.node.get_closest_marker("slow"):
         from studio.engine.cost_model import FLAT_COSTS
         monkeypatch.setattr("studio.run.session.cost_table", lambda engine: FLAT_COSTS)
+        monkeypatch.setattr("studio.run.session.stored_table", lambda engine: FLAT_COSTS)

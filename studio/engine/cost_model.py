@@ -153,8 +153,7 @@ def cost_table(engine, refresh: bool = False) -> CostTable:
         if table is not None:
             return table
     if on_measure is not None and not random_weights:
-        on_measure(f"measuring this machine's forward costs for {key['model']} (a few seconds, once per model, device "
-                   "and dtype): cost-aware drafting plans with them")
+        on_measure(measuring_line(key["model"]))
     table = calibrate(engine)
     if random_weights:
         _random_tables[path.name] = table
@@ -164,6 +163,12 @@ def cost_table(engine, refresh: bool = False) -> CostTable:
         with atomic_write(path) as f:
             json.dump(table.to_dict(), f, indent=1)
     return table
+
+
+def measuring_line(model: str) -> str:
+    """What a front end says while a table is measured (the first cost-aware run on a model waits for it)."""
+    return (f"measuring this machine's forward costs for {model} (a few seconds, once per model, device and dtype): "
+            "cost-aware drafting plans with them")
 
 
 def stored_table(engine) -> CostTable | None:

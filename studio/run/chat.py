@@ -54,6 +54,18 @@ class ChatSession:
             strategy.use_draft(self.draft, self.engine.config)
         return self.conversation.start_turn(text, strategy, settings, trace_path)
 
+    def costs_pending(self) -> bool:
+        """Whether the next turn would first measure this machine's forward costs (`session.costs_pending`)."""
+        from studio.run.session import costs_pending
+        return costs_pending(self.engine, self.choice.build()[0])
+
+    def measure_costs(self) -> None:
+        """Measure (and cache) the table the next turn plans with: a front end runs this off its UI thread and starts
+        the turn after it."""
+        from studio.run.session import planning_costs
+        strategy, _ = self.choice.build()
+        planning_costs(self.engine.for_strategy(strategy.name))
+
     def command(self, line: str) -> Reply:
         """Run one slash command; bad input comes back as the reply's message (BadInput is not raised)."""
         try:

@@ -132,6 +132,12 @@ def planning_costs(engine: Engine):
         return cost_table(engine, refresh=True)
 
 
+def costs_pending(engine: Engine, strategy: Strategy) -> bool:
+    """Whether a run of `strategy` would measure the machine's cost table first (a cost-aware strategy on a model,
+    device and dtype without a stored one): seconds that a front end says, off its UI thread (`planning_costs`)."""
+    return strategy.plans_drafts and not mirror.following() and stored_table(engine.for_strategy(strategy.name)) is None
+
+
 def run_header(engine: Engine, strategy: Strategy, settings: Settings, prompt_text: str, prompt_ids: list[int]) -> dict:
     """The trace header of a run of `strategy` on `engine` (its adapter view) with `settings` (docs/events.md)."""
     s = settings

@@ -98,6 +98,39 @@ def test_chat_two_turns_stream_into_the_grid_and_the_second_reuses_the_kv():
     asyncio.run(go())
 
 
+def test_a_first_cost_aware_turn_measures_the_costs_off_the_ui_thread_and_says_so(monkeypatch):
+    """The first turn of a cost-aware strategy on a model without a stored cost table measures one (20-30 s on a
+    2-core CPU): the status says so, the UI keeps answering meanwhile, and the turn starts once the table is in."""
+    import threading
+    from studio.engine.cost_model import FLAT_COSTS
+    release, stored, on_ui_thread = threading.Event(), {}, []
+
+    def measure(engine):
+        if "table" not in stored:
+            on_ui_thread.append(threading.current_thread() is threading.main_thread())
+            release.wait(30)
+            stored["table"] = FLAT_COSTS
+        return stored["table"]
+    monkeypatch.setattr("studio.run.session.stored_table", lambda engine: stored.get("table"))
+    monkeypatch.setattr("studio.run.session.cost_table", measure)
+
+    async def go():
+        app = StudioApp(session("isd", n=6))
+        async with app.run_test(size=SIZE) as pilot:
+            await say(pilot, "bcd")
+            await wait_until(pilot, lambda: "measuring this machine's forward costs" in status(app))
+            await say(pilot, "efg")   # the UI answers while the table is measured; the new text waits in the input
+            assert "the turn starts when they are in" in status(app)
+            assert not app.session.turns and on_ui_thread == [False]
+            release.set()
+            await wait_until(pilot, lambda: len(app.session.turns) == 1 and app.screen.worker is None)
+            assert app.session.conversation.messages[0]["content"] == "bcd"
+            assert app.screen.query_one("#prompt").value == "efg"
+            await turn(pilot, "efg")   # the table is stored: the next turn starts at once
+            assert len(app.session.turns) == 2 and on_ui_thread == [False]
+    asyncio.run(go())
+
+
 def test_every_strategy_runs_in_the_chat():
     async def go():
         engines = {"ar": tiny_engine("llama", vocab=20, seed=2), "dlm": tiny_dlm("llama", shift=True, block=4, vocab=20)}

@@ -61,6 +61,7 @@ class ChatScreen(Screen):
         super().__init__(id="chat")
         self.session = session
         self.worker: Worker | None = None
+        self.measuring = False   # a turn waits for the forward costs it plans with (measure_then_send)
         self.view: RunView | None = None
         self.answer: ChatMessage | None = None
         self.step_mode = False
@@ -120,14 +121,42 @@ class ChatScreen(Screen):
         text = event.value.strip()
         if not text:
             return
+        if self.measuring:   # the text stays in the input, as while a generation runs
+            self.status("measuring this machine's forward costs: the turn starts when they are in", error=True)
+            return
         if self.running:   # the text stays in the input, to send once the answer is done
             self.status("a generation is running: Esc stops it", error=True)
             return
         if text.startswith("/"):
             event.input.value = ""   # back in the input if the command is refused (_command_done)
             self.run_command(text)
+        elif self.session.costs_pending():
+            self.measuring = True
+            self.measure_then_send(text)
         elif self.send(text):
             event.input.value = ""   # only a message that became a turn leaves the input
+
+    @work(thread=True, exclusive=True, group="command")
+    def measure_then_send(self, text: str) -> None:
+        """A cost-aware strategy's first turn on a model, device and dtype measures the forward costs it plans with
+        (20-30 s on a 2-core CPU): off the UI thread, said in the status, and then the turn starts."""
+        from studio.engine.cost_model import measuring_line
+        self.app.call_from_thread(self.status, f"{measuring_line(self.session.engine.name)} …")
+        error = None
+        try:
+            self.session.measure_costs()
+        except Exception as e:  # noqa: BLE001 - a failed measurement is a message, never the end of the app
+            error = e
+        self.app.call_from_thread(self._measured, text, error)
+
+    def _measured(self, text: str, error: Exception | None) -> None:
+        self.measuring = False
+        if error is not None:
+            self.fail(f"not sent: {error_line(error)}")
+            return
+        prompt = self.query_one("#prompt", Input)
+        if self.send(text) and prompt.value.strip() == text:
+            prompt.value = ""
 
     @work(thread=True, exclusive=True, group="command")
     def run_command(self, line: str) -> None:
