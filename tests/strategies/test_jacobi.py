@@ -108,13 +108,14 @@ def test_recycled_ngrams_are_accepted_on_repetitive_output(family):
     engine = cycling_engine(family)
     ar = generate(engine, "ar")
     assert len(set(ar.token_ids)) < 10                         # it really repeats
-    jac = generate(engine, "jacobi", {"block_size": 8, "drafting": "fixed"})
-    mr = generate(engine, "jacobi-mr", {"block_size": 8, "drafting": "fixed"})
+    no_lookup = {"block_size": 8, "drafting": "fixed", "lookup": 0}   # the pool alone
+    jac = generate(engine, "jacobi", no_lookup)
+    mr = generate(engine, "jacobi-mr", no_lookup)
     assert mr.token_ids == ar.token_ids == jac.token_ids
     assert ngram_accepted(mr) > 0
     assert mr.footer["tpf"] > 2.0                              # measured 4.21 (80 tokens, 19 forwards)
     assert mr.footer["tpf"] > jac.footer["tpf"]                # plain Jacobi: 1.01 on a first-order model
-    no_pool = generate(engine, "jacobi-mr", {"block_size": 8, "pool_size": 0, "drafting": "fixed"})
+    no_pool = generate(engine, "jacobi-mr", dict(no_lookup, pool_size=0))
     assert ngram_accepted(no_pool) == 0 and no_pool.footer["forwards"] > mr.footer["forwards"]
 
 
@@ -135,7 +136,7 @@ def _promoted_kept(result) -> tuple[int, int]:
 
 
 def test_promotion_keeps_progress_in_intended_mode_and_drops_it_in_reference_mode():
-    params = {"block_size": 8, "pool_size": 0, "spawn_ratio": 0.5, "drafting": "fixed"}   # only the promotion differs
+    params = {"block_size": 8, "pool_size": 0, "lookup": 0, "spawn_ratio": 0.5, "drafting": "fixed"}   # only the promotion differs
     forwards = {"intended": 0, "reference": 0}
     for family in FAMILIES:
         for seed in range(3):
@@ -302,3 +303,32 @@ def test_presets_load_and_validate(preset, strategy):
     s = make_strategy(p.strategy, p.params)
     if preset == "jacobi-mr-64":
         assert (s.params.block_size, s.params.blocks, s.params.spawn_ratio, s.params.pool_size) == (64, 2, 0.85, 4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_drafts_looked_up_in_the_context_are_verified_exactly_and_pay_on_repetitive_output(family):
+    """Prompt lookup: where the last tokens occurred before, what followed them is the first drafts (src ngram).
+    On a model that cycles they are right, so Jacobi, whose own guesses get nowhere on such a model, commits several
+    tokens a forward -- planned apart from its window's guesses under auto -- and still writes exactly ar's tokens."""
+    engine = cycling_engine(family)
+    ar = generate(engine, "ar")
+    for name in ("jacobi", "jacobi-mr"):
+        for drafting in ("fixed", "auto"):
+            on = generate(engine, name, {"block_size": 8, "drafting": drafting})
+            off = generate(engine, name, {"block_size": 8, "drafting": drafting, "lookup": 0, "pool_size": 0}
+                           if name == "jacobi-mr" else {"block_size": 8, "drafting": drafting, "lookup": 0})
+            assert on.token_ids == off.token_ids == ar.token_ids, (name, drafting)
+            assert ngram_accepted(on) > 0 and ngram_accepted(off) == 0, (name, drafting)
+            assert on.footer["tpf"] > 2.0 and on.footer["tpf"] > off.footer["tpf"] + 0.5, (name, drafting)
+
+
+def test_context_lookup_finds_the_latest_longest_earlier_occurrence():
+    from studio.engine.strategies.lookup import ContextLookup
+    look = ContextLookup([5, 1, 2, 3, 9, 1, 2, 4, 7], shortest=2)
+    assert look.drafts(3) == []                       # ...4 7: never before
+    look.follow([1, 2])                               # ...7 1 2: "1 2" was followed by 3, then (later) by 4
+    assert look.drafts(3) == [4, 7, 1]                # the latest occurrence wins
+    look.follow([1, 2, 3])                            # output so far: 1 2 3 -> "1 2 3" occurred at the start
+    assert look.drafts(2) == [9, 1]                   # the longest suffix wins over "2 3" / "3"
+    assert ContextLookup([1, 2, 1], shortest=1).drafts(4) == [2, 1]
+    assert ContextLookup([1, 2, 1], shortest=2).drafts(4) == []

@@ -39,7 +39,10 @@ MARGIN = 0.05
 # How much slower than AR a cost-aware run may get, as a share of its forwards' cost by the table: the acceptance
 # estimate is optimistic about what it knows little of, so a run probes with drafts, and on a prompt where they are
 # refused each probe is lost time; once the run's loss exceeds this share of its time, it takes AR steps until its
-# time (growing with each) makes room for the next probe. A run whose drafts pay is never held back.
+# time (growing with each) makes room for the next probe. A run whose drafts pay is never held back. Each drafting
+# forward is also charged MARGIN of a step, the drafting work the table does not price: a table whose 2-row forward
+# reads as cheap as a 1-row one (the CPU kernel's, give or take its noise) counted Jacobi's refused 1-draft probes as
+# free, so the bound never held and a probe every other step cost ~3 % (0.97x ar on ordinary prompts)
 REGRET_SHARE = 0.01
 
 # Forward costs for a planner: ms of a forward of `rows` rows, `gated` of them with the LoRA on.
@@ -120,29 +123,51 @@ def isd_rate(reach: list[float], cost: Cost, clean_gated: bool) -> float:
     return (share * verify_tokens + (1 - share)) / (share * verify_ms + (1 - share) * cold_ms)
 
 
-class _Planner:
-    """What every planner of a run holds: its context, its acceptance by slot and the cost table it reads."""
+class Regret:
+    """A run's loss to AR steps since its first plan after the prefill, by the cost table plus MARGIN of a step per
+    drafting forward; shared by the planners of one run (Jacobi plans looked-up drafts and its own apart)."""
 
-    def __init__(self, ctx, max_drafts: int):
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self._start: tuple[float, int] | None = None   # (table ms, tokens out) at the first plan after the prefill
+        self.charged = 0.0                              # ms of drafting work the table does not price
+
+    def _step_ms(self) -> float:
+        return self.ctx.costs.forward_ms(1, int(self.ctx.clean_gate))
+
+    def charge(self) -> None:
+        """A forward about to carry drafts."""
+        self.charged += MARGIN * self._step_ms()
+
+    def in_debt(self) -> bool:
+        """Whether the run has lost more than REGRET_SHARE of its time to drafts: its forwards since the first plan
+        (and their drafting work) cost more than AR steps for the tokens they gave, by more than that share."""
+        ctx = self.ctx
+        if self._start is None:
+            self._start = (ctx.table_ms, ctx.n_out)
+            self.charged = 0.0
+            return False
+        spent = ctx.table_ms - self._start[0] + self.charged
+        lost = spent - (ctx.n_out - self._start[1]) * self._step_ms()
+        return lost > REGRET_SHARE * spent
+
+
+class _Planner:
+    """What every planner of a run holds: its context, its acceptance by slot, the cost table it reads and the run's
+    regret (`regret`: one shared with the run's other planners; default its own)."""
+
+    def __init__(self, ctx, max_drafts: int, regret: Regret | None = None):
         self.ctx = ctx
         self.max_drafts = max_drafts
         self.acceptance = SlotAcceptance(max(max_drafts, 1))
         self.cost: Cost = ctx.costs.forward_ms
-        self._start: tuple[float, int] | None = None   # (table ms, tokens out) at the first plan after the prefill
+        self.regret = regret or Regret(ctx)
 
     def observe(self, verified: int, accepted: int) -> None:
         self.acceptance.observe(verified, accepted)
 
     def in_debt(self) -> bool:
-        """Whether the run has lost more than REGRET_SHARE of its time to drafts, by the cost table: its forwards
-        since the prefill cost more than AR steps for the tokens they gave, by more than that share."""
-        ctx = self.ctx
-        if self._start is None:
-            self._start = (ctx.table_ms, ctx.n_out)
-            return False
-        spent = ctx.table_ms - self._start[0]
-        lost = spent - (ctx.n_out - self._start[1]) * self.cost(1, int(ctx.clean_gate))
-        return lost > REGRET_SHARE * spent
+        return self.regret.in_debt()
 
 
 class DraftPlanner(_Planner):
@@ -156,8 +181,8 @@ class DraftPlanner(_Planner):
     plain means the run probes with one draft instead, a 2-row forward costing ~1.03 steps on a CPU, and lengthens
     the chain as the first slot's acceptance shows."""
 
-    def __init__(self, ctx, max_drafts: int):
-        super().__init__(ctx, max_drafts)
+    def __init__(self, ctx, max_drafts: int, regret: Regret | None = None):
+        super().__init__(ctx, max_drafts, regret)
         self.acceptance.deep = False
 
     def plan(self, rate: Callable[[list[float], Cost], float], limit: int | None = None, prefill: bool = False) -> int:
@@ -166,11 +191,16 @@ class DraftPlanner(_Planner):
         AR step."""
         self.acceptance.fade()
         top = self.max_drafts if limit is None else min(limit, self.max_drafts)
-        reach = self.acceptance.reach(top)   # a slot's rate reads only the slots before it: d drafts reach reach[:d]
-        rates = [rate(reach[:d], self.cost) for d in range(top + 1)]
-        best = max(range(len(rates)), key=rates.__getitem__)
-        if rates[best] < rates[0] * (1.0 + MARGIN) or (best and not prefill and self.in_debt()):
-            best = 0
+        if not prefill and self.in_debt():   # AR steps until the run's time makes room again: nothing to weigh
+            best, rates = 0, [rate([], self.cost)]
+        else:
+            reach = self.acceptance.reach(top)   # a slot's rate reads only the slots before it: d drafts reach reach[:d]
+            rates = [rate(reach[:d], self.cost) for d in range(top + 1)]
+            best = max(range(len(rates)), key=rates.__getitem__)
+            if rates[best] < rates[0] * (1.0 + MARGIN):
+                best = 0
+        if best and not prefill:
+            self.regret.charge()
         gain = rates[best] * self.cost(1, 0)
         self.ctx.event("plan", at_step=0 if prefill else self.ctx.step + 1, drafts=best, max_drafts=self.max_drafts,
                        gain=gain)
@@ -216,7 +246,9 @@ class BlockPlanner(_Planner):
         ar_ms = self._ms(1)
         best = max(1.0 / ar_ms, self.B / E[self.B - 1])   # tokens per ms: AR steps, or fresh blocks (B - 1 slots + 1)
         commit_ms = self._ms(filled)
-        go = E[masked] <= commit_ms + masked / best and not self.in_debt()
+        go = not self.in_debt() and E[masked] <= commit_ms + masked / best
+        if go:
+            self.regret.charge()
         self.ctx.event("plan", at_step=self.ctx.step + 1, drafts=max(masked - self.forced, 0) if go else 0,
                        max_drafts=self.max_drafts, gain=(masked + 1) / E[masked] * ar_ms if go else ar_ms / commit_ms)
         return go

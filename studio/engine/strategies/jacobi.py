@@ -19,6 +19,7 @@ import torch
 from studio.engine.sampling import Proposal, process_logits, sample_token
 from studio.engine.strategies import drafting
 from studio.engine.strategies.base import DecodeContext, Strategy
+from studio.engine.strategies.lookup import LONGEST, ContextLookup
 from studio.engine.strategies.params import N, param
 from studio.errors import BadInput
 
@@ -39,16 +40,43 @@ class _JacobiBase(Strategy):
                            "token i+1); this model is position-aligned")
         self.prompt = list(prompt)
         self.rng = random.Random(ctx.gen.initial_seed())   # draft init only, never the sampler's stream
-        self.planner = drafting.DraftPlanner(ctx, self.params.block_size) if self.plans_drafts else None
+        n = self.params.block_size
+        self.lookup = ContextLookup(self.prompt, self.params.lookup) if self.params.lookup else None
+        # looked-up drafts are right far more often than the window's own guesses: each source has its own
+        # acceptance by slot, so neither one's record decides whether the other is worth its rows
+        regret = drafting.Regret(ctx)
+        self.planners = {src: drafting.DraftPlanner(ctx, n, regret) for src in ("jacobi", "ngram")} \
+            if self.plans_drafts else {}
+        self.source = "jacobi"   # where this forward's first drafts came from
 
-    def _plan(self, ctx: DecodeContext, open_drafts: int, full_rows: int | None = None) -> int:
+    def _look_up(self, ctx: DecodeContext, k: int) -> list[int]:
+        """Up to k drafts copied from the context (`lookup`), [] where its last tokens never occurred before; sets
+        the source of the forward's first drafts."""
+        looked = []
+        if self.lookup is not None:
+            self.lookup.follow(ctx.out.token_ids)
+            looked = self.lookup.drafts(k)
+        self.source = "ngram" if looked else "jacobi"
+        return looked
+
+    def _plan(self, ctx: DecodeContext, open_drafts: int, looked: int = 0, full_rows: int | None = None) -> int:
         """How many of the `open_drafts` drafts the next forward verifies: all of them, or under `drafting="auto"`
-        as many as pay (0: a plain AR step). `full_rows`: what the forward with all of them costs in rows, when
-        it carries more than the chain (Jacobi MR's pseudo blocks and candidates)."""
-        if self.planner is None:
+        as many as pay (0: a plain AR step), at most the `looked` looked-up ones when there are any. `full_rows`:
+        what the forward with all of them costs in rows, when it carries more than the chain (Jacobi MR's pseudo
+        blocks and candidates)."""
+        planner = self.planners.get(self.source)
+        if planner is None:
             return open_drafts
-        return self.planner.plan(lambda reach, cost: drafting.chain_rate(
-            reach, cost, ctx.clean_gate, full_rows if len(reach) == open_drafts else None), limit=open_drafts)
+        return planner.plan(lambda reach, cost: drafting.chain_rate(
+            reach, cost, ctx.clean_gate, full_rows if len(reach) == open_drafts else None),
+            limit=looked or open_drafts)
+
+    def _propose(self, ctx: DecodeContext, base: int, drafts: list[int], looked: int) -> None:
+        """The propose events of a forward's chain: its looked-up drafts (src ngram), then the window's own."""
+        for src, first, toks in (("ngram", 0, drafts[:looked]), ("jacobi", looked, drafts[looked:])):
+            if toks:
+                ctx.event("propose", pos=list(range(base + first, base + first + len(toks))), tok=toks,
+                          q=[1.0] * len(toks), src=src)
 
     def _init_tokens(self, ctx: DecodeContext, k: int) -> list[int]:
         """k fresh draft tokens by the `init` rule."""
@@ -72,8 +100,8 @@ class _JacobiBase(Strategy):
         res = ctx.verify(list(range(base, base + k)), drafts, p, None, Proposal.DETERMINISTIC,
                          logits=(target_logits, None))
         a = res.n_accepted
-        if self.planner:
-            self.planner.observe(k, a)
+        if self.source in self.planners:
+            self.planners[self.source].observe(k, a)
         if a < k:
             return a, drafts[:a] + [res.correction]
         bonus, _ = sample_token(bonus_logits, ctx.sampling, ctx.gen)
@@ -89,6 +117,12 @@ def _check_common(name: str, p) -> None:
         raise BadInput(f"{name} init must be one of {', '.join(INITS)}, got {p.init!r}")
     if p.max_iters < 1:
         raise BadInput(f"{name} max_iters must be >= 1, got {p.max_iters}")
+    if not 0 <= p.lookup <= LONGEST:
+        raise BadInput(f"{name} lookup must be 0 (off) or 1..{LONGEST} tokens, got {p.lookup}")
+
+
+LOOKUP_HELP = (f"prompt lookup: where the context's last m tokens (m from {LONGEST} down to this) occurred before, the "
+               "tokens that followed are the first drafts (src ngram, planned apart from the window's own); 0 = off")
 
 
 class Jacobi(_JacobiBase):
@@ -103,6 +137,7 @@ class Jacobi(_JacobiBase):
         max_iters: int = param(128, "safety cap: iterations without a fully accepted window before the drafts "
                                     "are re-initialised (each iteration commits >= 1 token anyway)")
         drafting: str = param("auto", drafting.HELP + " (of the n drafts)", choices=drafting.DRAFTING)
+        lookup: int = param(2, LOOKUP_HELP)
 
     @staticmethod
     def validate(p) -> None:
@@ -124,11 +159,12 @@ class Jacobi(_JacobiBase):
 
     def step(self, ctx: DecodeContext) -> None:
         n, base = len(self.drafts), ctx.n_out
-        k = self._plan(ctx, n)
+        looked = self._look_up(ctx, n)
+        self.drafts[:len(looked)] = looked
+        k = self._plan(ctx, n, len(looked))
         d, unsent = self.drafts[:k], self.drafts[k:]
         logits = ctx.forward("jacobi", [self.pending] + d)
-        if k:
-            ctx.event("propose", pos=list(range(base, base + k)), tok=d, q=[1.0] * k, src="jacobi")
+        self._propose(ctx, base, d, min(len(looked), k))
         a, new = self._decide(ctx, d, process_logits(logits[:k], ctx.sampling), logits[:k], logits[k], base)
         ctx.commit(1 + a)
         self.pending = new[-1]
@@ -167,6 +203,7 @@ class JacobiMR(_JacobiBase):
         drafting: str = param("auto", drafting.HELP + ": the whole layout (the real-active block's open drafts, the "
                                       "pseudo blocks, the candidates), or the first drafts of the real-active block "
                                       "alone", choices=drafting.DRAFTING)
+        lookup: int = param(2, LOOKUP_HELP + " (the real-active block's)")
 
     @staticmethod
     def validate(p) -> None:
@@ -215,9 +252,12 @@ class JacobiMR(_JacobiBase):
         horizon = self._horizon()
         window = [self.guess[j] for j in range(n_out, horizon)]
         m = self.ra_end - n_out                       # open RA positions (>= 1 after _settle)
+        looked = self._look_up(ctx, m)
+        window[:len(looked)] = looked
+        self.guess.update(zip(range(n_out, n_out + len(looked)), looked))
         cands = self._candidates(self.pending, window[:m])
         # cost-aware: the whole layout, or a narrow forward of the first k RA drafts (pseudo blocks wait)
-        k = self._plan(ctx, m, full_rows=1 + len(window) + sum(map(len, cands)))
+        k = self._plan(ctx, m, len(looked), full_rows=1 + len(window) + sum(map(len, cands)))
         narrow = k < m
         if narrow:
             window, cands = window[:k], []
@@ -237,8 +277,7 @@ class JacobiMR(_JacobiBase):
                              logits_rows=None if len(rows) == len(tokens) else rows)
         at = {r: i for i, r in enumerate(rows)}
         pred = logits.argmax(-1).tolist()
-        if k:
-            ctx.event("propose", pos=list(range(n_out, n_out + k)), tok=window[:k], q=[1.0] * k, src="jacobi")
+        self._propose(ctx, n_out, window[:k], min(len(looked), k))
         for c in cands:
             ctx.event("propose", pos=list(range(n_out, n_out + len(c))), tok=c, q=[1.0] * len(c), src="ngram")
 

@@ -1,0 +1,43 @@
+"""Prompt lookup: drafts copied from the context. Where the last few tokens of prompt + output occurred before, the
+tokens that followed that occurrence are a guess at what follows now -- a small model repeats its own phrases and
+the prompt's, so on ordinary answers such a guess exists at a fifth to a quarter of the steps and its first token
+is right about 70 % of the time (the embedded model's own answers to 300 training prompts, a match of 2+ tokens).
+
+The guesses are deterministic functions of the tokens so far, so a strategy verifies them with the
+deterministic-draft rule and stays exact. docs/strategies.md#prompt-lookup.
+"""
+from __future__ import annotations
+
+LONGEST = 4   # the longest suffix tried: a longer match is rarer and barely more often right
+
+
+class ContextLookup:
+    """The tokens that followed the latest earlier occurrence of the context's last m tokens, for the longest m from
+    LONGEST down to `shortest` that occurred. An index of every m-gram's latest continuation keeps a lookup O(m),
+    not a scan of the context."""
+
+    def __init__(self, prompt: list[int], shortest: int):
+        self.shortest, self.prompt_len = shortest, len(prompt)
+        self.tokens: list[int] = []
+        self.after: dict[tuple[int, ...], int] = {}   # m-gram -> index of the token that followed its latest occurrence
+        self.extend(prompt)
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            j = len(self.tokens)
+            for m in range(self.shortest, LONGEST + 1):   # the m-grams ending just before t now have a continuation
+                if j >= m:
+                    self.after[tuple(self.tokens[j - m:j])] = j
+            self.tokens.append(t)
+
+    def follow(self, output: list[int]) -> None:
+        """Take in the output tokens not seen yet (`output` is the run's whole output so far)."""
+        self.extend(output[len(self.tokens) - self.prompt_len:])
+
+    def drafts(self, k: int) -> list[int]:
+        """Up to k tokens that followed the context's last tokens before; [] when no suffix of `shortest`+ occurred."""
+        for m in range(min(LONGEST, len(self.tokens)), self.shortest - 1, -1):
+            at = self.after.get(tuple(self.tokens[-m:]))
+            if at is not None:
+                return self.tokens[at:at + k]
+        return []
