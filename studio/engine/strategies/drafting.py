@@ -145,7 +145,6 @@ class Regret:
         ctx = self.ctx
         if self._start is None:
             self._start = (ctx.table_ms, ctx.n_out)
-            self.charged = 0.0
             return False
         spent = ctx.table_ms - self._start[0] + self.charged
         lost = spent - (ctx.n_out - self._start[1]) * self._step_ms()
