@@ -96,6 +96,10 @@ def build(engine, initial: RunConfig, chat_template: bool, downloads: Downloads,
         except BadInput as e:
             yield {form.message: render.note_html(str(e), "error"), status: "", state: tab}
             return
+        if tab.session.costs_pending():   # the first cost-aware turn on a model waits for the table: say so
+            from studio.engine.cost_model import measuring_line
+            yield {status: render.note_html(f"{measuring_line(tab.session.engine.name)} …"), state: tab}
+            tab.session.measure_costs()
         try:
             run = tab.session.start_turn(text)
         except BadInput as e:   # the message stays in the box

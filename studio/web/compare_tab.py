@@ -10,7 +10,7 @@ import gradio as gr
 from studio.errors import BadInput
 from studio.run.compare import as_trace, compare_configs, make_runs, rows, write_html
 from studio.run.config import RunConfig
-from studio.run.session import encode_prompt
+from studio.run.session import costs_pending, encode_prompt
 from studio.run.worker import Worker
 from studio.viz.figures import comparison_figure
 from studio.web import components, render
@@ -49,6 +49,18 @@ def start_runs(engine, prompt: str, names: list[str], settings: dict, chat_templ
     return list(runs), list(runs.values())
 
 
+def measuring_first(engine, names: list[str], settings: dict) -> str | None:
+    """The status line of a comparison whose cost-aware runs first measure the model's forward costs (seconds, once
+    per model, device and dtype); None when none has to, or the form is wrong (`start_runs` says how)."""
+    from studio.engine.cost_model import measuring_line
+    try:
+        configs = compare_configs(",".join(names or []), RunConfig(**read_settings(settings)))
+        pending = any(costs_pending(engine, config.build()[0]) for config in configs.values())
+    except BadInput:
+        return None
+    return f"{measuring_line(engine.name)} …" if pending else None
+
+
 def build(engine, chat_template: bool, downloads: Downloads, engine_queue: dict) -> None:
     state = gr.State(None)
     prompt = gr.Textbox(label="Prompt", placeholder="Type a prompt: Enter runs the comparison", lines=1, max_lines=8,
@@ -82,6 +94,9 @@ def build(engine, chat_template: bool, downloads: Downloads, engine_queue: dict)
 
     def on_run(text, run_names, pace_ms, tab: CompareTab | None, **setting_values):
         tab = tab or CompareTab()
+        measuring = measuring_first(engine, run_names, setting_values)
+        if measuring:
+            yield {state: tab, status: render.note_html(measuring), **cleared}
         try:
             labels, runs = start_runs(engine, text, run_names, setting_values, chat_template)
         except BadInput as e:

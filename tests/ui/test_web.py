@@ -235,6 +235,33 @@ def test_chat_streams_a_growing_trajectory_and_matches_the_run_alone(server, eng
     assert "position 2: final token" in inspected
 
 
+@pytest.mark.parametrize("endpoint, request_, panes", [
+    ("chat", dict(text="bcd", strategy="isd", max_new_tokens=6), ("chat-status", "chat-trajectory")),
+    ("compare", dict(text="bcd", run_names=["isd"], max_new_tokens=6), ("cmp-status", "cmp-trajectory-1"))])
+def test_a_first_cost_aware_run_says_it_measures_the_forward_costs_before_it_starts(server, monkeypatch, endpoint,
+                                                                                   request_, panes):
+    """The first cost-aware run on a model without a stored cost table waits seconds for it: the status line says
+    so before the first frame of the run, the table is measured once, and the next run starts at once."""
+    from studio.engine.cost_model import FLAT_COSTS
+    app, url, _ = server
+    status, trajectory = panes
+    measured = []
+    monkeypatch.setattr("studio.run.session.stored_table", lambda engine: FLAT_COSTS if measured else None)
+
+    def planning_costs(engine):   # measures only where no table is stored, as the real one does
+        if not measured:
+            measured.append(engine)
+        return FLAT_COSTS
+    monkeypatch.setattr("studio.run.session.planning_costs", planning_costs)
+    c = client(url)
+    for turn in range(2):
+        frames = [named(app, endpoint, out) for out in c.submit(**request_, api_name=f"/{endpoint}")]
+        said = [i for i, f in enumerate(frames) if "forward costs for tiny-llama" in str(f.get(status))]
+        drawn = [i for i, f in enumerate(frames) if isinstance(f.get(trajectory), dict) and f[trajectory].get("rows")]
+        assert len(measured) == 1 and drawn and "Traceback" not in str(frames)
+        assert (len(said) == 1 and said[0] < drawn[0]) if turn == 0 else not said
+
+
 def test_stop_ends_the_turn_cleanly_and_keeps_the_partial_answer(server):
     app, url, _ = server
     c = client(url)
