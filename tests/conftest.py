@@ -13,6 +13,27 @@ def default_gguf_file() -> Path:
     return next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _a_cache_of_the_test_session(tmp_path_factory):
+    """Tests (and the CLIs they start) write into a cache of their own: a forward-cost table measured while the
+    suite loads the machine must not be what the user's later runs plan with. The converted models are shared
+    with the user's cache through a link (converting the embedded model again would only cost time)."""
+    import os
+    from studio.engine.model_cache import cache_dir
+    models = cache_dir()
+    root = tmp_path_factory.mktemp("xdg-cache")
+    (root / "dlm-studio").mkdir()
+    models.mkdir(parents=True, exist_ok=True)
+    (root / "dlm-studio" / "models").symlink_to(models, target_is_directory=True)
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(root)
+    yield
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
 @pytest.fixture(scope="session")
 def hf_gguf():
     """(transformers LlamaForCausalLM fp32, tokenizer) loaded by transformers' own GGUF path, once per session."""
