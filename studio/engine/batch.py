@@ -276,8 +276,8 @@ def unbatchable(strategy, sampling) -> str | None:
 
 def round_shape(strategy, sampling) -> int:
     """The stride of `strategy`'s batched rounds (ar: 1); BadInput when it cannot batch (`unbatchable`). A batch
-    drafts every round in full, as batch 1 does with `drafting="fixed"`: each row of a stationary batch pays the
-    batch's width whatever it drafts, so a per-sequence plan would save nothing."""
+    drafts every round in full from its MASK rows, as batch 1 does with `drafting="fixed"` and `lookup=0`: each row
+    of a stationary batch pays the batch's width whatever it drafts, so a per-sequence plan would save nothing."""
     if why := unbatchable(strategy, sampling):
         raise BadInput(why)
     return strategy.params.stride if isinstance(strategy, ISD) else 1

@@ -211,7 +211,7 @@ class Scheduler:
             kv_length_needed(view, strategy, settings, job.prompt_ids)
             header = run_header(view, strategy, settings, job.request.prompt_text, job.prompt_ids)
             if "drafting" in header["params"]:   # a batch drafts in full (studio.engine.batch.round_shape)
-                header["params"]["drafting"] = "fixed"
+                header["params"].update(drafting="fixed", lookup=0)
             job.header = ev.full_header(dict(header, batched=True))
             key = (strategy.name, getattr(strategy.params, "stride", 1), view.adapter)
             if key not in self._batches:

@@ -28,9 +28,10 @@ from tests.support.tiny import FAMILIES, tiny_engine
 V, N_NEW = 16, 40
 _g = torch.Generator().manual_seed(1)
 PROMPTS = [torch.randint(0, V - 1, (n,), generator=_g).tolist() for n in (3, 8, 1, 5, 2)]   # MASK (V - 1) excluded
-# a batch drafts every round in full, as batch 1 does in fixed drafting
-CASES = [("ar", None), ("isd", {"stride": 2, "drafting": "fixed"}), ("isd", {"stride": 4, "drafting": "fixed"}),
-         ("r-isd", {"stride": 2, "drafting": "fixed"}), ("r-isd", {"stride": 4, "drafting": "fixed"})]
+# a batch drafts every round in full from its MASK rows, as batch 1 does in fixed drafting without lookup
+FULL = {"drafting": "fixed", "lookup": 0}
+CASES = [("ar", None), ("isd", dict(FULL, stride=2)), ("isd", dict(FULL, stride=4)),
+         ("r-isd", dict(FULL, stride=2)), ("r-isd", dict(FULL, stride=4))]
 GREEDY = SamplingParams()
 
 
@@ -224,8 +225,7 @@ def test_bench_concurrency_reports_batch_throughput_against_ar(bench):
         assert s["exact_match_vs_ar"] == 1.0                         # greedy isd/r-isd without an adapter: lossless
     # per sequence, TPF is that of the prompt's batch-1 run drafting in full, as every round of a batch does
     engine = bench.engine
-    fixed = {"drafting": "fixed"}
-    want = [alone(engine, "isd", fixed, encode_prompt(engine, p), 8).footer["tpf"] for p in BENCH_PROMPTS]
+    want = [alone(engine, "isd", FULL, encode_prompt(engine, p), 8).footer["tpf"] for p in BENCH_PROMPTS]
     assert [p["tpf"] for p in rep["strategies"][1]["per_prompt"]] == [[pytest.approx(t)] * 2 for t in want]
 
 

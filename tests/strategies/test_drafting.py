@@ -139,6 +139,7 @@ def _drive(planner: DraftPlanner, accepted: bool, forwards: int = 400) -> list[i
         plans.append(d)
         ctx.table_ms += planner.cost(1 + d, 0)
         ctx.n_out += 1 + (d if accepted else 0)
+        ctx.step += 1
         if d:
             planner.observe(d, d if accepted else 0)
     return plans
@@ -212,10 +213,10 @@ def test_refused_block_cycles_cost_a_run_at_most_the_regret_share(monkeypatch, s
         if planner.draft_pays(filled=1, masked=3):
             cycles += 1
             ctx.table_ms += planner.cost(4, 3) + planner.cost(3, 0)
-            ctx.n_out += 2
+            ctx.n_out, ctx.step = ctx.n_out + 2, ctx.step + 2
         else:
             ctx.table_ms += planner.cost(1, 0)
-            ctx.n_out += 1
+            ctx.n_out, ctx.step = ctx.n_out + 1, ctx.step + 1
     lost = (ctx.table_ms - ctx.n_out * 1.0) / ctx.table_ms
     if share < 1:
         assert lost <= REGRET_SHARE + 0.15 / ctx.table_ms and cycles >= 5   # one cycle past the bound at most
@@ -236,7 +237,7 @@ def test_a_run_plans_each_forward_from_its_costs_and_says_so(monkeypatch, costs)
     engine = tiny_engine("llama", seed=3, vocab=24)
     table = CostTable({}, 0, costs)
     monkeypatch.setattr("studio.run.session.cost_table", lambda engine: table)
-    got = _run(engine, {"stride": 4})
+    got = _run(engine, {"stride": 4, "lookup": 0})   # the MASK rows' plan alone: no drafts copied from the context
     plans = [e for e in got.events if e["t"] == "plan"]
     forwards = [e for e in got.events if e["t"] == "forward"]
     drafts = {p["drafts"] for p in plans}
@@ -251,7 +252,7 @@ def test_a_run_plans_each_forward_from_its_costs_and_says_so(monkeypatch, costs)
         drafting = [p for p in plans if p["drafts"]]
         assert 3 in drafts and len(drafting) > 0.7 * len(plans) and all(p["gain"] > 1.0 for p in drafting)
         assert max(f["n_tokens"] for f in forwards) == 7
-    assert got.token_ids == _run(engine, {"stride": 4, "drafting": "fixed"}).token_ids
+    assert got.token_ids == _run(engine, {"stride": 4, "drafting": "fixed"}).token_ids == _run(engine, {}).token_ids
 
 
 def test_the_plan_shows_in_the_tui_metrics_and_the_web_trajectory(monkeypatch):

@@ -34,6 +34,23 @@ def test_greedy_isd_equals_greedy_ar(monkeypatch, family, stride, drafting):
     assert (0 in plans and len(plans) > 1) if drafting == "auto" else not plans
 
 
+@pytest.mark.parametrize("drafting", ["fixed", "auto"])
+def test_drafts_looked_up_in_the_context_fill_rounds_without_mask_drafts_exactly(drafting):
+    """Prompt lookup: a round without MASK-row drafts (after a rejection, or none paid) verifies the tokens that
+    followed the context's last tokens where they occurred before (src ngram). On a model that cycles they are
+    right, so where its MASK rows (random here) get nowhere the run still commits several tokens a forward, and
+    writes exactly ar's tokens; lookup=0 copies none."""
+    from tests.strategies.test_jacobi import cycling_engine, ngram_accepted
+    engine = cycling_engine()
+    ar = generate(engine, "ar", n=60)
+    for name in ("isd", "r-isd"):
+        on = generate(engine, name, {"drafting": drafting}, n=60)
+        off = generate(engine, name, {"drafting": drafting, "lookup": 0}, n=60)
+        assert on.token_ids == off.token_ids == ar.token_ids, (name, drafting)
+        assert ngram_accepted(on) > 0 and ngram_accepted(off) == 0, (name, drafting)
+        assert on.footer["tpf"] > off.footer["tpf"] + 0.5, (name, drafting, on.footer["tpf"], off.footer["tpf"])
+
+
 def _isd_samples(engine, params, n_samples, length=3):
     samples = []
     for seed in range(n_samples):

@@ -131,13 +131,16 @@ class Regret:
         self.ctx = ctx
         self._start: tuple[float, int] | None = None   # (table ms, tokens out) at the first plan after the prefill
         self.charged = 0.0                              # ms of drafting work the table does not price
+        self._charged_step = -1                         # the last step charged: a forward is charged once
 
     def _step_ms(self) -> float:
         return self.ctx.costs.forward_ms(1, int(self.ctx.clean_gate))
 
     def charge(self) -> None:
-        """A forward about to carry drafts."""
-        self.charged += MARGIN * self._step_ms()
+        """A forward about to carry drafts (once, however many of the run's planners drafted for it)."""
+        if self._charged_step != self.ctx.step:
+            self._charged_step = self.ctx.step
+            self.charged += MARGIN * self._step_ms()
 
     def in_debt(self) -> bool:
         """Whether the run has lost more than REGRET_SHARE of its time to drafts: its forwards since the first plan
@@ -184,10 +187,11 @@ class DraftPlanner(_Planner):
         super().__init__(ctx, max_drafts, regret)
         self.acceptance.deep = False
 
-    def plan(self, rate: Callable[[list[float], Cost], float], limit: int | None = None, prefill: bool = False) -> int:
+    def plan(self, rate: Callable[[list[float], Cost], float], limit: int | None = None, prefill: bool = False,
+             report: bool = True) -> int:
         """The draft count for the next forward (0..max_drafts, or 0..`limit` when fewer drafts are open), reported
         as a `plan` event of that forward's step (`prefill`: the prefill, step 0) with its expected gain over a plain
-        AR step."""
+        AR step; not reported when `report` is False (a forward has one plan event: ISD's is its MASK rows')."""
         self.acceptance.fade()
         top = self.max_drafts if limit is None else min(limit, self.max_drafts)
         if not prefill and self.in_debt():   # AR steps until the run's time makes room again: nothing to weigh
@@ -200,6 +204,8 @@ class DraftPlanner(_Planner):
                 best = 0
         if best and not prefill:
             self.regret.charge()
+        if not report:
+            return best
         gain = rates[best] * self.cost(1, 0)
         self.ctx.event("plan", at_step=0 if prefill else self.ctx.step + 1, drafts=best, max_drafts=self.max_drafts,
                        gain=gain)

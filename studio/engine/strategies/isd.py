@@ -12,7 +12,9 @@ import torch
 
 from studio.engine.sampling import Proposal, process_logits, sample, sample_token
 from studio.engine.strategies import drafting
+from studio.engine.strategies import lookup as prompt_lookup
 from studio.engine.strategies.base import DecodeContext, Strategy
+from studio.engine.strategies.lookup import ContextLookup
 from studio.engine.strategies.params import N, TAU, param
 from studio.errors import BadInput
 
@@ -33,6 +35,8 @@ class ISD(Strategy):
         mode: str = param("exact", "exact | reference (the I-DLM code's biased argmax + softmax-q scoring)",
                           choices=MODES)
         drafting: str = param("auto", drafting.HELP + " (stride - 1 drafts)", choices=drafting.DRAFTING)
+        lookup: int = param(2, prompt_lookup.HELP + " (a cold round's, up to stride - 1; exact mode, not under "
+                               "--oracle-accept)")
 
     @staticmethod
     def validate(p) -> None:
@@ -45,6 +49,7 @@ class ISD(Strategy):
         if p.mode not in MODES:
             raise BadInput(f"isd mode must be 'exact' or 'reference', got {p.mode!r}")
         drafting.validate("isd", p.drafting)
+        prompt_lookup.validate("isd", p.lookup)
 
     def kv_headroom(self, config=None) -> int:
         return 2 * self.params.stride - 1
@@ -54,8 +59,17 @@ class ISD(Strategy):
 
     # -- rounds ---------------------------------------------------------------------------
     def start(self, ctx: DecodeContext, prompt: list[int]) -> None:
+        p = self.params
         self.drafts: list[int] = []
-        self.planner = drafting.DraftPlanner(ctx, self.params.stride - 1) if self.plans_drafts else None
+        self.source = "mask"   # where the drafts the next verify round checks came from: MASK rows, or lookup (ngram)
+        # under the oracle a draft's source makes no difference to its verdict: cold rounds stay cold, as in the
+        # paper's TPF formula (expected_tpf) that an oracle bench checks
+        looks_up = p.lookup and p.mode == "exact" and ctx.oracle_accept is None
+        self.lookup = ContextLookup(prompt, p.lookup) if looks_up else None
+        regret = drafting.Regret(ctx)   # one bound on the run's loss, whichever planner's drafts lost it
+        self.planner = drafting.DraftPlanner(ctx, p.stride - 1, regret) if self.plans_drafts else None
+        self.lookup_planner = drafting.DraftPlanner(ctx, p.stride - 1, regret) \
+            if self.plans_drafts and looks_up else None
         n_mask = self._n_mask(ctx, prefill=True)
         P = len(prompt)
         logits = ctx.forward("prefill", prompt + [ctx.mask_id] * n_mask,
@@ -64,10 +78,28 @@ class ISD(Strategy):
         self._clean_and_propose(ctx, logits, already_emitted=0)
 
     def step(self, ctx: DecodeContext) -> None:
+        if not self.drafts:
+            self._look_up(ctx)
         if self.drafts:
             self._verify_round(ctx)
         else:
             self._cold_round(ctx)
+
+    def _look_up(self, ctx: DecodeContext) -> None:
+        """A round without MASK-row drafts (after a rejection, or when none paid) verifies drafts copied from the
+        context where its last tokens occurred before (`lookup`): as many as pay under drafting=auto. They are
+        deterministic functions of the tokens so far, verified by the deterministic rule: exact as before."""
+        if self.lookup is None:
+            return
+        self.lookup.follow(ctx.out.token_ids)
+        looked = self.lookup.drafts(self.params.stride - 1)
+        if looked and self.lookup_planner is not None:
+            # the forward's plan event is its MASK rows' (_n_mask); these drafts show as propose{src: ngram}
+            k = self.lookup_planner.plan(lambda reach, cost: drafting.chain_rate(reach, cost, ctx.clean_gate),
+                                         limit=len(looked), report=False)
+            looked = looked[:k]
+        if looked:
+            self.drafts, self.q, self.q_logits, self.source = looked, None, None, "ngram"
 
     def _cold_round(self, ctx: DecodeContext) -> None:
         n_mask = self._n_mask(ctx)
@@ -80,14 +112,17 @@ class ISD(Strategy):
         logits = ctx.forward("verify", [self.pending] + self.drafts + [ctx.mask_id] * n_mask,
                              lora_gate=self._gate(ctx, 1 + k, n_mask))
         base = self.pending_pos + 1
+        if self.source == "ngram":
+            ctx.event("propose", pos=list(range(base, base + k)), tok=self.drafts, q=[1.0] * k, src="ngram")
         reference = self.params.mode == "reference"
         # p and q are process_logits of these rows, except in reference mode (the untruncated softmax)
         raw = None if reference else (logits[:k], self.q_logits)
         res = ctx.verify(list(range(base, base + k)), self.drafts, self._target_probs(ctx, logits[:k]), self.q,
                          self._proposal(ctx), logits=raw, tau=self.params.tau, reference=reference)
         a = res.n_accepted
-        if self.planner:
-            self.planner.observe(k, a)
+        planner = self.lookup_planner if self.source == "ngram" else self.planner
+        if planner:
+            planner.observe(k, a)
         if a < k:
             accepted = self.drafts[:a]
             ctx.commit(1 + a)
@@ -114,6 +149,7 @@ class ISD(Strategy):
         accepted = self.drafts if bonus else []
         self.pending, self.pending_pos = clean, pos
         self.drafts, self.q = self._propose(ctx, logits[1:], pos + 1)
+        self.source = "mask"
         self.q_logits = None if self.q is None else logits[1:]
         ctx.emit(accepted + [clean])
 
@@ -137,7 +173,8 @@ class ISD(Strategy):
         return ctx.sampling.greedy or p.proposal == "argmax" or p.mode == "reference"
 
     def _proposal(self, ctx: DecodeContext) -> Proposal:
-        return Proposal.DETERMINISTIC if self._argmax_drafts(ctx) else Proposal.SAMPLED
+        deterministic = self.source == "ngram" or self._argmax_drafts(ctx)
+        return Proposal.DETERMINISTIC if deterministic else Proposal.SAMPLED
 
     def _target_probs(self, ctx: DecodeContext, logits: torch.Tensor) -> torch.Tensor:
         if self.params.mode == "reference" and not ctx.sampling.greedy:

@@ -19,7 +19,8 @@ import torch
 from studio.engine.sampling import Proposal, process_logits, sample_token
 from studio.engine.strategies import drafting
 from studio.engine.strategies.base import DecodeContext, Strategy
-from studio.engine.strategies.lookup import LONGEST, ContextLookup
+from studio.engine.strategies import lookup as prompt_lookup
+from studio.engine.strategies.lookup import ContextLookup
 from studio.engine.strategies.params import N, param
 from studio.errors import BadInput
 
@@ -117,12 +118,7 @@ def _check_common(name: str, p) -> None:
         raise BadInput(f"{name} init must be one of {', '.join(INITS)}, got {p.init!r}")
     if p.max_iters < 1:
         raise BadInput(f"{name} max_iters must be >= 1, got {p.max_iters}")
-    if not 0 <= p.lookup <= LONGEST:
-        raise BadInput(f"{name} lookup must be 0 (off) or 1..{LONGEST} tokens, got {p.lookup}")
-
-
-LOOKUP_HELP = (f"prompt lookup: where the context's last m tokens (m from {LONGEST} down to this) occurred before, the "
-               "tokens that followed are the first drafts (src ngram, planned apart from the window's own); 0 = off")
+    prompt_lookup.validate(name, p.lookup)
 
 
 class Jacobi(_JacobiBase):
@@ -137,7 +133,7 @@ class Jacobi(_JacobiBase):
         max_iters: int = param(128, "safety cap: iterations without a fully accepted window before the drafts "
                                     "are re-initialised (each iteration commits >= 1 token anyway)")
         drafting: str = param("auto", drafting.HELP + " (of the n drafts)", choices=drafting.DRAFTING)
-        lookup: int = param(2, LOOKUP_HELP)
+        lookup: int = param(2, prompt_lookup.HELP + " (the window's first)")
 
     @staticmethod
     def validate(p) -> None:
@@ -203,7 +199,7 @@ class JacobiMR(_JacobiBase):
         drafting: str = param("auto", drafting.HELP + ": the whole layout (the real-active block's open drafts, the "
                                       "pseudo blocks, the candidates), or the first drafts of the real-active block "
                                       "alone", choices=drafting.DRAFTING)
-        lookup: int = param(2, LOOKUP_HELP + " (the real-active block's)")
+        lookup: int = param(2, prompt_lookup.HELP + " (the real-active block's first)")
 
     @staticmethod
     def validate(p) -> None:

@@ -8,7 +8,18 @@ deterministic-draft rule and stays exact. docs/strategies.md#prompt-lookup.
 """
 from __future__ import annotations
 
+from studio.errors import BadInput
+
 LONGEST = 4   # the longest suffix tried: a longer match is rarer and barely more often right
+
+HELP = (f"prompt lookup: where the context's last m tokens (m from {LONGEST} down to this) occurred before, the "
+        "tokens that followed are drafts (src ngram, planned apart from the strategy's own); 0 = off")
+
+
+def validate(owner: str, value: int) -> None:
+    """BadInput unless `value` is a lookup length (0: off)."""
+    if not 0 <= value <= LONGEST:
+        raise BadInput(f"{owner} lookup must be 0 (off) or 1..{LONGEST} tokens, got {value}")
 
 
 class ContextLookup:
