@@ -168,7 +168,7 @@ def cost_table(engine, refresh: bool = False) -> CostTable:
 def measuring_line(model: str) -> str:
     """What a front end says while a table is measured (the first cost-aware run on a model waits for it)."""
     return (f"measuring this machine's forward costs for {model} (a few seconds, once per model, device and dtype): "
-            "cost-aware drafting plans with them")
+            "cost-aware drafting plans with them …")
 
 
 def stored_table(engine) -> CostTable | None:

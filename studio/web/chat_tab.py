@@ -98,7 +98,7 @@ def build(engine, initial: RunConfig, chat_template: bool, downloads: Downloads,
             return
         if tab.session.costs_pending():   # the first cost-aware turn on a model waits for the table: say so
             from studio.engine.cost_model import measuring_line
-            yield {status: render.note_html(f"{measuring_line(tab.session.engine.name)} …"), state: tab}
+            yield {status: render.note_html(measuring_line(tab.session.engine.name)), state: tab}
             tab.session.measure_costs()
         try:
             run = tab.session.start_turn(text)

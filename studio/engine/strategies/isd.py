@@ -14,7 +14,6 @@ from studio.engine.sampling import Proposal, process_logits, sample, sample_toke
 from studio.engine.strategies import drafting
 from studio.engine.strategies import lookup as prompt_lookup
 from studio.engine.strategies.base import DecodeContext, Strategy
-from studio.engine.strategies.lookup import ContextLookup
 from studio.engine.strategies.params import N, TAU, param
 from studio.errors import BadInput
 
@@ -65,7 +64,7 @@ class ISD(Strategy):
         # under the oracle a draft's source makes no difference to its verdict: cold rounds stay cold, as in the
         # paper's TPF formula (expected_tpf) that an oracle bench checks
         looks_up = p.lookup and p.mode == "exact" and ctx.oracle_accept is None
-        self.lookup = ContextLookup(prompt, p.lookup) if looks_up else None
+        self.lookup = prompt_lookup.ContextLookup(prompt, p.lookup) if looks_up else None
         regret = drafting.Regret(ctx)   # one bound on the run's loss, whichever planner's drafts lost it
         self.planner = drafting.DraftPlanner(ctx, p.stride - 1, regret) if self.plans_drafts else None
         self.lookup_planner = drafting.DraftPlanner(ctx, p.stride - 1, regret) \

@@ -20,7 +20,6 @@ from studio.engine.sampling import Proposal, process_logits, sample_token
 from studio.engine.strategies import drafting
 from studio.engine.strategies.base import DecodeContext, Strategy
 from studio.engine.strategies import lookup as prompt_lookup
-from studio.engine.strategies.lookup import ContextLookup
 from studio.engine.strategies.params import N, param
 from studio.errors import BadInput
 
@@ -42,7 +41,7 @@ class _JacobiBase(Strategy):
         self.prompt = list(prompt)
         self.rng = random.Random(ctx.gen.initial_seed())   # draft init only, never the sampler's stream
         n = self.params.block_size
-        self.lookup = ContextLookup(self.prompt, self.params.lookup) if self.params.lookup else None
+        self.lookup = prompt_lookup.ContextLookup(self.prompt, self.params.lookup) if self.params.lookup else None
         # looked-up drafts are right far more often than the window's own guesses: each source has its own
         # acceptance by slot, so neither one's record decides whether the other is worth its rows
         regret = drafting.Regret(ctx)
