@@ -258,5 +258,6 @@ def test_snapshot_chat_at_80x24(snap_compare):
 
     async def before(pilot):
         await turn(pilot, "bcdefg")
+        pilot.app.screen.query_one("#prompt").cursor_blink = False   # a blinking cursor is on or off by the clock
         await pilot.pause()
     assert snap_compare(app, terminal_size=SMALL, run_before=before)
