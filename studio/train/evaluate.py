@@ -7,8 +7,9 @@ token agreement (the share of the reference's tokens that the run reproduces at 
 reference is `ar` on the model it decodes (`studio.run.compare`): for r-isd on an adapter of every row, the
 base model, whose `ar` run then joins the table. On an adapter that makes the model bidirectional (`train mdm`)
 no `ar` reference runs: `ar` runs on the base model, and the canvas runs are measured against it (another model).
-A strategy that plans its drafts runs with `drafting="fixed"` unless told otherwise (`measuring_every_slot`): the
-adapter's acceptance by slot is what is measured, and a cost-aware run would leave slots undrafted.
+A strategy that plans its drafts runs with `drafting="fixed"`, and one that can copy drafts from its context with
+`lookup=0`, unless told otherwise (`measuring_every_slot`): the adapter's acceptance by slot is what is measured, a
+cost-aware run would leave slots undrafted and a looked-up draft is not the adapter's.
 """
 from __future__ import annotations
 
@@ -55,12 +56,19 @@ class Pooled:
         return tok_per_s(self.tally.decoded, self.decode_s)
 
 
+# what each run measuring the adapter's own drafts is given, where its strategy has the parameter and the user did
+# not set it
+MEASURING = {"drafting": "fixed", "lookup": 0}
+
+
 def measuring_every_slot(configs: Mapping[str, RunConfig]) -> dict[str, RunConfig]:
-    """`configs` with `drafting="fixed"` for every strategy that plans its drafts and was not given a `drafting`."""
+    """`configs` with every strategy drafting each slot from the adapter alone (`MEASURING`), where not told
+    otherwise."""
     out = {}
     for label, c in configs.items():
-        planned = hasattr(c.build()[0].params, "drafting") and "drafting" not in c.params
-        out[label] = dataclasses.replace(c, params={**c.params, "drafting": "fixed"}) if planned else c
+        params = c.build()[0].params
+        unset = {k: v for k, v in MEASURING.items() if hasattr(params, k) and k not in c.params}
+        out[label] = dataclasses.replace(c, params={**c.params, **unset}) if unset else c
     return out
 
 

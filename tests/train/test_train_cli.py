@@ -108,11 +108,13 @@ def test_pack_writes_a_compact_shippable_copy(tmp_path):
 
 def test_eval_measures_every_draft_slot_of_a_cost_aware_strategy():
     """train eval reports an adapter's acceptance by slot: a strategy that plans its drafts drafts every slot there,
-    unless the user chose otherwise."""
+    and one that can copy drafts from its context does not (they are not the adapter's), unless the user chose
+    otherwise."""
     from studio.run.config import RunConfig
     from studio.train.evaluate import measuring_every_slot
     got = measuring_every_slot({"ar": RunConfig("ar"), "r-isd": RunConfig("r-isd"), "s2d2": RunConfig("s2d2"),
                                 "blockdiff": RunConfig("blockdiff"),
                                 "isd": RunConfig("isd", params={"drafting": "auto"})})
-    assert got["r-isd"].params == got["s2d2"].params == {"drafting": "fixed"} and got["isd"].params == {"drafting": "auto"}
+    assert got["r-isd"].params == {"drafting": "fixed", "lookup": 0} and got["s2d2"].params == {"drafting": "fixed"}
+    assert got["isd"].params == {"drafting": "auto", "lookup": 0}
     assert got["ar"].params == {} and got["blockdiff"].params == {}
