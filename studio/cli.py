@@ -434,7 +434,7 @@ def _bench_forwards(engine, repeats: int, warmup: int, as_json: bool) -> None:
 
     engine = engine.for_strategy("r-isd")   # its adapter for the gated shape (none: that shape is left out)
     device = engine.model.lm_head.weight.device
-    from studio.engine.cost_model import cost_table, table_key, table_path
+    from studio.engine.cost_model import cost_table, table_key, table_path, unsteady_line
     with Console(stderr=True).status("timing forwards"):
         costs = measure_forwards(engine, repeats=10 * repeats, warmup=max(warmup, 1))
         by_rows = cost_table(engine, refresh=True)   # measured anew: bench --forwards refreshes the cached table
@@ -467,6 +467,7 @@ def _bench_forwards(engine, repeats: int, warmup: int, as_json: bool) -> None:
     relative = "  ".join(f"{n}: {by_rows.relative(n):.2f}" for n in range(1, by_rows.max_rows + 1))
     lines.append(f"a forward of n rows, x the 1-row step (the table cost-aware drafting reads, cached in "
                  f"{table_path(table_key(engine))}): {relative}")
+    lines += filter(None, [unsteady_line(by_rows)])
     t.caption = "\n".join(lines)
     Console().print(t)
 
@@ -579,7 +580,7 @@ def models_costs(spec: str = typer.Argument("default", help="'default', a model 
     device, dtype, thread count and LoRA rank (a few seconds), then cached. The table cost-aware drafting reads."""
     import json
 
-    from studio.engine.cost_model import cached_at, cost_table
+    from studio.engine.cost_model import cached_at, cost_table, unsteady_line
     from studio.engine.engine import Engine
     engine = Engine.load(spec, adapter=adapter)
     if adapter is None:
@@ -594,8 +595,9 @@ def models_costs(spec: str = typer.Argument("default", help="'default', a model 
     k = table.key
     lora = f", LoRA rank {k['lora_rank']}" if k["lora_rank"] else ""
     where = "random weights: measured in this process only" if path is None else f"cached in {path}"
+    steadiness = "" if table.noise is None else f"; times spread {100 * table.noise:.0f}%"
     typer.echo(f"{k['model']} on {k['device']}, {k['dtype']}, {k['threads']} threads{lora}; after a "
-               f"{table.context}-token context ({where})")
+               f"{table.context}-token context{steadiness} ({where})")
     head = "rows   plain ms  x 1-row" + ("   LoRA on all ms  x 1-row" if table.gated_ms else "")
     typer.echo(head)
     for n in range(1, table.max_rows + 1):
@@ -603,6 +605,8 @@ def models_costs(spec: str = typer.Argument("default", help="'default', a model 
         if table.gated_ms:
             line += f"   {table.forward_ms(n, n):>14.2f}  {table.relative(n, n):>7.2f}"
         typer.echo(line)
+    if not table.steady:
+        typer.echo(f"warning: {unsteady_line(table)}", err=True)
 
 
 @models_app.command("info")

@@ -4,7 +4,8 @@ A strategy that verifies k draft rows pays for a (1 + k)-row forward whether or 
 so whether drafting pays depends on how that cost grows with the rows on the loaded model, device and dtype
 (on a CPU a 7-row forward costs ~1.3x a 1-row step; on a GPU nearly nothing more). `calibrate` measures it:
 the median time of a forward of 1..`max_rows` rows after a fixed context, plain and with the LoRA on every row
-(when an adapter is attached), round-robin as `forward_cost.measure_forwards` does. `cost_table` keeps one
+(when an adapter is attached), round-robin as `forward_cost.measure_forwards` does, again (up to `ATTEMPTS` times)
+while the machine is too busy for steady times, keeping the steadiest table. `cost_table` keeps one
 table per model, device, dtype, thread count and LoRA rank in the user cache (`costs/`), measured at first use
 (a few seconds) and again on `refresh`.
 """
@@ -14,6 +15,7 @@ import hashlib
 import itertools
 import json
 import os
+import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -28,16 +30,27 @@ from studio.engine.random_models import RANDOM_SOURCE
 TABLE_VERSION = 4
 MAX_ROWS = 16        # ISD stride 8 (2N - 1 = 15 rows + 1), Jacobi's default block of 16
 CONTEXT = 128        # KV length the forwards attend over: a short chat turn's
+# Steady enough to plan with: the row counts' median spread (interquartile range / median of a shape's times) at
+# most this. Measured while another job loads the machine, the times swing by more and the rows' differences drown
+# in them: a table that prices a 16-row forward like a 1-row one would have drafts look free for every later run.
+STEADY = 0.10
+ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
 class CostTable:
     """Median milliseconds of one forward by its row count: `plain_ms[n - 1]` for n rows without the LoRA,
-    `gated_ms[n - 1]` for n rows all with it (None: no adapter was attached when it was measured)."""
+    `gated_ms[n - 1]` for n rows all with it (None: no adapter was attached when it was measured); `noise` the
+    median spread of the plain forwards' times (None: not recorded)."""
     key: dict
     context: int
     plain_ms: tuple[float, ...]
     gated_ms: tuple[float, ...] | None = None
+    noise: float | None = None
+
+    @property
+    def steady(self) -> bool:
+        return self.noise is None or self.noise <= STEADY
 
     @property
     def max_rows(self) -> int:
@@ -64,8 +77,9 @@ class CostTable:
     @classmethod
     def from_dict(cls, d: dict) -> "CostTable":
         gated = d.get("gated_ms")
+        noise = d.get("noise")
         return cls(dict(d["key"]), int(d["context"]), tuple(float(x) for x in d["plain_ms"]),
-                   None if gated is None else tuple(float(x) for x in gated))
+                   None if gated is None else tuple(float(x) for x in gated), None if noise is None else float(noise))
 
 
 # Every forward of up to 16 rows costs what one row does (as on a GPU well below its compute): what a decode context
@@ -102,14 +116,23 @@ def _parallel_key(engine) -> dict:
 
 def calibrate(engine, max_rows: int = MAX_ROWS, repeats: int = 5, warmup: int = 1,
               context: int = CONTEXT) -> CostTable:
-    """Measure the table on `engine` now (every row count plain, and gated where an adapter is attached)."""
+    """Measure the table on `engine` now (every row count plain, and gated where an adapter is attached), again
+    while its times are not steady (`STEADY`), at most `ATTEMPTS` times; the steadiest table."""
     shapes = [Shape(f"{n} rows", n) for n in range(1, max_rows + 1)]
     if engine.lora is not None:
         shapes += [Shape(f"{n} rows, all gated", n, gated=n) for n in range(1, max_rows + 1)]
-    costs = measure_forwards(engine, repeats=repeats, warmup=warmup, context=context, shapes=shapes)
-    plain = _never_cheaper([c.ms for c in costs if not c.shape.gated])
-    gated = _never_cheaper([c.ms for c in costs if c.shape.gated]) or None
-    return CostTable(table_key(engine), context, plain, gated)
+    best = None
+    for _ in range(ATTEMPTS):
+        costs = measure_forwards(engine, repeats=repeats, warmup=warmup, context=context, shapes=shapes)
+        plain = [c for c in costs if not c.shape.gated]
+        table = CostTable(table_key(engine), context, _never_cheaper([c.ms for c in plain]),
+                          _never_cheaper([c.ms for c in costs if c.shape.gated]) or None,
+                          statistics.median(c.spread for c in plain))
+        if best is None or table.noise < best.noise:
+            best = table
+        if best.steady:
+            break
+    return best
 
 
 def _never_cheaper(ms: list[float]) -> tuple[float, ...]:
@@ -137,8 +160,8 @@ def cached_at(engine) -> Path | None:
     return None if engine.source == RANDOM_SOURCE else table_path(table_key(engine))
 
 
-# Told (with one line) before a table is measured, which pauses the first cost-aware run for a few seconds: the CLI
-# says so on stderr (studio.run.options.say_when_measuring_costs)
+# Told (with one line) before a table is measured, which pauses the first cost-aware run for a few seconds, and after,
+# when the table is not steady: the CLI says so on stderr (studio.run.options.say_when_measuring_costs)
 on_measure: Callable[[str], None] | None = None
 
 
@@ -162,6 +185,8 @@ def cost_table(engine, refresh: bool = False) -> CostTable:
         os.makedirs(path.parent, exist_ok=True)
         with atomic_write(path) as f:
             json.dump(table.to_dict(), f, indent=1)
+        if on_measure is not None and not table.steady:
+            on_measure(unsteady_line(table))
     return table
 
 
@@ -169,6 +194,14 @@ def measuring_line(model: str) -> str:
     """What a front end says while a table is measured (the first cost-aware run on a model waits for it)."""
     return (f"measuring this machine's forward costs for {model} (a few seconds, once per model, device and dtype): "
             "cost-aware drafting plans with them …")
+
+
+def unsteady_line(table: CostTable) -> str | None:
+    """What a front end says of a table measured while the machine was busy (None for a steady one)."""
+    if table.steady:
+        return None
+    return (f"the machine was busy while these forwards were timed (their times spread {100 * table.noise:.0f}% after "
+            f"{ATTEMPTS} tries): drafting plans may be off until `dlm-studio models costs --refresh` on a quiet machine")
 
 
 def stored_table(engine) -> CostTable | None:

@@ -36,6 +36,7 @@ class ForwardCost:
     shape: Shape
     ms: float              # median wall time of one forward
     ratio: float           # ms / the 1-token step's ms
+    spread: float = 0.0    # the samples' interquartile range / their median: how steady the machine was
 
     @property
     def throughput_ratio(self) -> float:
@@ -45,7 +46,7 @@ class ForwardCost:
     def to_dict(self) -> dict:
         return {"shape": self.shape.name, "tokens": self.shape.tokens, "batch": self.shape.batch,
                 "gated_rows": self.shape.gated, "ms": round(self.ms, 3), "ratio": round(self.ratio, 3),
-                "throughput_ratio": round(self.throughput_ratio, 3)}
+                "throughput_ratio": round(self.throughput_ratio, 3), "spread": round(self.spread, 3)}
 
 
 def measure_forwards(engine: Engine, repeats: int = 20, warmup: int = 2, context: int = 200,
@@ -76,7 +77,16 @@ def measure_forwards(engine: Engine, repeats: int = 20, warmup: int = 2, context
             if i >= warmup:
                 times[s].append(time.perf_counter() - t0)
     base = statistics.median(times[shapes[0]])
-    return [ForwardCost(s, statistics.median(t) * 1e3, statistics.median(t) / base) for s, t in times.items()]
+    return [ForwardCost(s, statistics.median(t) * 1e3, statistics.median(t) / base, _spread(t))
+            for s, t in times.items()]
+
+
+def _spread(samples: list[float]) -> float:
+    """Interquartile range over the median (0 for fewer than 2 samples)."""
+    if len(samples) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return (q3 - q1) / statistics.median(samples)
 
 
 def lora_overhead(costs: list[ForwardCost]) -> float | None:

@@ -86,7 +86,8 @@ def run_config(strategy: str | None, values: dict) -> RunConfig:
 
 
 def say_when_measuring_costs() -> None:
-    """One line on stderr before a cost table is measured: the first cost-aware run on a model pauses for it."""
+    """One line on stderr before a cost table is measured (the first cost-aware run on a model pauses for it), and
+    one after when the machine was too busy for it to be trusted."""
     from studio.engine import cost_model
     cost_model.on_measure = lambda text: typer.echo(f"dlm-studio: {text}", err=True)
 
