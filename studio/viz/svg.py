@@ -18,6 +18,8 @@ from studio.viz.stats import acceptance, progress
 ROLE_COLORS = {"prefill": "#9E9E9E", "cold": OKABE_ITO["sky_blue"], "verify": OKABE_ITO["blue"],
                "draft": OKABE_ITO["orange"], "target": OKABE_ITO["bluish_green"], "commit": "#616161",
                "jacobi": OKABE_ITO["reddish_purple"], "extend": OKABE_ITO["vermillion"]}
+CHAR_PX = 6.2       # about the width of one 11 px character of the charts' sans-serif font
+LEGEND_ROW = 16     # px between legend rows
 MAX_TIPS = 20_000   # trajectory cells with a hover text; beyond it the file would grow for little use
 
 
@@ -75,14 +77,19 @@ class Plot:
     def axes(self, x_title: str, y_title: str, y_ticks: Sequence[tuple[float, str]],
              x_ticks: Sequence[tuple[float, str]] = ()) -> None:
         x0, y0, x1, y1 = self.box
+        slant = _slanted_label_px(self, x_ticks)
+        if slant:   # the chart grows downwards by what the longest label needs at 40 degrees
+            self.height = max(self.height, int(y1 + 18 + 0.64 * slant + (16 if x_title else 0)))
         parts = [f'<line x1="{x0}" y1="{y1}" x2="{x1}" y2="{y1}" stroke="#888"/>']
         for v, text in y_ticks:
             y = _n(self.y(v))
             parts.append(f'<line x1="{x0}" y1="{y}" x2="{x1}" y2="{y}" stroke="#eee"/>'
                          f'<text x="{x0 - 6}" y="{y}" dy="4" font-size="11" text-anchor="end">{esc(text)}</text>')
         for v, text in x_ticks:
-            parts.append(f'<text x="{_n(self.x(v))}" y="{y1 + 15}" font-size="11" text-anchor="middle">'
-                         f"{esc(text)}</text>")
+            x = _n(self.x(v))
+            place = (f'x="{x}" y="{y1 + 12}" transform="rotate(-40 {x} {y1 + 12})" text-anchor="end"' if slant
+                     else f'x="{x}" y="{y1 + 15}" text-anchor="middle"')
+            parts.append(f'<text {place} font-size="11">{esc(text)}</text>')
         parts.append(f'<text x="{(x0 + x1) / 2}" y="{self.height - 6}" font-size="12" text-anchor="middle" '
                      f'fill="#444">{esc(x_title)}</text>')
         parts.append(f'<text transform="translate(13 {(y0 + y1) / 2}) rotate(-90)" font-size="12" '
@@ -91,14 +98,32 @@ class Plot:
 
     def svg(self) -> str:
         head = [f'<text x="4" y="18" font-size="15" font-weight="600">{esc(self.title)}</text>']
-        x = 4.0
-        for name, color in self.legend_items:   # one row under the title: never over the marks
-            head.append(f'<rect x="{_n(x)}" y="30" width="11" height="11" fill="{color}"/>'
-                        f'<text x="{_n(x + 15)}" y="40" font-size="11.5">{esc(name)}</text>')
-            x += 28 + 6.6 * len(name)
-        return (f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" viewBox="0 0 {self.width} {self.height}" '
-                f'width="{self.width}" height="{self.height}" role="img" aria-label="{esc(self.title)}" '
-                f'font-family="system-ui, sans-serif">{"".join(head)}{"".join(self.marks)}</svg>')
+        x, y = 4.0, 30
+        for name, color in self.legend_items:   # rows under the title: never over the marks
+            width = 28 + 6.6 * len(name)
+            if x > 4 and x + width - 12 > self.width:
+                x, y = 4.0, y + LEGEND_ROW
+            head.append(f'<rect x="{_n(x)}" y="{y}" width="11" height="11" fill="{color}"/>'
+                        f'<text x="{_n(x + 15)}" y="{y + 10}" font-size="11.5">{esc(name)}</text>')
+            x += width
+        extra = y - 30   # the legend's rows after its first push the chart down
+        marks = "".join(self.marks)
+        if extra:
+            marks = f'<g transform="translate(0 {extra})">{marks}</g>'
+        height = self.height + extra
+        return (f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" viewBox="0 0 {self.width} {height}" '
+                f'width="{self.width}" height="{height}" role="img" aria-label="{esc(self.title)}" '
+                f'font-family="system-ui, sans-serif">{"".join(head)}{marks}</svg>')
+
+
+def _slanted_label_px(plot: Plot, x_ticks: Sequence[tuple[float, str]]) -> float:
+    """The pixel width of the longest x tick label when labels side by side would overlap (they then slant), else 0."""
+    if len(x_ticks) < 2:
+        return 0.0
+    xs = sorted(plot.x(v) for v, _ in x_ticks)
+    gap = min(b - a for a, b in pairwise(xs))
+    longest = CHAR_PX * max(len(text) for _, text in x_ticks)
+    return longest if longest > gap - 4 else 0.0
 
 
 def ticks(top: float, n: int = 4, percent: bool = False) -> list[tuple[float, str]]:
