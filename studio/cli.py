@@ -434,7 +434,7 @@ def _bench_forwards(engine, repeats: int, warmup: int, as_json: bool) -> None:
 
     engine = engine.for_strategy("r-isd")   # its adapter for the gated shape (none: that shape is left out)
     device = engine.model.lm_head.weight.device
-    from studio.engine.cost_model import cost_table, table_key, table_path, unsteady_line
+    from studio.engine.cost_model import cost_table, table_key, table_path
     with Console(stderr=True).status("timing forwards"):
         costs = measure_forwards(engine, repeats=10 * repeats, warmup=max(warmup, 1))
         by_rows = cost_table(engine, refresh=True)   # measured anew: bench --forwards refreshes the cached table
@@ -467,7 +467,6 @@ def _bench_forwards(engine, repeats: int, warmup: int, as_json: bool) -> None:
     relative = "  ".join(f"{n}: {by_rows.relative(n):.2f}" for n in range(1, by_rows.max_rows + 1))
     lines.append(f"a forward of n rows, x the 1-row step (the table cost-aware drafting reads, cached in "
                  f"{table_path(table_key(engine))}): {relative}")
-    lines += filter(None, [unsteady_line(by_rows)])
     t.caption = "\n".join(lines)
     Console().print(t)
 

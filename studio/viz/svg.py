@@ -19,6 +19,7 @@ ROLE_COLORS = {"prefill": "#9E9E9E", "cold": OKABE_ITO["sky_blue"], "verify": OK
                "draft": OKABE_ITO["orange"], "target": OKABE_ITO["bluish_green"], "commit": "#616161",
                "jacobi": OKABE_ITO["reddish_purple"], "extend": OKABE_ITO["vermillion"]}
 CHAR_PX = 6.2       # about the width of one 11 px character of the charts' sans-serif font
+LEGEND_CHAR_PX = 6.6   # and of one 11.5 px legend character
 LEGEND_ROW = 16     # px between legend rows
 MAX_TIPS = 20_000   # trajectory cells with a hover text; beyond it the file would grow for little use
 
@@ -100,7 +101,7 @@ class Plot:
         head = [f'<text x="4" y="18" font-size="15" font-weight="600">{esc(self.title)}</text>']
         x, y = 4.0, 30
         for name, color in self.legend_items:   # rows under the title: never over the marks
-            width = 28 + 6.6 * len(name)
+            width = 28 + LEGEND_CHAR_PX * len(name)
             if x > 4 and x + width - 12 > self.width:
                 x, y = 4.0, y + LEGEND_ROW
             head.append(f'<rect x="{_n(x)}" y="{y}" width="11" height="11" fill="{color}"/>'
