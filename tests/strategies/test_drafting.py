@@ -11,7 +11,7 @@ from studio.engine.strategies.drafting import (MARGIN, REGRET_SHARE, BlockPlanne
 from studio.engine.strategies.isd import expected_tpf
 from studio.run.session import Session, Settings
 from tests.support.dlm import generate
-from tests.support.plans import planned
+from tests.support.plans import plan_with, planned
 from tests.support.tiny import tiny_dlm, tiny_engine
 
 FLAT = CostTable({}, 0, (1.0,) * 16)
@@ -307,7 +307,7 @@ def test_auto_drafting_falls_back_to_ar_steps_and_back_and_stays_ar(monkeypatch,
     Greedy output is AR's; every block opened is closed under the name it was opened with."""
     monkeypatch.setattr("studio.engine.strategies.drafting.REGRET_SHARE", 1.0)
     engine = tiny_dlm("llama", True, vocab=24, seed=7)
-    r = generate(engine, name, {"cache": "causal", "block_size": 4, **params}, n=100)
+    r = generate(engine, name, {"cache": "causal", "block_size": 4, "lookup": 0, **params}, n=100)   # no copied drafts
     assert r.token_ids == generate(engine, "ar", n=100).token_ids
     plans = planned(r)
     drafted = [i for i, d in enumerate(plans) if d]
@@ -317,3 +317,39 @@ def test_auto_drafting_falls_back_to_ar_steps_and_back_and_stays_ar(monkeypatch,
     opened_ = [(e["start"], e["end"]) for e in r.events if e["t"] == "block" and e["op"] == "open"]
     closed = [(e["start"], e["end"]) for e in r.events if e["t"] == "block" and e["op"] == "close"]
     assert closed == opened_[:len(closed)] and len(opened_) - len(closed) <= 1
+
+
+@pytest.mark.parametrize("name", ["s2d2", "simsd"])
+def test_the_ar_steps_of_a_block_strategy_verify_drafts_looked_up_in_the_context(name):
+    """Prompt lookup on the AR steps cost-aware drafting falls back to: the commit forward of a block's filled prefix
+    also carries the tokens that followed the context's last tokens where they occurred before, and its rows verify
+    them. On a model that cycles they are right (its MASK rows, untrained, are not), so the run commits several
+    tokens a forward and still writes exactly ar's tokens; lookup=0 copies none."""
+    from tests.strategies.test_jacobi import cycling_engine, ngram_accepted
+    engine = cycling_engine()
+    ar = generate(engine, "ar", n=60)
+    params = {"cache": "causal", "block_size": 4, "drafting": "auto"}
+    on = generate(engine, name, params, n=60)
+    off = generate(engine, name, dict(params, lookup=0), n=60)
+    assert on.token_ids == off.token_ids == ar.token_ids
+    assert ngram_accepted(on) > 0 and ngram_accepted(off) == 0
+    assert on.footer["tpf"] > off.footer["tpf"] + 0.5, (on.footer["tpf"], off.footer["tpf"])
+
+
+@pytest.mark.parametrize("name", ["s2d2", "simsd"])
+def test_sampled_block_runs_with_looked_up_drafts_keep_the_ar_law(monkeypatch, name):
+    """Whole sequences, real KV: costs under which a block's cycle never pays but a 2-row forward does make every step
+    an AR step, a prompt that repeats gives them drafts to copy, and the sampled law of the first three tokens is
+    still the model's own (block-size-1) law."""
+    from tests.support.dlm import block_size_one_law
+    from tests.support.exact import chi_square_pvalue
+    plan_with(monkeypatch, (1.0, 1.05) + (50.0,) * 14)
+    engine = tiny_dlm("llama", True, vocab=6, seed=11, dim=16, layers=1)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    law = block_size_one_law(engine, prompt, 3, SamplingParams(1.0))
+    params = {"cache": "causal", "block_size": 4, "drafting": "auto", "lookup": 1}
+    runs = [generate(engine, name, dict(params, policy="always") if name == "s2d2" else params, prompt=prompt, n=3,
+                     temperature=1.0, seed=seed) for seed in range(4000)]
+    assert chi_square_pvalue([tuple(r.token_ids) for r in runs], law) > 0.01
+    looked_up = sum(any(e["t"] == "propose" and e["src"] == "ngram" for e in r.events) for r in runs)
+    assert looked_up > len(runs) // 2, looked_up

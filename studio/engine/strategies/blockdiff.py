@@ -13,6 +13,7 @@ import torch
 from studio.engine.masks import bidirectional, block_causal, partially_causal_draft
 from studio.engine.sampling import Proposal, SamplingParams, process_logits, sample, sample_token
 from studio.engine.strategies import drafting
+from studio.engine.strategies import lookup as prompt_lookup
 from studio.engine.strategies.base import DecodeContext, Strategy
 from studio.engine.strategies.editing import select_edits
 from studio.engine.strategies.params import N, TAU, param
@@ -235,16 +236,20 @@ class BlockDiffusion(Strategy):
         self.causal_cache = self.causal_commits(cfg)
         self.prompt_len = P = len(prompt)
         self.emitted_upto = P     # absolute position of the next token to emit
-        # blocks on a grid from position 0 (SDAR, Fast-dLLM v2, LLaDA2: the prompt's tail opens the first block), or
-        # from the prompt's end behind a bidirectional prompt (D2F)
+        # blocks on a grid from position 0 where the model was trained on one (SDAR, Fast-dLLM v2, LLaDA2: the prompt's
+        # tail opens the first block); from the prompt's end behind a bidirectional prompt (D2F), and on an AR model
+        # with a block adapter (trained at free block starts) whose cache is causal: its prefill is then ar's and
+        # gives the first token, where a tail in the first block cost one wider forward more than ar
         self.d2f = is_d2f(cfg)
-        aligned = P if self.d2f else P // self.B * self.B
+        free_start = self.d2f or (self.shift and self.causal_cache and cfg.block_size is None)
+        aligned = P if free_start else P // self.B * self.B
         pending = []
         if aligned:
             logits = self._prefill(ctx, prompt[:aligned])
             if self.shift and aligned == P:
                 pending = [self._next_token(ctx, logits[-1])]
         self.planner = self._planner(ctx) if self.plans_drafts and self._can_fall_back() else None
+        self.lookup, self.lookup_planner = self._prompt_lookup(ctx, prompt)
         self._open(ctx, aligned, prompt[aligned:] + pending)
 
     def _can_fall_back(self) -> bool:
@@ -256,6 +261,16 @@ class BlockDiffusion(Strategy):
     def _planner(self, ctx: DecodeContext) -> drafting.BlockPlanner | None:
         """The cost-aware planner of a verifying strategy (S2D2, SimSD: `drafting = "auto"`); blockdiff has none."""
         return None
+
+    def _prompt_lookup(self, ctx: DecodeContext, prompt: list[int]):
+        """(context, planner) for prompt lookup on the AR steps cost-aware drafting falls back to (S2D2, SimSD:
+        `lookup`); (None, None) without. Its planner has a regret of its own: the block planner's refused cycles would
+        otherwise hold back the copied drafts, which cost a few percent of a step where the cycles cost whole steps.
+        Not under the oracle, whose verdicts would make copied drafts as good as the strategy's own."""
+        shortest = getattr(self.params, "lookup", 0)
+        if self.planner is None or not shortest or ctx.oracle_accept is not None:
+            return None, None
+        return prompt_lookup.ContextLookup(prompt, shortest), drafting.DraftPlanner(ctx, self.B - 1)
 
     def _prefill(self, ctx: DecodeContext, tokens: list[int]) -> torch.Tensor:
         n = len(tokens)
@@ -278,24 +293,49 @@ class BlockDiffusion(Strategy):
         ctx.event("block", op="open", start=max(0, start - self.prompt_len), end=start + self.B - self.prompt_len)
         self._emit_ready(ctx)
 
-    def _close(self, ctx: DecodeContext, upto: int | None = None) -> None:
+    def _close(self, ctx: DecodeContext, upto: int | None = None, looked_up: list[int] = ()) -> None:
         """Commit forward: write the finished block's KV (and, right-shifted, predict the next block's slot 0). With
         editing the block's tokens become final only now; nothing more is computed once they end the output.
         `upto`: commit only the block's first `upto` (filled) slots and open the next block after them: cost-aware
-        drafting's fallback, a plain AR step when one slot is filled (the close event names the block as opened)."""
+        drafting's fallback, a plain AR step when one slot is filled (the close event names the block as opened).
+        `looked_up`: with `upto`, drafts copied from the context after those slots, verified by the same forward's
+        rows (as an AR model verifies a chain): the accepted ones are committed too, the next block opens after them."""
         b = self.block
         if self.editing:
             self._emit_ready(ctx, final=True)
             if ctx.out.finished:
                 return
         n = b.size if upto is None else upto
-        tokens = b.tokens[:n]
-        logits = ctx.forward("commit", tokens, mask=self._commit_mask(ctx, n, b.start),
-                             lora_gate=self.gate(tokens, ctx.mask_id), logits_rows=[n - 1])
+        tokens = b.tokens[:n] + list(looked_up)
+        logits = ctx.forward("commit", tokens, mask=self._commit_mask(ctx, len(tokens), b.start),
+                             lora_gate=self.gate(tokens, ctx.mask_id), logits_rows=list(range(n - 1, len(tokens))))
+        if looked_up:
+            accepted, after = self._verify_looked_up(ctx, n, list(looked_up), logits)
+        else:
+            accepted, after = 0, self._next_token(ctx, logits[0]) if self.shift else None
+        n += accepted
         ctx.commit(n)
-        self._commit_draft_model(ctx, tokens)
+        self._commit_draft_model(ctx, tokens[:n])
         ctx.event("block", op="close", start=max(0, b.start - self.prompt_len), end=b.start + b.size - self.prompt_len)
-        self._open(ctx, b.start + n, [self._next_token(ctx, logits[0])] if self.shift else [])
+        self._open(ctx, b.start + n, [] if after is None else [after])
+
+    def _verify_looked_up(self, ctx: DecodeContext, n: int, drafts: list[int], logits: torch.Tensor) -> tuple[int, int]:
+        """Verify drafts copied from the context at the open block's slots n.. against rows 1.. of the commit forward
+        of its first n slots (row 0 predicts slot n): deterministic functions of the tokens so far, so the
+        deterministic-draft rule keeps the run exact. Emits the accepted ones; returns (how many, the token after
+        them: the correction, or the bonus read on the last row)."""
+        k = len(drafts)
+        slots = list(range(n, n + k))
+        self._propose(ctx, slots, drafts, None, "ngram")
+        p = process_logits(self._no_mask(ctx, logits[:k]), ctx.sampling)
+        res = ctx.verify([self.out_pos(j) for j in slots], drafts, p, None, Proposal.DETERMINISTIC)
+        self.lookup_planner.observe(k, res.n_accepted)
+        accepted = drafts[:res.n_accepted]
+        if accepted:
+            ctx.emit(accepted)
+            self.emitted_upto += len(accepted)
+        after = res.correction if res.correction is not None else self._next_token(ctx, logits[k])
+        return len(accepted), after
 
     def _commit_draft_model(self, ctx: DecodeContext, tokens: list[int]) -> None:
         """Hook for strategies that keep a second model's cache in step (SimSD): `tokens` were just committed."""
@@ -310,8 +350,23 @@ class BlockDiffusion(Strategy):
             return False
         if self.planner.draft_pays(filled=slots[0], masked=len(slots)):
             return False
-        self._close(ctx, upto=slots[0])
+        self._close(ctx, upto=slots[0], looked_up=self._looked_up(ctx, filled=slots[0]))
         return True
+
+    def _looked_up(self, ctx: DecodeContext, filled: int) -> list[int]:
+        """Drafts for an AR step committing `filled` slots: the tokens that followed the context's last tokens where
+        they occurred before (`lookup`), as many as pay by the costs and their own acceptance so far."""
+        if self.lookup is None:
+            return []
+        self.lookup.follow(ctx.out.token_ids)
+        looked = self.lookup.drafts(self.B - 1)
+        if not looked:
+            return []
+        clean_gated = self.params.adapter_rows == "all"
+        k = self.lookup_planner.plan(lambda reach, cost: drafting.chain_rate(reach, cost, clean_gated,
+                                                                             rows=filled + len(reach)),
+                                     limit=len(looked), report=False)
+        return looked[:k]
 
     def _next_token(self, ctx: DecodeContext, row: torch.Tensor) -> int:
         tok, _ = sample_token(self._no_mask(ctx, row[None])[0], ctx.sampling, ctx.gen)

@@ -124,8 +124,9 @@ def isd_rate(reach: list[float], cost: Cost, clean_gated: bool) -> float:
 
 
 class Regret:
-    """A run's loss to AR steps since its first plan after the prefill, by the cost table plus MARGIN of a step per
-    drafting forward; shared by the planners of one run (Jacobi plans looked-up drafts and its own apart)."""
+    """A run's loss to AR steps since a planner's first plan after the prefill, by the cost table plus MARGIN of a step
+    per drafting forward. Each planner keeps its own: a strategy's refused probes (whole steps of loss for S2D2's
+    block cycles) would otherwise hold back the drafts copied from the context, which cost a few percent of a step."""
 
     def __init__(self, ctx):
         self.ctx = ctx
@@ -155,15 +156,15 @@ class Regret:
 
 
 class _Planner:
-    """What every planner of a run holds: its context, its acceptance by slot, the cost table it reads and the run's
-    regret (`regret`: one shared with the run's other planners; default its own)."""
+    """What every planner of a run holds: its context, its acceptance by slot, the cost table it reads and its
+    regret."""
 
-    def __init__(self, ctx, max_drafts: int, regret: Regret | None = None):
+    def __init__(self, ctx, max_drafts: int):
         self.ctx = ctx
         self.max_drafts = max_drafts
         self.acceptance = SlotAcceptance(max(max_drafts, 1))
         self.cost: Cost = ctx.costs.forward_ms
-        self.regret = regret or Regret(ctx)
+        self.regret = Regret(ctx)
 
     def observe(self, verified: int, accepted: int) -> None:
         self.acceptance.observe(verified, accepted)
@@ -183,8 +184,8 @@ class DraftPlanner(_Planner):
     plain means the run probes with one draft instead, a 2-row forward costing ~1.03 steps on a CPU, and lengthens
     the chain as the first slot's acceptance shows."""
 
-    def __init__(self, ctx, max_drafts: int, regret: Regret | None = None):
-        super().__init__(ctx, max_drafts, regret)
+    def __init__(self, ctx, max_drafts: int):
+        super().__init__(ctx, max_drafts)
         self.acceptance.deep = False
 
     def plan(self, rate: Callable[[list[float], Cost], float], limit: int | None = None, prefill: bool = False,

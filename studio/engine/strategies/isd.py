@@ -65,9 +65,8 @@ class ISD(Strategy):
         # paper's TPF formula (expected_tpf) that an oracle bench checks
         looks_up = p.lookup and p.mode == "exact" and ctx.oracle_accept is None
         self.lookup = prompt_lookup.ContextLookup(prompt, p.lookup) if looks_up else None
-        regret = drafting.Regret(ctx)   # one bound on the run's loss, whichever planner's drafts lost it
-        self.planner = drafting.DraftPlanner(ctx, p.stride - 1, regret) if self.plans_drafts else None
-        self.lookup_planner = drafting.DraftPlanner(ctx, p.stride - 1, regret) \
+        self.planner = drafting.DraftPlanner(ctx, p.stride - 1) if self.plans_drafts else None
+        self.lookup_planner = drafting.DraftPlanner(ctx, p.stride - 1) \
             if self.plans_drafts and looks_up else None
         n_mask = self._n_mask(ctx, prefill=True)
         P = len(prompt)

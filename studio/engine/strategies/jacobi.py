@@ -44,8 +44,7 @@ class _JacobiBase(Strategy):
         self.lookup = prompt_lookup.ContextLookup(self.prompt, self.params.lookup) if self.params.lookup else None
         # looked-up drafts are right far more often than the window's own guesses: each source has its own
         # acceptance by slot, so neither one's record decides whether the other is worth its rows
-        regret = drafting.Regret(ctx)
-        self.planners = {src: drafting.DraftPlanner(ctx, n, regret) for src in ("jacobi", "ngram")} \
+        self.planners = {src: drafting.DraftPlanner(ctx, n) for src in ("jacobi", "ngram")} \
             if self.plans_drafts else {}
         self.source = "jacobi"   # where this forward's first drafts came from
 

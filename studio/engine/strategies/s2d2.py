@@ -16,6 +16,7 @@ import torch
 from studio.engine.masks import s2d2_verifier
 from studio.engine.sampling import process_logits
 from studio.engine.strategies import drafting
+from studio.engine.strategies import lookup as prompt_lookup
 from studio.engine.strategies.base import DecodeContext
 from studio.engine.strategies.blockdiff import BlockDiffusion, Draft, is_d2f
 from studio.engine.strategies.params import param
@@ -35,6 +36,7 @@ class S2D2(BlockDiffusion):
         drafting: str = param("auto", "auto: on an AR model with a block adapter, draft the open block only when that "
                                       "pays by the measured forward costs and the run's acceptance, else commit its "
                                       "filled prefix (an AR step) | fixed: always draft", choices=drafting.DRAFTING)
+        lookup: int = param(2, prompt_lookup.HELP + " (on the AR steps drafting=auto falls back to)")
 
     def __init__(self, params: dict | None = None):
         params = dict(params or {})
@@ -52,6 +54,7 @@ class S2D2(BlockDiffusion):
         if not p.gamma > 0:
             raise BadInput(f"s2d2 gamma must be > 0, got {p.gamma}")
         drafting.validate("s2d2", p.drafting)
+        prompt_lookup.validate("s2d2", p.lookup)
 
     def check_run(self, config, max_new_tokens: int) -> None:
         """A bidirectional model has no block-size-1 mode to verify with unless it carries a D2F block adapter, and

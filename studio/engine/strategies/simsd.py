@@ -14,6 +14,7 @@ import torch
 from studio.engine.masks import simsd_temporal
 from studio.engine.sampling import SamplingParams, process_logits
 from studio.engine.strategies import drafting
+from studio.engine.strategies import lookup as prompt_lookup
 from studio.engine.strategies.base import DecodeContext
 from studio.engine.strategies.blockdiff import SCHEDULES, BlockDiffusion, transfer_counts, top_k
 from studio.engine.strategies.params import param
@@ -40,6 +41,7 @@ class SimSD(BlockDiffusion):
                                       "when that pays by the measured forward costs and the run's acceptance, else "
                                       "commit the block's filled prefix (an AR step) | fixed: always speculate",
                               choices=drafting.DRAFTING)
+        lookup: int = param(2, prompt_lookup.HELP + " (on the AR steps drafting=auto falls back to)")
 
     def __init__(self, params: dict | None = None):
         super().__init__(params)
@@ -57,6 +59,7 @@ class SimSD(BlockDiffusion):
         if p.acceptance not in ACCEPTANCE:
             raise BadInput(f"simsd acceptance must be one of {', '.join(ACCEPTANCE)}, got {p.acceptance!r}")
         drafting.validate("simsd", p.drafting)
+        prompt_lookup.validate("simsd", p.lookup)
 
     def use_draft(self, engine, target_config) -> None:
         """Draft with `engine`'s model (own KV cache). It must share the target's vocabulary and kind."""
