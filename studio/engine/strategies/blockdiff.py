@@ -310,7 +310,7 @@ class BlockDiffusion(Strategy):
         logits = ctx.forward("commit", tokens, mask=self._commit_mask(ctx, len(tokens), b.start),
                              lora_gate=self.gate(tokens, ctx.mask_id), logits_rows=list(range(n - 1, len(tokens))))
         if looked_up:
-            accepted, after = self._verify_looked_up(ctx, n, list(looked_up), logits)
+            accepted, after = self._verify_looked_up(ctx, n, tokens[n:], logits)
         else:
             accepted, after = 0, self._next_token(ctx, logits[0]) if self.shift else None
         n += accepted
@@ -362,8 +362,8 @@ class BlockDiffusion(Strategy):
         looked = self.lookup.drafts(self.B - 1)
         if not looked:
             return []
-        clean_gated = self.params.adapter_rows == "all"
-        k = self.lookup_planner.plan(lambda reach, cost: drafting.chain_rate(reach, cost, clean_gated,
+        gated = self.planner.all_gated   # the block planner's reading of the adapter's rows: clean rows gated too
+        k = self.lookup_planner.plan(lambda reach, cost: drafting.chain_rate(reach, cost, gated,
                                                                              rows=filled + len(reach)),
                                      limit=len(looked), report=False)
         return looked[:k]
