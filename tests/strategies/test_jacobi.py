@@ -323,12 +323,20 @@ def test_drafts_looked_up_in_the_context_are_verified_exactly_and_pay_on_repetit
 
 
 def test_context_lookup_finds_the_latest_longest_earlier_occurrence():
+    from studio.engine.strategies.base import Output
     from studio.engine.strategies.lookup import ContextLookup
+
+    def output(tokens, max_new_tokens=100):
+        return Output(None, max_new_tokens, frozenset(), token_ids=tokens)
     look = ContextLookup([5, 1, 2, 3, 9, 1, 2, 4, 7], shortest=2)
     assert look.drafts(3) == []                       # ...4 7: never before
-    look.follow([1, 2])                               # ...7 1 2: "1 2" was followed by 3, then (later) by 4
+    look.follow(output([1, 2]))                       # ...7 1 2: "1 2" was followed by 3, then (later) by 4
     assert look.drafts(3) == [4, 7, 1]                # the latest occurrence wins
-    look.follow([1, 2, 3])                            # output so far: 1 2 3 -> "1 2 3" occurred at the start
+    look.follow(output([1, 2, 3]))                    # output so far: 1 2 3 -> "1 2 3" occurred at the start
     assert look.drafts(2) == [9, 1]                   # the longest suffix wins over "2 3" / "3"
+    look.follow(output([1, 2, 3], max_new_tokens=5))  # two tokens left: the forward's own one and a single draft
+    assert look.drafts(3) == [9]
+    look.follow(output([1, 2, 3], max_new_tokens=4))  # the last token is the forward's own: nothing to draft
+    assert look.drafts(3) == []
     assert ContextLookup([1, 2, 1], shortest=1).drafts(4) == [2, 1]
     assert ContextLookup([1, 2, 1], shortest=2).drafts(4) == []

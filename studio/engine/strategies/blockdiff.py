@@ -358,7 +358,7 @@ class BlockDiffusion(Strategy):
         they occurred before (`lookup`), as many as pay by the costs and their own acceptance so far."""
         if self.lookup is None:
             return []
-        self.lookup.follow(ctx.out.token_ids)
+        self.lookup.follow(ctx.out)
         looked = self.lookup.drafts(self.B - 1)
         if not looked:
             return []

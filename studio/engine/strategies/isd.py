@@ -89,7 +89,7 @@ class ISD(Strategy):
         deterministic functions of the tokens so far, verified by the deterministic rule: exact as before."""
         if self.lookup is None:
             return
-        self.lookup.follow(ctx.out.token_ids)
+        self.lookup.follow(ctx.out)
         looked = self.lookup.drafts(self.params.stride - 1)
         if looked and self.lookup_planner is not None:
             # the forward's plan event is its MASK rows' (_n_mask); these drafts show as propose{src: ngram}

@@ -53,7 +53,7 @@ class _JacobiBase(Strategy):
         the source of the forward's first drafts."""
         looked = []
         if self.lookup is not None:
-            self.lookup.follow(ctx.out.token_ids)
+            self.lookup.follow(ctx.out)
             looked = self.lookup.drafts(k)
         self.source = "ngram" if looked else "jacobi"
         return looked

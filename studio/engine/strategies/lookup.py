@@ -30,6 +30,7 @@ class ContextLookup:
     def __init__(self, prompt: list[int], shortest: int):
         self.shortest, self.prompt_len = shortest, len(prompt)
         self.tokens: list[int] = []
+        self.room = None   # how many drafts can still become output (None: no limit known yet)
         self.after: dict[tuple[int, ...], int] = {}   # m-gram -> index of the token that followed its latest occurrence
         self.extend(prompt)
 
@@ -41,12 +42,20 @@ class ContextLookup:
                     self.after[tuple(self.tokens[j - m:j])] = j
             self.tokens.append(t)
 
-    def follow(self, output: list[int]) -> None:
-        """Take in the output tokens not seen yet (`output` is the run's whole output so far)."""
-        self.extend(output[len(self.tokens) - self.prompt_len:])
+    def follow(self, out) -> None:
+        """Take in the output tokens not seen yet (`out`: the run's Output). The verifying forward writes one token of
+        its own after the accepted drafts, so at most max_new_tokens - written - 1 drafts can still become output:
+        more would be rows verified for nothing on the last step."""
+        self.extend(out.token_ids[len(self.tokens) - self.prompt_len:])
+        self.room = max(0, out.max_new_tokens - len(out.token_ids) - 1)
 
     def drafts(self, k: int) -> list[int]:
-        """Up to k tokens that followed the context's last tokens before; [] when no suffix of `shortest`+ occurred."""
+        """Up to k tokens that followed the context's last tokens before (and no more than can become output); []
+        when no suffix of `shortest`+ occurred."""
+        if self.room is not None:
+            k = min(k, self.room)
+        if not k:
+            return []
         for m in range(min(LONGEST, len(self.tokens)), self.shortest - 1, -1):
             at = self.after.get(tuple(self.tokens[-m:]))
             if at is not None:
