@@ -94,6 +94,8 @@ class Tracker:
                 progressed = True
             elif t in ("propose", "resample", "bonus", "accept", "reject", "edit"):
                 progressed = True
+            elif t == "route":   # S2D2's draft forward hands its drafts to the next forward's verifier
+                progressed = progressed or e["verify"]
             elif t == "plan":
                 plan = (e["drafts"], e["max_drafts"], e["gain"])
             elif t == "kv" and e["op"] == "refresh":   # a refresh recomputes slots; the length stays

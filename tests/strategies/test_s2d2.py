@@ -70,6 +70,8 @@ def test_a_forced_first_slot_is_verified_but_not_counted_as_an_accepted_proposal
     first_slot = [e["pos"] == min(p["pos"]) for e in verified for p in r.events
                   if p["t"] == "propose" and p["step"] == e["step"] and e["t"] == "reject"]
     assert any(first_slot), "some first proposal is rejected: slot 0 is a real draft, not a forced token"
+    from studio.viz.stats import progress, stalled_steps
+    assert not stalled_steps(progress(r.events))   # a draft step whose drafts go to the verifier is no stall
     assert r.footer["accept_by_pos"][0] < 1.0
     if temperature == 0:   # the accounting changes no output: always verifying is greedy AR on this model
         assert r.token_ids == generate(engine, "ar", n=30).token_ids
