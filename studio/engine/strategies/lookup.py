@@ -8,7 +8,12 @@ deterministic-draft rule and stays exact. docs/strategies.md#prompt-lookup.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from studio.errors import BadInput
+
+if TYPE_CHECKING:
+    from studio.engine.strategies.base import Output
 
 LONGEST = 4   # the longest suffix tried: a longer match is rarer and barely more often right
 
@@ -42,7 +47,7 @@ class ContextLookup:
                     self.after[tuple(self.tokens[j - m:j])] = j
             self.tokens.append(t)
 
-    def follow(self, out) -> None:
+    def follow(self, out: Output) -> None:
         """Take in the output tokens not seen yet (`out`: the run's Output). The verifying forward writes one token of
         its own after the accepted drafts, so at most max_new_tokens - written - 1 drafts can still become output:
         more would be rows verified for nothing on the last step."""
@@ -54,8 +59,6 @@ class ContextLookup:
         when no suffix of `shortest`+ occurred."""
         if self.room is not None:
             k = min(k, self.room)
-        if not k:
-            return []
         for m in range(min(LONGEST, len(self.tokens)), self.shortest - 1, -1):
             at = self.after.get(tuple(self.tokens[-m:]))
             if at is not None:
