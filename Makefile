@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml Makefile
 run: venv
 	$(BIN)/dlm-studio demo
 
+# two pytest-xdist workers, each with its share of the cores (tests/conftest.py): a 2-core CI runner otherwise
+# leaves a core idle through every single-threaded tiny-model test. `make test TEST_WORKERS=0` runs in one process.
+TEST_WORKERS ?= 2
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 # every reader fuzzed with 10x the examples of `make test` (tests/fuzzing.py: profiles, per-reader tally),
 # and the soaks (also in `make test`)

@@ -1,9 +1,20 @@
 """Shared fixtures: the embedded default model (ours) and transformers' GGUF load of it (the oracle)."""
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`make test` runs one worker per core), each worker gets its share of the cores, and so do
+    the CLIs it starts (OMP_NUM_THREADS): two workers with every core each spend their time waiting on each other."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        share = max(1, len(os.sched_getaffinity(0)) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(share)
+        torch.set_num_threads(share)
 
 
 def default_gguf_file() -> Path:

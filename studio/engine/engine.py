@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from studio.engine.config import ModelConfig
-from studio.engine.device import resolve_device, resolve_dtype
+from studio.engine.device import cpu_threads, resolve_device, resolve_dtype
 from studio.engine.graphs import CachePool
 from studio.engine.model import Transformer, forgo_packed_copies, model_class
 from studio.engine.random_models import RANDOM_SOURCE, build_random, is_random, random_config
@@ -25,10 +25,9 @@ _threads_set = False
 def _init_torch() -> None:
     global _threads_set
     if not _threads_set:
-        # the cores this process may run on (taskset), not all of the machine's: oversubscribed threads
-        # spin against each other
-        torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+        torch.set_num_threads(cpu_threads())
         _threads_set = True
+
 
 
 def to_device(model: Transformer, device: torch.device, dtype: torch.dtype) -> None:

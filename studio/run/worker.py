@@ -19,10 +19,10 @@ def reserve_cores_for_drawing(n: int = 1) -> int:
     """Decode on every core but `n`, so a UI thread draws on a core of its own: torch's intra-op threads
     spin while they wait for each other, and a third busy thread on a 2-core machine slows every matmul
     several-fold. Process-wide (torch's setting is); returns the decode thread count."""
-    import os
-
     import torch
-    threads = max(1, (os.cpu_count() or 1) - n)
+
+    from studio.engine.device import cpu_threads
+    threads = max(1, cpu_threads() - n)
     torch.set_num_threads(threads)
     return threads
 

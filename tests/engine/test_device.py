@@ -2,13 +2,14 @@
 sees a GPU)."""
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
 import torch
 
 from studio.cli import main
-from studio.engine.device import resolve_device, resolve_dtype
+from studio.engine.device import cpu_threads, resolve_device, resolve_dtype
 from studio.engine.engine import Engine, to_device
 from studio.engine.model import Transformer, rope_inv_freq
 from studio.engine.random_models import SHAPES, build_random, random_config
@@ -178,3 +179,14 @@ def test_cuda_sampler_generator_lives_on_the_gpu(tiny_random):
     engine = Engine.load(tiny_random, device="cuda")
     run = Run(engine, make_strategy("ar"), Settings(max_new_tokens=4), "", [1, 2, 3])
     assert run.ctx.gen.device.type == "cuda" and run.ctx.kv.k.device.type == "cuda"
+
+
+@pytest.mark.parametrize("env, expected", [("3", 3), (" 1 ", 1), ("0", None), ("lots", None), (None, None)])
+def test_cpu_threads_follow_omp_num_threads_when_set(monkeypatch, env, expected):
+    """A user (or a test runner sharing the cores between workers) who sets OMP_NUM_THREADS gets that many threads;
+    otherwise, or when it is no positive count, the cores this process may run on."""
+    if env is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", env)
+    assert cpu_threads() == (expected or len(os.sched_getaffinity(0)))
