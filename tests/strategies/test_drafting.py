@@ -1,13 +1,14 @@
 """Cost-aware drafting: the planner's arithmetic (acceptance by slot, expected tokens per ms) and what a run
 does with it. Exactness under `drafting="auto"` is tested with each strategy's own exactness tests."""
+import math
+
 import pytest
 
 from studio.engine.cost_model import CostTable
 from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import make_strategy
-from studio.engine.strategies.drafting import (MARGIN, REGRET_SHARE, BlockPlanner, DraftPlanner, Regret,
-                                               SlotAcceptance,
-                                               chain_rate, isd_rate)
+from studio.engine.strategies.drafting import (MARGIN, REGRET_SHARE, RISK_SHARE, BlockPlanner, DraftPlanner, Regret,
+                                               SlotAcceptance, chain_rate, isd_rate)
 from studio.engine.strategies.isd import expected_tpf
 from studio.run.session import Session, Settings
 from tests.support.dlm import generate
@@ -207,6 +208,7 @@ def test_refused_block_cycles_cost_a_run_at_most_the_regret_share(monkeypatch, s
     """A block cycle that is refused costs two wide forwards for two tokens (the forced slot and the correction):
     the regret bound holds a block strategy's loss to AR as it does a chain's, and it still probes now and then."""
     monkeypatch.setattr("studio.engine.strategies.drafting.REGRET_SHARE", share)
+    monkeypatch.setattr("studio.engine.strategies.drafting.RISK_SHARE", math.inf)   # the other bound, tested below
     planner = _block_planner(CostTable({}, 0, (1.0, 1.0, 1.05) + (1.1,) * 13), 0.9)   # pinned: every cycle pays
     ctx, cycles = planner.ctx, 0
     for _ in range(400):
@@ -222,6 +224,21 @@ def test_refused_block_cycles_cost_a_run_at_most_the_regret_share(monkeypatch, s
         assert lost <= REGRET_SHARE + 0.15 / ctx.table_ms and cycles >= 5   # one cycle past the bound at most
     else:
         assert lost > 0.05 and cycles == 400
+
+
+@pytest.mark.parametrize("risk", [RISK_SHARE, math.inf])
+def test_a_block_cycle_waits_until_the_answer_can_absorb_its_refusal(monkeypatch, risk):
+    """A cycle that pays on average (4 tokens for 3.84 steps) but, its drafts all refused, loses 0.42 of a step (2.42
+    steps for the forced slot and the correction) waits for the answer to reach the length whose RISK_SHARE covers
+    that loss and MARGIN of a step: 9 tokens of AR steps. Without the bound it goes at once."""
+    monkeypatch.setattr("studio.engine.strategies.drafting.RISK_SHARE", risk)
+    planner = _block_planner(CostTable({}, 0, (1.0, 1.0, 1.0, 1.42)), 1.0)   # pinned: every draft accepted
+    ctx, waited = planner.ctx, 0
+    while not planner.draft_pays(filled=1, masked=3):
+        assert planner.ctx.events[-1]["drafts"] == 0
+        ctx.table_ms, ctx.n_out, ctx.step, waited = ctx.table_ms + 1.0, ctx.n_out + 1, ctx.step + 1, waited + 1
+    assert waited == (9 if risk < 1 else 0)
+    assert planner.ctx.events[-1]["drafts"] == 2
 
 
 def _run(engine, params, n=40):

@@ -45,6 +45,14 @@ MARGIN = 0.05
 # free, so the bound never held and a probe every other step cost ~3 % (0.97x ar on ordinary prompts)
 REGRET_SHARE = 0.01
 
+# The most a block strategy's draft cycle may stake: were every draft it carries refused, the run would still be within
+# this share of AR's time for the tokens it has written. The regret bound above acts once a loss is made, and a short
+# answer cannot pay one back: S2D2's first cycle (~3 steps' time for at least 2 tokens) was 4-7 % of a 33-token answer.
+# So a cycle waits until the answer can absorb its loss (~25 tokens for S2D2's) or cycles that paid have made room.
+# Not for a DraftPlanner: its probe can be one draft (a 2-row forward), and bounding its longer chains the same way
+# kept R-ISD and Jacobi MR from the lists they win on (the numbered-list demo: R-ISD 1.55x -> 1.33x ar)
+RISK_SHARE = 0.05
+
 # Forward costs for a planner: ms of a forward of `rows` rows, `gated` of them with the LoRA on.
 Cost = Callable[[int, int], float]
 
@@ -143,6 +151,15 @@ class Regret:
             self._charged_step = self.ctx.step
             self.charged += MARGIN * self._step_ms()
 
+    def affords(self, worst_ms: float) -> bool:
+        """Whether a drafting forward that loses `worst_ms` to AR steps when every draft is refused (plus MARGIN of a
+        step) keeps the run within RISK_SHARE of AR's time for the tokens written since the first plan, and one more."""
+        ctx, step = self.ctx, self._step_ms()
+        start_ms, start_out = self._start or (ctx.table_ms, ctx.n_out)
+        tokens = ctx.n_out - start_out
+        lost = ctx.table_ms - start_ms + self.charged - tokens * step
+        return lost + worst_ms + MARGIN * step <= RISK_SHARE * (tokens + 1) * step
+
     def in_debt(self) -> bool:
         """Whether the run has lost more than REGRET_SHARE of its time to drafts: its forwards since the first plan
         (and their drafting work) cost more than AR steps for the tokens they gave, by more than that share."""
@@ -239,10 +256,18 @@ class BlockPlanner(_Planner):
         E = [self._ms(B)]
         for m in range(1, m_max + 1):
             r = max(m - f, 0)                                    # real drafts verified this cycle
-            cycle = self.draft_forwards * self._ms(B, m) + self._ms(B - 1)
             after = reach[r] * E[0] + sum((reach[k] - reach[k + 1]) * E[m - f - k - 1] for k in range(r))
-            E.append(cycle + after)
+            E.append(self.cycle_ms(m) + after)
         return E
+
+    def cycle_ms(self, m: int) -> float:
+        """A draft cycle of a block with m masked slots: its draft forwards (m MASK rows) and the verifying forward."""
+        return self.draft_forwards * self._ms(self.B, m) + self._ms(self.B - 1)
+
+    def min_filled(self, m: int) -> int:
+        """The slots a cycle of m masked slots fills however its drafts fare: the forced ones, and a correction when it
+        verifies a real draft."""
+        return min(self.forced, m) + (m > self.forced)
 
     def draft_pays(self, filled: int, masked: int) -> bool:
         """Whether the next forward drafts the block's `masked` last slots (a cycle), or commits its `filled` first
@@ -252,7 +277,8 @@ class BlockPlanner(_Planner):
         ar_ms = self._ms(1)
         best = max(1.0 / ar_ms, self.B / E[self.B - 1])   # tokens per ms: AR steps, or fresh blocks (B - 1 slots + 1)
         commit_ms = self._ms(filled)
-        go = not self.in_debt() and E[masked] <= commit_ms + masked / best
+        worst = self.cycle_ms(masked) - self.min_filled(masked) * ar_ms   # a cycle whose drafts are all refused
+        go = not self.in_debt() and E[masked] <= commit_ms + masked / best and self.regret.affords(worst)
         if go:
             self.regret.charge()
         self.ctx.event("plan", at_step=self.ctx.step + 1, drafts=max(masked - self.forced, 0) if go else 0,
