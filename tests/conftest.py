@@ -8,11 +8,12 @@ import torch
 
 
 def pytest_configure(config):
-    """Under pytest-xdist (`make test` runs one worker per core), each worker gets its share of the cores, and so do
-    the CLIs it starts (OMP_NUM_THREADS): two workers with every core each spend their time waiting on each other."""
+    """Under pytest-xdist (`make test` runs two workers), each worker gets its share of the cores, and so do the CLIs
+    it starts (OMP_NUM_THREADS): two workers with every core each spend their time waiting on each other."""
+    from studio.engine.device import available_cores
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        share = max(1, len(os.sched_getaffinity(0)) // workers)
+        share = max(1, available_cores() // workers)
         os.environ["OMP_NUM_THREADS"] = str(share)
         torch.set_num_threads(share)
 

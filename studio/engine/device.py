@@ -44,4 +44,9 @@ def cpu_threads() -> int:
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
     if env.isdigit() and int(env) > 0:
         return int(env)
+    return available_cores()
+
+
+def available_cores() -> int:
+    """The cores this process may run on (taskset), not all of the machine's."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -29,7 +29,6 @@ def _init_torch() -> None:
         _threads_set = True
 
 
-
 def to_device(model: Transformer, device: torch.device, dtype: torch.dtype) -> None:
     """Move and cast the weights in place. The RoPE frequencies stay fp32: rounded to bf16 they would
     shift every position's angle."""

@@ -86,8 +86,8 @@ def torchrun_world() -> int:
 def threads_per_rank(world: int) -> int:
     """Each of `world` ranks on this machine gets its share of the cores: oversubscribed threads spin against
     each other."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // world)
+    from studio.engine.device import available_cores
+    return max(1, available_cores() // world)
 
 
 def lost(error: BaseException) -> RankLost:

@@ -151,25 +151,29 @@ class Regret:
             self._charged_step = self.ctx.step
             self.charged += MARGIN * self._step_ms()
 
+    def _since_start(self) -> tuple[float, int]:
+        """(ms the run's forwards and their drafting work cost, tokens they gave) since the first plan; (0, 0) before."""
+        ctx = self.ctx
+        if self._start is None:
+            return 0.0, 0
+        return ctx.table_ms - self._start[0] + self.charged, ctx.n_out - self._start[1]
+
     def affords(self, worst_ms: float) -> bool:
         """Whether a drafting forward that loses `worst_ms` to AR steps when every draft is refused (plus MARGIN of a
         step) keeps the run within RISK_SHARE of AR's time for the tokens written since the first plan, and one more."""
-        ctx, step = self.ctx, self._step_ms()
-        start_ms, start_out = self._start or (ctx.table_ms, ctx.n_out)
-        tokens = ctx.n_out - start_out
-        lost = ctx.table_ms - start_ms + self.charged - tokens * step
+        step = self._step_ms()
+        spent, tokens = self._since_start()
+        lost = spent - tokens * step
         return lost + worst_ms + MARGIN * step <= RISK_SHARE * (tokens + 1) * step
 
     def in_debt(self) -> bool:
         """Whether the run has lost more than REGRET_SHARE of its time to drafts: its forwards since the first plan
         (and their drafting work) cost more than AR steps for the tokens they gave, by more than that share."""
-        ctx = self.ctx
         if self._start is None:
-            self._start = (ctx.table_ms, ctx.n_out)
+            self._start = (self.ctx.table_ms, self.ctx.n_out)
             return False
-        spent = ctx.table_ms - self._start[0] + self.charged
-        lost = spent - (ctx.n_out - self._start[1]) * self._step_ms()
-        return lost > REGRET_SHARE * spent
+        spent, tokens = self._since_start()
+        return spent - tokens * self._step_ms() > REGRET_SHARE * spent
 
 
 class _Planner:
