@@ -272,6 +272,32 @@ def test_a_run_plans_each_forward_from_its_costs_and_says_so(monkeypatch, costs)
     assert got.token_ids == _run(engine, {"stride": 4, "drafting": "fixed"}).token_ids == _run(engine, {}).token_ids
 
 
+@pytest.mark.parametrize("name", ["isd", "jacobi", "jacobi-mr"])
+def test_a_plan_spends_no_rows_on_drafts_past_the_end(monkeypatch, name):
+    """Rows free: every plan takes as many drafts as it has, except that none is proposed for the last position or
+    beyond (the forward writes a token of its own after the drafts it accepts, so a draft there only adds a row).
+    The plans shrink over the last steps, and the output is still ar's. (The regret bound lifted: refused probes would
+    hold this tiny model's runs to AR steps.)"""
+    plan_with(monkeypatch, (1.0,) * 16)
+    monkeypatch.setattr("studio.engine.strategies.drafting.REGRET_SHARE", 1.0)
+    engine = tiny_engine("llama", seed=3, vocab=24)
+    n = 11
+    got = generate(engine, name, {"lookup": 0, **({"block_size": 6, "spawn_ratio": 0.2} if name == "jacobi-mr" else {})},
+                   n=n)
+    proposed = [p for e in got.events if e["t"] == "propose" for p in e["pos"]]
+    assert proposed and max(proposed) <= n - 2
+    if name != "isd":   # pending at n_out - 1, its drafts (and Jacobi MR's pseudo blocks) after it: none at n - 1
+        written = 0
+        for e in got.events:
+            written += len(e["pos"]) if e["t"] == "emit" else 0
+            assert not (e["t"] == "forward" and e["role"] == "jacobi" and e["n_tokens"] > n - written), (e, written)
+        if name == "jacobi-mr":
+            assert any(e["t"] == "block" and e["op"] == "open" for e in got.events)
+    plans = [e for e in got.events if e["t"] == "plan"]
+    assert plans[-1]["drafts"] < plans[-1]["max_drafts"]
+    assert got.token_ids == generate(engine, "ar", n=n).token_ids
+
+
 def test_the_plan_shows_in_the_tui_metrics_and_the_web_trajectory(monkeypatch):
     from studio.tui.widgets.metrics import metrics_text
     from studio.viz.view import RunView

@@ -68,7 +68,7 @@ class ISD(Strategy):
         self.planner = drafting.DraftPlanner(ctx, p.stride - 1) if self.plans_drafts else None
         self.lookup_planner = drafting.DraftPlanner(ctx, p.stride - 1) \
             if self.plans_drafts and looks_up else None
-        n_mask = self._n_mask(ctx, prefill=True)
+        n_mask = self._n_mask(ctx, verifying=0, prefill=True)
         P = len(prompt)
         logits = ctx.forward("prefill", prompt + [ctx.mask_id] * n_mask,
                              lora_gate=self._gate(ctx, P, n_mask), logits_rows=list(range(P - 1, P + n_mask)))
@@ -100,13 +100,14 @@ class ISD(Strategy):
             self.drafts, self.q, self.q_logits, self.source = looked, None, None, "ngram"
 
     def _cold_round(self, ctx: DecodeContext) -> None:
-        n_mask = self._n_mask(ctx)
+        n_mask = self._n_mask(ctx, verifying=0)
         logits = ctx.forward("cold", [self.pending] + [ctx.mask_id] * n_mask, lora_gate=self._gate(ctx, 1, n_mask))
         ctx.commit(1)
         self._clean_and_propose(ctx, logits, already_emitted=0)
 
     def _verify_round(self, ctx: DecodeContext) -> None:
-        k, n_mask = len(self.drafts), self._n_mask(ctx)
+        k = len(self.drafts)
+        n_mask = self._n_mask(ctx, verifying=k)
         logits = ctx.forward("verify", [self.pending] + self.drafts + [ctx.mask_id] * n_mask,
                              lora_gate=self._gate(ctx, 1 + k, n_mask))
         base = self.pending_pos + 1
@@ -131,11 +132,15 @@ class ISD(Strategy):
         self._clean_and_propose(ctx, logits[k:], already_emitted=k, bonus=True)
 
     # -- pieces ---------------------------------------------------------------------------
-    def _n_mask(self, ctx: DecodeContext, prefill: bool = False) -> int:
-        """MASK rows in the next forward: the drafts of the round after it (all stride - 1, or as many as pay)."""
+    def _n_mask(self, ctx: DecodeContext, verifying: int, prefill: bool = False) -> int:
+        """MASK rows in the next forward: the drafts of the round after it (all stride - 1, or as many as pay). A plan
+        spends no rows on drafts that cannot become output: after this forward writes its `verifying` drafts and
+        clean token, the round after it writes its own token after the drafts it accepts."""
         if self.planner is None:
             return self.params.stride - 1
-        return self.planner.plan(lambda reach, cost: drafting.isd_rate(reach, cost, ctx.clean_gate), prefill=prefill)
+        room = max(0, ctx.out.max_new_tokens - ctx.n_out - verifying - 2)
+        return self.planner.plan(lambda reach, cost: drafting.isd_rate(reach, cost, ctx.clean_gate),
+                                 limit=room, prefill=prefill)
 
     def _clean_and_propose(self, ctx: DecodeContext, logits: torch.Tensor, already_emitted: int,
                            bonus: bool = False) -> None:

@@ -62,13 +62,15 @@ class _JacobiBase(Strategy):
         """How many of the `open_drafts` drafts the next forward verifies: all of them, or under `drafting="auto"`
         as many as pay (0: a plain AR step), at most the `looked` looked-up ones when there are any. `full_rows`:
         what the forward with all of them costs in rows, when it carries more than the chain (Jacobi MR's pseudo
-        blocks and candidates)."""
+        blocks and candidates). A plan spends no rows on drafts that cannot become output: the forward writes a token
+        of its own after the drafts it accepts."""
         planner = self.planners.get(self.source)
         if planner is None:
             return open_drafts
+        room = max(0, ctx.out.max_new_tokens - ctx.n_out - 1)
         return planner.plan(lambda reach, cost: drafting.chain_rate(
             reach, cost, ctx.clean_gate, full_rows if len(reach) == open_drafts else None),
-            limit=looked or open_drafts)
+            limit=min(looked or open_drafts, room))
 
     def _propose(self, ctx: DecodeContext, base: int, drafts: list[int], looked: int) -> None:
         """The propose events of a forward's chain: its looked-up drafts (src ngram), then the window's own."""
@@ -250,9 +252,11 @@ class JacobiMR(_JacobiBase):
         window[:len(looked)] = looked
         self.guess.update(zip(range(n_out, n_out + len(looked)), looked))
         cands = self._candidates(self.pending, window[:m])
-        # cost-aware: the whole layout, or a narrow forward of the first k RA drafts (pseudo blocks wait)
-        k = self._plan(ctx, m, len(looked), full_rows=1 + len(window) + sum(map(len, cands)))
-        narrow = k < m
+        # cost-aware: the whole layout, or a narrow forward of the first k RA drafts (pseudo blocks wait); not the
+        # whole layout where it reaches the last position (as _plan's cap: drafts there never become output)
+        whole = not self.plans_drafts or horizon < ctx.out.max_new_tokens
+        k = self._plan(ctx, m, len(looked), full_rows=1 + len(window) + sum(map(len, cands)) if whole else None)
+        narrow = k < m or not whole
         if narrow:
             window, cands = window[:k], []
 
