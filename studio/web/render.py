@@ -87,8 +87,8 @@ def _plan(plan: dict | None) -> str:
     if plan is None:
         return ""
     d, top, gain = plan["drafts"], plan["max_drafts"], plan["gain"]
-    why = (f"an AR step (a block strategy commits its filled slots): at the acceptance so far no draft pays for its "
-           f"rows (of up to {top})" if d == 0 else
+    why = (f"an AR step (a block strategy commits its filled slots): no draft pays for its rows (of up to {top}) at "
+           "the acceptance so far, or none could become output this close to the end" if d == 0 else
            f"planned {d} of up to {top} drafts for {gain:.2f}x the speed of a plain AR step, at the acceptance "
            "it reads optimistically")
     return f'<b class="pl" title="cost-aware drafting: {esc(why)}">d{d}</b>'
