@@ -34,6 +34,11 @@ class Output:
     def finished(self) -> bool:
         return self.stop_reason is not None
 
+    def draft_room(self, written: int = 0) -> int:
+        """How many drafts a forward can verify usefully once `written` more tokens are out: it writes a token of its
+        own after the drafts it accepts, so one fewer than the tokens left to max_new_tokens."""
+        return max(0, self.max_new_tokens - len(self.token_ids) - written - 1)
+
     def append(self, tokens: list[int]) -> tuple[list[int], str]:
         """Take tokens one by one until a stop rule fires. Returns (taken tokens, new text)."""
         taken = []

@@ -138,7 +138,7 @@ class ISD(Strategy):
         clean token, the round after it writes its own token after the drafts it accepts."""
         if self.planner is None:
             return self.params.stride - 1
-        room = max(0, ctx.out.max_new_tokens - ctx.n_out - verifying - 2)
+        room = ctx.out.draft_room(written=verifying + 1)
         return self.planner.plan(lambda reach, cost: drafting.isd_rate(reach, cost, ctx.clean_gate),
                                  limit=room, prefill=prefill)
 

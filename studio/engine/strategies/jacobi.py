@@ -67,7 +67,7 @@ class _JacobiBase(Strategy):
         planner = self.planners.get(self.source)
         if planner is None:
             return open_drafts
-        room = max(0, ctx.out.max_new_tokens - ctx.n_out - 1)
+        room = ctx.out.draft_room()
         return planner.plan(lambda reach, cost: drafting.chain_rate(
             reach, cost, ctx.clean_gate, full_rows if len(reach) == open_drafts else None),
             limit=min(looked or open_drafts, room))

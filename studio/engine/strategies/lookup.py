@@ -52,7 +52,7 @@ class ContextLookup:
         its own after the accepted drafts, so at most max_new_tokens - written - 1 drafts can still become output:
         more would be rows verified for nothing on the last step."""
         self.extend(out.token_ids[len(self.tokens) - self.prompt_len:])
-        self.room = max(0, out.max_new_tokens - len(out.token_ids) - 1)
+        self.room = out.draft_room()
 
     def drafts(self, k: int) -> list[int]:
         """Up to k tokens that followed the context's last tokens before (and no more than can become output); []
