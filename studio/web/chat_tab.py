@@ -7,6 +7,10 @@ shared, behind the app's one-at-a-time engine queue.
 """
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import gradio as gr
 
 from studio.errors import BadInput
@@ -21,9 +25,21 @@ from studio.web.files import DOWNLOADS, Downloads
 from studio.web.form import RunForm, form_message, read_choice
 from studio.web.live import Trajectory, frames
 
+if TYPE_CHECKING:
+    from studio.run.session import Run
+
 EXAMPLES = ["Name the planets of the solar system in order.", "Write a haiku about parallel decoding.",
             "Explain in three sentences what a KV cache is.", "List five fruits, one per line."]
 BUSY = "a turn is being decoded: wait for it or press Stop (your message stays in the box)"
+
+
+@dataclass
+class Turn:
+    """A turn being decoded: its run, what the page draws it with, and the history it answers (its message last)."""
+    run: Run
+    trajectory: Trajectory
+    worker: Worker
+    history: list[dict]
 
 
 class ChatTab:
@@ -34,11 +50,38 @@ class ChatTab:
         self.worker: Worker | None = None
         self.trajectory: Trajectory | None = None   # the turn on the page; None after a reset
         self.text = ""                              # the message of the last turn started
+        # A Send's handler starts its turn under this lock and a reset clears the page and the history under it,
+        # so a reset never falls between a turn taking the history and registering its worker (that turn would
+        # run on unseen, then put the old history back). `resets` counts them: a Send received before a reset
+        # starts no turn after it.
+        self.lock = threading.Lock()
+        self.resets = 0
 
     def busy_with_another(self, text: str) -> bool:
         """Whether a turn is decoding and `text` was sent beside it (not the Send that started it: both
         handlers of that click see the same text)."""
         return self.worker is not None and not self.worker.done and text != self.text
+
+    def start_turn(self, text: str, step_mode: bool, resets: int) -> Turn | None:
+        """Start decoding the answer to `text` (its trajectory and worker become the tab's), unless the
+        conversation was reset since the Send (`resets`: the count then). BadInput as `ChatSession.start_turn`."""
+        with self.lock:
+            if self.resets != resets:
+                return None
+            run = self.session.start_turn(text)
+            self.text = text
+            self.trajectory = Trajectory.live(run.token_text, title=self.session.choice.label, header=run.header)
+            self.worker = Worker([run], step_mode=step_mode).start()
+            history = list(self.session.conversation.messages) + [{"role": "user", "content": text}]
+            return Turn(run, self.trajectory, self.worker, history)
+
+    def reset(self) -> None:
+        """A new conversation: the turn being decoded is cancelled, its page and the history forgotten."""
+        with self.lock:
+            self.resets += 1
+            self.trajectory = None     # first: the running turn's handler stops updating the page
+            self.cancel(wait=True)     # else the cancelled turn would join the history after the reset
+            self.session.conversation.reset()
 
     def cancel(self, wait: bool = False) -> None:
         """Stop the turn being decoded (it ends at its next step); `wait`: until it has ended."""
@@ -88,6 +131,7 @@ def build(engine, initial: RunConfig, chat_template: bool, downloads: Downloads,
 
     def on_send(text: str, tab: ChatTab | None, pace_ms: float, **values):
         tab = tab or ChatTab(ChatSession(engine, initial, chat=chat_template))
+        resets = tab.resets
         if not (text or "").strip():
             yield {status: render.note_html("type a message first", "error"), state: tab}
             return
@@ -101,14 +145,14 @@ def build(engine, initial: RunConfig, chat_template: bool, downloads: Downloads,
             yield {status: render.note_html(measuring_line(tab.session.engine.name)), state: tab}
             tab.session.measure_costs()
         try:
-            run = tab.session.start_turn(text)
+            turn = tab.start_turn(text, step_mode=(pace_ms or 0) > 0, resets=resets)
         except BadInput as e:   # the message stays in the box
             yield {status: render.note_html(form_message(str(e)), "error"), form.message: "", state: tab}
             return
-        history = list(tab.session.conversation.messages) + [{"role": "user", "content": text}]
-        tab.text = text
-        tab.trajectory = traj = Trajectory.live(run.token_text, title=tab.session.choice.label, header=run.header)
-        tab.worker = worker = Worker([run], step_mode=(pace_ms or 0) > 0).start()
+        if turn is None:   # the conversation was reset after this Send: the page stays as the reset left it
+            yield {state: tab, **new_conversation()}
+            return
+        run, traj, worker, history = turn.run, turn.trajectory, turn.worker, turn.history
         yield {state: tab, message: "", status: "", trajectory: traj.frame(), metrics: traj.metrics(),
                chatbot: render.chat_messages(history + [{"role": "assistant", "content": ""}]), **turn_panels}
         try:
@@ -158,9 +202,7 @@ def build(engine, initial: RunConfig, chat_template: bool, downloads: Downloads,
     def on_reset(tab: ChatTab | None):
         """A new conversation: the turn being decoded is cancelled and never shown again, the history forgotten."""
         if tab is not None:
-            tab.trajectory = None     # first: the running turn's handler stops updating the page
-            tab.cancel(wait=True)     # else the cancelled turn would join the history after the reset
-            tab.session.conversation.reset()
+            tab.reset()
         return new_conversation()
 
     reset_outputs = [chatbot, trajectory, metrics, status, *turn_panels]

@@ -466,6 +466,26 @@ def test_a_new_conversation_forgets_the_history_even_mid_turn(server):
     assert len(fresh["chat-log"]) == 2   # the next turn sees no old history
 
 
+def test_a_send_the_server_took_before_a_new_conversation_starts_no_turn_after_it(engine):
+    """The browser's Send and New conversation in quick succession: the reset may run before the Send's handler
+    starts its turn. That turn must not start on the history the reset forgot (it used to: it ran on, unseen, and
+    its end put the old history back)."""
+    from studio.run.chat import ChatSession
+    from studio.web.chat_tab import ChatTab
+    tab = ChatTab(ChatSession(engine, RunConfig("ar", max_new_tokens=4), chat=False))
+    turn = tab.start_turn("bcd", step_mode=False, resets=tab.resets)
+    turn.worker.join()
+    assert turn.run.done and len(tab.session.conversation.messages) == 2 and turn.history[-1]["content"] == "bcd"
+    sent_at = tab.resets   # a Send's handler begins
+    tab.reset()            # New conversation, before that handler starts its turn
+    assert tab.start_turn("efg", step_mode=False, resets=sent_at) is None
+    assert tab.trajectory is None and tab.session.conversation.messages == []
+    turn = tab.start_turn("hij", step_mode=True, resets=tab.resets)   # a Send after the reset
+    assert turn.history == [{"role": "user", "content": "hij"}] and tab.trajectory is turn.trajectory
+    tab.reset()            # mid-turn: the cancelled turn does not join the new history
+    assert turn.run.done and tab.session.conversation.messages == [] and tab.trajectory is None
+
+
 def test_chat_markdown_renders_but_markup_stays_text():
     assert render.markdown_text("**1. Earth** & <b>x</b>") == "**1. Earth** &amp; &lt;b&gt;x&lt;/b&gt;"
     # inside code the renderer escapes by itself: escaping here too would show "&lt;"
