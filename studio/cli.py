@@ -378,10 +378,13 @@ def bench(
     per_round = len(configs) + (with_transformers or concurrency > 1)   # + transformers, or ar at batch 1
     units = (len(texts) + concurrency - 1) // concurrency    # runs per strategy and repeat: prompts, or batches
     total = warmup * len(configs) + repeats * units * per_round
+    plain = None if err.is_terminal else _progress_lines(total)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
         bar_task = bar.add_task("bench", total=total)
         def progress(phase, label):
             bar.update(bar_task, advance=1, description=f"{phase}: {label}")
+            if plain:
+                plain(phase, label)
         report = run_bench(engine, texts, configs, repeats, warmup, with_transformers, progress, concurrency, exact)
     if task:
         score(report, task_name, questions)
@@ -392,6 +395,22 @@ def bench(
         print(json.dumps(report))
         return
     Console(width=max(Console().width, 120)).print(_bench_table(report))
+
+
+def _progress_lines(total: int):
+    """Progress where stderr is not a terminal (a pipe, a CI log, nohup) and the bar is off: a line at every tenth
+    of the `total` runs, so a bench of many minutes says that it is alive and how far it is."""
+    import time
+    start, done, shown = time.monotonic(), 0, 0
+
+    def note(phase: str, label: str) -> None:
+        nonlocal done, shown
+        done += 1
+        if done * 10 // total > shown:
+            shown = done * 10 // total
+            elapsed = int(time.monotonic() - start)
+            typer.echo(f"bench: {done}/{total} runs ({phase}: {label}), {elapsed // 60}m{elapsed % 60:02d}s", err=True)
+    return note
 
 
 def _bench_clients(model: ModelChoice, config: RunConfig, strategies: str, prompts: list[str], clients: int,

@@ -146,6 +146,21 @@ def test_bench_table_output(engine, monkeypatch, tmp_path):
     assert "100%" in res.stdout and "isd" in res.stdout
 
 
+def test_bench_on_a_pipe_says_how_far_it_is(engine, monkeypatch, tmp_path):
+    """stderr not a terminal (CliRunner's, like a CI log's): no bar, but a line at every tenth of the runs, the last
+    one when all have run."""
+    monkeypatch.setattr(Engine, "load", staticmethod(lambda spec, adapter=None, **kw: engine))
+    (tmp_path / "p.txt").write_text("abc\npon\n")
+    res = CliRunner().invoke(app, ["bench", "--prompts", str(tmp_path / "p.txt"), "-s", "isd", "--repeats", "2",
+                                   "--warmup", "1", "--max-new-tokens", "4", "--no-transformers", "--json"])
+    assert res.exit_code == 0, res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("bench: ")]
+    total = 2 + 2 * 2 * 2   # warm-up of ar and isd, then 2 repeats x 2 prompts x 2 strategies: a tenth each
+    assert [ln.split()[1] for ln in lines] == [f"{i}/{total}" for i in range(1, total + 1)]
+    assert "(warm-up: ar)" in lines[0] and "(repeat 2/2: isd)" in lines[-1]
+    assert json.loads(res.stdout)["repeats"] == 2   # stdout keeps only the report
+
+
 def test_bench_html_report(engine, monkeypatch, tmp_path):
     monkeypatch.setattr(Engine, "load", staticmethod(lambda spec, adapter=None, **kw: engine))
     (tmp_path / "p.txt").write_text("abc\npon\n")
