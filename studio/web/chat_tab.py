@@ -2,7 +2,7 @@
 decoded with the strategy of the run form, the answer streaming in while the current turn's trajectory
 and metrics grow beside it; a stop button, a token inspector, the turn's figures and downloads.
 
-Each browser session has its own `ChatTab` state (conversation, worker, trajectory); only the model is
+Each browser session has its own `ChatTab` state (conversation, current turn); only the model is
 shared, behind the app's one-at-a-time engine queue.
 """
 from __future__ import annotations
@@ -35,11 +35,16 @@ BUSY = "a turn is being decoded: wait for it or press Stop (your message stays i
 
 @dataclass
 class Turn:
-    """A turn being decoded: its run, what the page draws it with, and the history it answers (its message last)."""
+    """A turn of the chat: its run, the worker decoding it, what the page draws it with, and the history it answers
+    (its message last)."""
     run: Run
     trajectory: Trajectory
     worker: Worker
     history: list[dict]
+
+    @property
+    def text(self) -> str:
+        return self.history[-1]["content"]
 
 
 class ChatTab:
@@ -47,9 +52,7 @@ class ChatTab:
 
     def __init__(self, session: ChatSession):
         self.session = session
-        self.worker: Worker | None = None
-        self.trajectory: Trajectory | None = None   # the turn on the page; None after a reset
-        self.text = ""                              # the message of the last turn started
+        self.turn: Turn | None = None   # the turn on the page (decoding or done); None after a reset
         # A Send's handler starts its turn under this lock and a reset clears the page and the history under it,
         # so a reset never falls between a turn taking the history and registering its worker (that turn would
         # run on unseen, then put the old history back). `resets` counts them: a Send received before a reset
@@ -60,35 +63,38 @@ class ChatTab:
     def busy_with_another(self, text: str) -> bool:
         """Whether a turn is decoding and `text` was sent beside it (not the Send that started it: both
         handlers of that click see the same text)."""
-        return self.worker is not None and not self.worker.done and text != self.text
+        return self.turn is not None and not self.turn.worker.done and text != self.turn.text
+
+    @property
+    def trajectory(self) -> Trajectory | None:
+        return self.turn.trajectory if self.turn else None
 
     def start_turn(self, text: str, step_mode: bool, resets: int) -> Turn | None:
-        """Start decoding the answer to `text` (its trajectory and worker become the tab's), unless the
-        conversation was reset since the Send (`resets`: the count then). BadInput as `ChatSession.start_turn`."""
+        """Start decoding the answer to `text` (it becomes the tab's turn), unless the conversation was reset since
+        the Send (`resets`: the count then). BadInput as `ChatSession.start_turn`."""
         with self.lock:
             if self.resets != resets:
                 return None
             run = self.session.start_turn(text)
-            self.text = text
-            self.trajectory = Trajectory.live(run.token_text, title=self.session.choice.label, header=run.header)
-            self.worker = Worker([run], step_mode=step_mode).start()
             history = list(self.session.conversation.messages) + [{"role": "user", "content": text}]
-            return Turn(run, self.trajectory, self.worker, history)
+            self.turn = Turn(run, Trajectory.live(run.token_text, title=self.session.choice.label, header=run.header),
+                             Worker([run], step_mode=step_mode).start(), history)
+            return self.turn
 
     def reset(self) -> None:
         """A new conversation: the turn being decoded is cancelled, its page and the history forgotten."""
         with self.lock:
             self.resets += 1
-            self.trajectory = None     # first: the running turn's handler stops updating the page
-            self.cancel(wait=True)     # else the cancelled turn would join the history after the reset
+            turn, self.turn = self.turn, None   # first: the running turn's handler stops updating the page
+            if turn is not None:   # else the cancelled turn would join the history after the reset
+                turn.worker.cancel()
+                turn.worker.join()
             self.session.conversation.reset()
 
-    def cancel(self, wait: bool = False) -> None:
-        """Stop the turn being decoded (it ends at its next step); `wait`: until it has ended."""
-        if self.worker is not None:
-            self.worker.cancel()
-            if wait:
-                self.worker.join()
+    def cancel(self) -> None:
+        """Stop the turn being decoded (it ends at its next step)."""
+        if self.turn is not None:
+            self.turn.worker.cancel()
 
 
 def build(engine, initial: RunConfig, chat_template: bool, downloads: Downloads, engine_queue: dict) -> None:
@@ -157,14 +163,14 @@ def build(engine, initial: RunConfig, chat_template: bool, downloads: Downloads,
                chatbot: render.chat_messages(history + [{"role": "assistant", "content": ""}]), **turn_panels}
         try:
             for finished in frames(worker, [traj], (pace_ms or 0) / 1000):
-                if finished or tab.trajectory is not traj:
+                if finished or tab.turn is not turn:
                     break
                 yield {chatbot: render.chat_messages(history + [{"role": "assistant", "content": traj.view.text}]),
                        trajectory: traj.frame(), metrics: traj.metrics()}
         finally:
             worker.cancel()   # a closed page ends the run at its next step, before the engine is free again
             worker.join()
-        if tab.trajectory is not traj:
+        if tab.turn is not turn:
             # the conversation was reset during the turn; gradio shows a handler's last frame again when it ends
             # (with the values this handler last gave each output), so that frame is the new conversation's page
             yield new_conversation()
