@@ -10,7 +10,7 @@ from studio.engine.strategies import make_strategy
 from studio.engine.strategies.drafting import (MARGIN, REGRET_SHARE, RISK_SHARE, BlockPlanner, DraftPlanner, Regret,
                                                SlotAcceptance, chain_rate, isd_rate)
 from studio.engine.strategies.isd import expected_tpf
-from studio.run.session import Session, Settings
+from studio.run.session import Run, Session, Settings, drive
 from tests.support.dlm import generate
 from tests.support.plans import plan_with, planned
 from tests.support.tiny import tiny_dlm, tiny_engine
@@ -100,6 +100,11 @@ class _Ctx:
         self.events.append(fields)
 
 
+def run_of(planner) -> _Ctx:
+    """The stand-in context behind a planner's `PlanView` (a test moves its clock and reads its events)."""
+    return planner.ctx._ctx
+
+
 CPU = CostTable({}, 0, (1.0, 1.03) + (1.27,) * 4 + (1.3,) * 10)   # this CPU's table: 2 rows ~free, 3-16 rows flat
 
 
@@ -117,7 +122,7 @@ def test_a_planner_probes_with_one_draft_before_a_long_chain():
         if i % 4 == 0:
             planner.observe(1, 1 if i % 12 == 0 else 0)   # the first draft accepted a third of the time
     assert _chain_plan(planner) == 1
-    planner.regret = Regret(planner.ctx)   # as at a run's start (that probe was charged, and this ctx stands still)
+    planner.regret = Regret(run_of(planner))   # as at a run's start (that probe was charged, and this ctx stands still)
     planner.acceptance.deep = True   # every slot optimistic: the long chain looked worth its rows
     assert _chain_plan(planner) > 3
 
@@ -134,7 +139,7 @@ def test_a_draft_must_promise_more_than_the_margin_over_an_ar_step():
 
 def _drive(planner: DraftPlanner, accepted: bool, forwards: int = 400) -> list[int]:
     """Jacobi-like forwards of one draft at most, whose draft is always accepted or always refused: the plans."""
-    ctx, plans = planner.ctx, []
+    ctx, plans = run_of(planner), []
     for _ in range(forwards):
         d = _chain_plan(planner, top=1)
         plans.append(d)
@@ -156,7 +161,7 @@ def test_refused_drafts_cost_a_run_at_most_the_regret_share(monkeypatch, share):
     planner = DraftPlanner(_Ctx(costly), 1)
     planner.acceptance = SlotAcceptance(1, prior=0.9, weight=1e9, decay=1.0, optimism=0.0)   # pinned: always drafts
     plans = _drive(planner, accepted=False)
-    ctx = planner.ctx
+    ctx = run_of(planner)
     lost = (ctx.table_ms - ctx.n_out * 1.0) / ctx.table_ms
     if share < 1:
         assert lost <= REGRET_SHARE + 0.25 / ctx.table_ms and sum(plans) >= 10   # one probe past the bound at most
@@ -198,7 +203,7 @@ def test_a_block_cycle_costs_its_draft_and_verify_forwards_until_the_block_is_fu
     assert not _block_planner(FLAT, 0.0).draft_pays(filled=1, masked=3)     # 4 in 5 do not
     planner = _block_planner(FLAT, 0.0)
     planner.draft_pays(filled=1, masked=3)
-    assert planner.ctx.events[-1] == {"drafts": 0, "max_drafts": 2, "gain": pytest.approx(1.0)}
+    assert run_of(planner).events[-1] == {"drafts": 0, "max_drafts": 2, "gain": pytest.approx(1.0)}
     # a CPU where the block's 4-row forwards cost 2 steps: even accepted drafts do not pay
     assert not _block_planner(CostTable({}, 0, (1.0, 1.3, 1.7, 2.0)), 1.0).draft_pays(filled=1, masked=3)
 
@@ -210,7 +215,7 @@ def test_refused_block_cycles_cost_a_run_at_most_the_regret_share(monkeypatch, s
     monkeypatch.setattr("studio.engine.strategies.drafting.REGRET_SHARE", share)
     monkeypatch.setattr("studio.engine.strategies.drafting.RISK_SHARE", math.inf)   # the other bound, tested below
     planner = _block_planner(CostTable({}, 0, (1.0, 1.0, 1.05) + (1.1,) * 13), 0.9)   # pinned: every cycle pays
-    ctx, cycles = planner.ctx, 0
+    ctx, cycles = run_of(planner), 0
     for _ in range(400):
         if planner.draft_pays(filled=1, masked=3):
             cycles += 1
@@ -233,12 +238,12 @@ def test_a_block_cycle_waits_until_the_answer_can_absorb_its_refusal(monkeypatch
     that loss and MARGIN of a step: 9 tokens of AR steps. Without the bound it goes at once."""
     monkeypatch.setattr("studio.engine.strategies.drafting.RISK_SHARE", risk)
     planner = _block_planner(CostTable({}, 0, (1.0, 1.0, 1.0, 1.42)), 1.0)   # pinned: every draft accepted
-    ctx, waited = planner.ctx, 0
+    ctx, waited = run_of(planner), 0
     while not planner.draft_pays(filled=1, masked=3):
-        assert planner.ctx.events[-1]["drafts"] == 0
+        assert run_of(planner).events[-1]["drafts"] == 0
         ctx.table_ms, ctx.n_out, ctx.step, waited = ctx.table_ms + 1.0, ctx.n_out + 1, ctx.step + 1, waited + 1
     assert waited == (9 if risk < 1 else 0)
-    assert planner.ctx.events[-1]["drafts"] == 2
+    assert run_of(planner).events[-1]["drafts"] == 2
 
 
 def _run(engine, params, n=40):
@@ -397,3 +402,16 @@ def test_sampled_block_runs_with_looked_up_drafts_keep_the_ar_law(monkeypatch, n
     assert chi_square_pvalue([tuple(r.token_ids[:3]) for r in runs], law) > 0.01
     looked_up = sum(any(e["t"] == "propose" and e["src"] == "ngram" for e in r.events) for r in runs)
     assert looked_up > len(runs) // 2, looked_up
+
+
+def test_a_planner_reads_no_token_of_its_run(monkeypatch):
+    """A plan may depend on verdicts, costs and how many tokens are out, never on the tokens (docs/verification.md):
+    the planners of a real run hold a view without the output, the cache or the model."""
+    engine = tiny_engine(vocab=12)
+    s = Settings(max_new_tokens=6, sampling=SamplingParams(1.0), seed=0)
+    run = Run(engine, make_strategy("jacobi"), s, "", [1, 2, 3])
+    drive([run])
+    planner = run.strategy.planners["jacobi"]
+    assert planner.ctx.n_out == len(run.result.token_ids)
+    for name in ("out", "kv", "model", "gen", "sampling", "tokenizer"):
+        assert not hasattr(planner.ctx, name), name

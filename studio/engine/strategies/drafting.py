@@ -131,6 +131,43 @@ def isd_rate(reach: list[float], cost: Cost, clean_gated: bool) -> float:
     return (share * verify_tokens + (1 - share)) / (share * verify_ms + (1 - share) * cold_ms)
 
 
+class PlanView:
+    """All a planner may read of its run: the cost table, the clean rows' LoRA gate, the step, what the table prices
+    the forwards so far at, and how many tokens are out -- the verdicts themselves reach it as counts (`observe`).
+    Never a token: a plan that read the tokens or drafts it is about to verify (their values, their probabilities)
+    would make whether a draft is verified depend on the draft, which biases a sampled run's law
+    (docs/verification.md#what-a-plan-may-depend-on). Each planner holds one of these instead of the run's context,
+    so no strategy can hand it more by accident."""
+
+    __slots__ = ("_ctx",)
+
+    def __init__(self, ctx):
+        self._ctx = ctx
+
+    @property
+    def costs(self):
+        return self._ctx.costs
+
+    @property
+    def clean_gate(self) -> bool:
+        return self._ctx.clean_gate
+
+    @property
+    def step(self) -> int:
+        return self._ctx.step
+
+    @property
+    def table_ms(self) -> float:
+        return self._ctx.table_ms
+
+    @property
+    def n_out(self) -> int:
+        return self._ctx.n_out
+
+    def event(self, kind: str, **fields) -> None:
+        self._ctx.event(kind, **fields)
+
+
 class Regret:
     """A run's loss to AR steps since a planner's first plan after the prefill, by the cost table plus MARGIN of a step
     per drafting forward. Each planner keeps its own: a strategy's refused probes (whole steps of loss for S2D2's
@@ -181,11 +218,11 @@ class _Planner:
     regret."""
 
     def __init__(self, ctx, max_drafts: int):
-        self.ctx = ctx
+        self.ctx = PlanView(ctx)
         self.max_drafts = max_drafts
         self.acceptance = SlotAcceptance(max(max_drafts, 1))
         self.cost: Cost = ctx.costs.forward_ms
-        self.regret = Regret(ctx)
+        self.regret = Regret(self.ctx)
 
     def observe(self, verified: int, accepted: int) -> None:
         self.acceptance.observe(verified, accepted)
