@@ -5,7 +5,7 @@ import itertools
 from collections import Counter
 
 import torch
-from scipy.stats import chisquare
+from scipy.stats import chi2, chisquare
 
 from studio.engine.sampling import SamplingParams, process_logits
 
@@ -56,3 +56,64 @@ def chi_square_pvalue(samples: list[tuple], law: dict[tuple, float], min_expecte
     total = sum(exp)
     exp = [e * n / total for e in exp]
     return chisquare(obs, exp).pvalue
+
+
+class PositionLaws:
+    """Goodness of fit of sampled continuations, position by position, against a model's exact conditionals: for
+    sequences too long to enumerate (8-16 tokens, long enough for a cost-aware plan to change mid-run).
+
+    Each sample brings, for each of its positions, the exact distribution of that position's token given the
+    sample's own earlier tokens (one full forward of the reference model over prompt + sample). The token's rank in
+    that distribution is tallied against the distribution's mass at each rank: under the null every position's token
+    is a draw from its conditional, so the count at a rank is a sum of independent Bernoulli draws whose expectation is
+    the summed mass. Pearson's statistic over ranks (bins of little expected mass pooled) is summed over positions;
+    since a Bernoulli's variance p(1 - p) is below its mean p, the chi-square p-value is conservative (it errs towards
+    passing), and a law that leaks another model's mass still moves the counts by many standard deviations."""
+
+    def __init__(self, length: int, ranks: int):
+        self.length, self.ranks = length, ranks   # ranks past `ranks - 1` share the last bin
+        self.obs = [[0] * ranks for _ in range(length)]
+        self.exp = [[0.0] * ranks for _ in range(length)]
+        self.samples = 0
+        self.impossible = 0   # sampled tokens of probability 0 under the law
+
+    def add(self, tokens: list[int], probs: torch.Tensor) -> None:
+        """One sample: its tokens (up to `length`) and probs [>= len(tokens), V], row t the exact distribution of
+        token t given the prompt and tokens[:t]. A token of probability 0 there is counted in `impossible`."""
+        self.samples += 1
+        for t, tok in enumerate(tokens[:self.length]):
+            row = probs[t].double()
+            order = torch.sort(row, descending=True, stable=True).indices
+            mass = row[order]
+            rank = int((order == tok).nonzero()[0, 0])
+            if mass[rank] <= 0:   # a token the law cannot produce: counted apart, and it fails the law outright
+                self.impossible += 1
+                continue
+            self.obs[t][min(rank, self.ranks - 1)] += 1
+            head = mass[:self.ranks - 1].tolist()
+            for r, m in enumerate(head + [float(mass[self.ranks - 1:].sum())]):
+                self.exp[t][r] += m
+
+    def statistic(self, min_expected: float = 5.0) -> tuple[float, int]:
+        """(Pearson's statistic summed over positions, its degrees of freedom)."""
+        stat, dof = 0.0, 0
+        for obs, exp in zip(self.obs, self.exp):
+            bins, o_pool, e_pool = [], 0, 0.0
+            for o, e in zip(obs, exp):
+                if e >= min_expected:
+                    bins.append((o, e))
+                else:
+                    o_pool, e_pool = o_pool + o, e_pool + e
+            if e_pool > 0:
+                bins.append((o_pool, e_pool))
+            if len(bins) < 2:
+                continue
+            stat += sum((o - e) ** 2 / e for o, e in bins)
+            dof += len(bins) - 1
+        return stat, dof
+
+    def pvalue(self) -> float:
+        if self.impossible:
+            return 0.0
+        stat, dof = self.statistic()
+        return float(chi2.sf(stat, dof)) if dof else 1.0
