@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv run test test-parallel fuzz gpu-numbers clean
+.PHONY: venv run test test-exact test-parallel fuzz gpu-numbers clean
 
 venv: $(STAMP)
 
@@ -26,6 +26,16 @@ run: venv
 TEST_WORKERS ?= 2
 test: venv
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+
+# the sampled law of every default-mode lossless strategy on the embedded model against the exact law of the model it
+# decodes (tests/exact: 600 seeded runs of 8 tokens each, ar as the control; over an hour on 2 cores). One line per
+# strategy in exact-laws.txt
+EXACT_SAMPLES ?= 600
+test-exact: venv
+	rm -f exact-laws.txt
+	DLM_EXACT=1 DLM_EXACT_SAMPLES=$(EXACT_SAMPLES) DLM_EXACT_REPORT=$(CURDIR)/exact-laws.txt \
+		$(BIN)/python -m pytest -q -n $(TEST_WORKERS) tests/exact -p no:cacheprovider
+	cat exact-laws.txt
 
 # every reader fuzzed with 10x the examples of `make test` (tests/fuzzing.py: profiles, per-reader tally),
 # and the soaks (also in `make test`)

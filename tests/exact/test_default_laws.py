@@ -1,0 +1,101 @@
+"""The sampled law of every strategy that claims exactness, in the mode a user gets with no `-p` at all: its default
+parameters, the adapter shipped for it on the embedded model, the machine's own forward-cost table (measured by the
+first cost-aware run of the test session, as a user's first run measures it), top-k and top-p processing. Each run
+writes LENGTH tokens, long enough for a cost-aware plan to change along it; the law is checked position by position
+against the exact conditionals of the model the run says it decodes (`PositionLaws`). `ar` is the control, and `isd`,
+which decodes the adapted model, doubles as the power check: its samples against the base model's law must fail.
+
+Minutes of CPU per strategy (~20 for 600 runs on one core of a 2-core machine): `make test-exact` runs these
+(DLM_EXACT=1), and
+DLM_EXACT_SAMPLES sets the sample count (600 by default). With DLM_EXACT_REPORT=FILE each strategy appends its line
+(p, samples, the plans its runs made) to FILE."""
+import os
+from collections import Counter
+
+import pytest
+
+from studio.engine.sampling import SamplingParams, process_logits
+from studio.engine.strategies import make_strategy
+from studio.run.session import Session, Settings, decoded_model, encode_prompt
+from tests.support.exact import PositionLaws
+
+pytestmark = [pytest.mark.slow, pytest.mark.exact]
+
+SAMPLES = int(os.environ.get("DLM_EXACT_SAMPLES", "600"))
+LENGTH = 8
+RANKS = 4   # the top three tokens of each conditional, and the rest of the nucleus
+SAMPLING = SamplingParams(temperature=1.0, top_k=5, top_p=0.9)
+PROMPT = "Name a fruit and say why you like it."
+ALPHA = 0.01
+
+# label -> (strategy, parameters): the defaults, except where the strategy is exact only in one mode of a knob
+CASES = {
+    "ar": ("ar", {}),
+    "r-isd": ("r-isd", {}),
+    "isd": ("isd", {}),
+    "jacobi": ("jacobi", {}),
+    "jacobi-mr": ("jacobi-mr", {}),
+    "s2d2 policy=always": ("s2d2", {"policy": "always"}),   # S2D2 is exact on the tokens its verifier decides
+    "simsd": ("simsd", {}),
+}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from studio.engine.engine import Engine
+    from tests.conftest import default_gguf_file
+    default_gguf_file()
+    return Engine.load("default")   # each strategy with the adapter shipped for it, as a user gets it
+
+
+def sample_runs(engine, name, params):
+    """SAMPLES seeded runs of LENGTH tokens: (token ids, draft counts the run planned) of each."""
+    ids = encode_prompt(engine, PROMPT)
+    settings = lambda seed: Settings(max_new_tokens=LENGTH, sampling=SAMPLING, seed=seed)
+    runs = []
+    for seed in range(SAMPLES):
+        r = Session(engine, make_strategy(name, params), settings(seed)).run("", ids)
+        runs.append((r.token_ids, [e["drafts"] for e in r.events if e["t"] == "plan"]))
+    return ids, runs
+
+
+def position_laws(view, gated: bool, ids, runs) -> PositionLaws:
+    """The runs' tokens against the exact conditionals of `view`'s model (its LoRA on every row when `gated`)."""
+    laws = PositionLaws(LENGTH, RANKS)
+    for tokens, _ in runs:
+        logits = view.forward_rows(ids + tokens, list(range(len(ids) - 1, len(ids) - 1 + len(tokens))), gated)
+        laws.add(tokens, process_logits(logits, SAMPLING))
+    return laws
+
+
+def report(label, laws, runs, extra=""):
+    plans = Counter(d for _, plan in runs for d in plan)
+    changed = sum(len(set(plan[1:])) > 1 for _, plan in runs)   # plans after the prefill's that changed mid-run
+    line = (f"{label}: p={laws.pvalue():.3g} over {laws.samples} samples of {LENGTH} tokens "
+            f"({laws.impossible} tokens of probability 0); plans by drafts "
+            f"{dict(sorted(plans.items()))}, changed mid-run in {changed} runs{extra}")
+    path = os.environ.get("DLM_EXACT_REPORT")
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+    return line
+
+
+@pytest.mark.parametrize("label", list(CASES))
+def test_default_mode_follows_the_law_of_the_model_it_decodes(engine, label):
+    name, params = CASES[label]
+    view = engine.for_strategy(name)
+    strategy = make_strategy(name, params)
+    gated = strategy.clean_gate(view.lora)
+    ids, runs = sample_runs(engine, name, params)
+    laws = position_laws(view, gated, ids, runs)
+    extra = ""
+    if label == "isd":
+        assert decoded_model(view, strategy) is not None, "isd's shipped adapter adapts every row"
+        # power: the same samples against the base model, a law one adapter away, must be seen to differ
+        leak = position_laws(view, False, ids, runs)
+        extra = f"; against the base model's law p={leak.pvalue():.3g}"
+    line = report(label, laws, runs, extra)
+    assert laws.pvalue() > ALPHA, line
+    if label == "isd":
+        assert leak.pvalue() < ALPHA, f"the harness cannot see an adapter's law: {line}"
