@@ -140,29 +140,15 @@ class PlanView:
     so no strategy can hand it more by accident."""
 
     __slots__ = ("_ctx",)
+    READS = frozenset({"costs", "clean_gate", "step", "table_ms", "n_out"})
 
     def __init__(self, ctx):
         self._ctx = ctx
 
-    @property
-    def costs(self):
-        return self._ctx.costs
-
-    @property
-    def clean_gate(self) -> bool:
-        return self._ctx.clean_gate
-
-    @property
-    def step(self) -> int:
-        return self._ctx.step
-
-    @property
-    def table_ms(self) -> float:
-        return self._ctx.table_ms
-
-    @property
-    def n_out(self) -> int:
-        return self._ctx.n_out
+    def __getattr__(self, name: str):
+        if name in PlanView.READS:
+            return getattr(self._ctx, name)
+        raise AttributeError(f"a planner does not read its run's {name!r} (PlanView.READS)")
 
     def event(self, kind: str, **fields) -> None:
         self._ctx.event(kind, **fields)
