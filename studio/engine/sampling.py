@@ -75,6 +75,52 @@ def _stable_desc_order(x: Tensor) -> Tensor:
     return torch.sort(x, dim=-1, descending=True, stable=True).indices
 
 
+# How many of a row's most likely tokens the nucleus is first looked for among (without top-k): a full sort of a
+# 49k vocabulary costs ~10x a top-k of this many, and a nucleus is almost always inside it
+NUCLEUS_CANDIDATES = 256
+
+
+def _top_k_keep(x: Tensor, k: int) -> Tensor:
+    """The first k of each row in `_stable_desc_order` (equal values lowest index first), without sorting the row:
+    every value above the k-th largest, and as many of those equal to it as are left, by index."""
+    kth = torch.topk(x, k, dim=-1).values[..., -1:]
+    above, ties = x > kth, x == kth
+    left = k - above.sum(dim=-1, keepdim=True)
+    return above | (ties & (torch.cumsum(ties, dim=-1) <= left))
+
+
+def _nucleus_order(probs: Tensor, candidates: int) -> Tensor:
+    """Each row's `candidates` most likely tokens in `_stable_desc_order` when in every row they are strictly more
+    likely than all the others; else the whole rows' order (a tie across the cut is ordered by index, as a sort
+    orders it)."""
+    m = min(candidates, probs.shape[-1])
+    if m < probs.shape[-1]:
+        cut = torch.topk(probs, m, dim=-1).values[..., -1:]
+        inside = probs >= cut
+        if bool((inside.sum(dim=-1) == m).all()):
+            idx = inside.nonzero()[:, -1].view(*probs.shape[:-1], m)   # ascending index in each row
+            return torch.gather(idx, -1, _stable_desc_order(torch.gather(probs, -1, idx)))
+    return _stable_desc_order(probs)
+
+
+def _top_p_keep(probs: Tensor, top_p: float, candidates: int) -> Tensor:
+    """The nucleus of each row: the shortest prefix of its tokens in `_stable_desc_order` whose mass is >= top_p
+    (the top token always). Found among the `candidates` most likely tokens when they hold at least top_p in every
+    row (no later token can then join: the mass before it is already >= top_p), else over the whole row."""
+    order = _nucleus_order(probs, candidates)
+    sorted_probs = torch.gather(probs, -1, order)
+    # Mass strictly before each sorted token (in float64 so the cut is not moved by float32 rounding):
+    # a token is in the nucleus iff the tokens ranked above it hold less than top_p.
+    total = torch.cumsum(sorted_probs.double(), dim=-1)
+    if order.shape[-1] < probs.shape[-1] and not bool((total[..., -1] >= top_p).all()):
+        order = _stable_desc_order(probs)
+        sorted_probs = torch.gather(probs, -1, order)
+        total = torch.cumsum(sorted_probs.double(), dim=-1)
+    keep_sorted = (total - sorted_probs.double()) < top_p
+    keep_sorted[..., 0] = True
+    return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep_sorted)
+
+
 def _one_hot_argmax(x: Tensor) -> Tensor:
     # torch.argmax returns the first maximal index, so ties go to the lowest index.
     idx = torch.argmax(x, dim=-1, keepdim=True)
@@ -103,22 +149,14 @@ def process_logits(logits: Tensor, params: SamplingParams) -> Tensor:
     vocab = x.shape[-1]
     x = x / params.temperature
 
-    if 0 < params.top_k < vocab:
-        keep_idx = _stable_desc_order(x)[..., : params.top_k]
-        keep = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, keep_idx, True)
-        x = x.masked_fill(~keep, float("-inf"))
+    top_k = 0 < params.top_k < vocab
+    if top_k:
+        x = x.masked_fill(~_top_k_keep(x, params.top_k), float("-inf"))
 
     probs = torch.softmax(x, dim=-1)
 
     if params.top_p < 1.0:
-        order = _stable_desc_order(probs)
-        sorted_probs = torch.gather(probs, -1, order)
-        # Mass strictly before each sorted token (in float64 so the cut is not moved by float32 rounding):
-        # a token is in the nucleus iff the tokens ranked above it hold less than top_p.
-        mass_before = torch.cumsum(sorted_probs.double(), dim=-1) - sorted_probs.double()
-        keep_sorted = mass_before < params.top_p
-        keep_sorted[..., 0] = True
-        keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+        keep = _top_p_keep(probs, params.top_p, min(params.top_k, NUCLEUS_CANDIDATES) if top_k else NUCLEUS_CANDIDATES)
         probs = torch.where(keep, probs, torch.zeros_like(probs))
         probs = probs / probs.sum(dim=-1, keepdim=True)
 

@@ -155,6 +155,42 @@ def test_batched_rows_processed_independently():
     torch.testing.assert_close(out.sum(-1), torch.ones(2, 3))
 
 
+def by_sorting(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """process_logits's definition, written as whole-row stable sorts (what the top-k/top-p shortcuts must equal)."""
+    order = lambda x: torch.sort(x, dim=-1, descending=True, stable=True).indices
+    x = logits.float() / params.temperature
+    if 0 < params.top_k < x.shape[-1]:
+        keep = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, order(x)[..., :params.top_k], True)
+        x = x.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        o = order(probs)
+        sorted_probs = torch.gather(probs, -1, o).double()
+        keep_sorted = torch.cumsum(sorted_probs, -1) - sorted_probs < params.top_p
+        keep_sorted[..., 0] = True
+        probs = torch.where(torch.zeros_like(keep_sorted).scatter_(-1, o, keep_sorted), probs, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+@pytest.mark.parametrize("rows", ["peaked", "flat", "ties", "masked"])
+def test_top_k_and_top_p_shortcuts_equal_sorting_the_row(rows):
+    # a vocabulary past NUCLEUS_CANDIDATES: the nucleus found among the likeliest tokens (peaked), over the whole
+    # row when they hold too little (flat), and a tie across either cut (ties: values on a grid of halves)
+    g = gen(11)
+    x = torch.randn(3, 2000, generator=g) * {"peaked": 6.0, "flat": 0.5, "ties": 3.0, "masked": 4.0}[rows]
+    if rows == "ties":
+        x = torch.round(x * 2) / 2
+    if rows == "masked":
+        x[torch.rand(x.shape, generator=g) < 0.5] = float("-inf")
+        x[:, 0] = 0.0
+    for k in (0, 1, 5, 300, 1999):
+        for p in (1.0, 0.9, 0.5, 0.999999, 1e-6):
+            params = SamplingParams(temperature=0.7, top_k=k, top_p=p)
+            assert torch.equal(process_logits(x, params), by_sorting(x, params)), (k, p)
+            assert torch.equal(process_logits(x[1], params), by_sorting(x[1], params)), (k, p)
+
+
 def test_greedy_is_one_hot_lowest_index_on_ties():
     logits = torch.tensor([[0.0, 3.0, 1.0, 3.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -2.0, -0.5, -3.0]])
     out = process_logits(logits, GREEDY)
