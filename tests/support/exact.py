@@ -83,15 +83,15 @@ class PositionLaws:
         self.samples += 1
         for t, tok in enumerate(tokens[:self.length]):
             row = probs[t].double()
-            order = torch.sort(row, descending=True, stable=True).indices
-            mass = row[order]
-            rank = int((order == tok).nonzero()[0, 0])
-            if mass[rank] <= 0:   # a token the law cannot produce: counted apart, and it fails the law outright
+            p_tok = row[tok]
+            if p_tok <= 0:   # a token the law cannot produce: counted apart, and it fails the law outright
                 self.impossible += 1
                 continue
+            # its rank in the row sorted by mass, equal masses by index (a sort of the whole vocabulary, uncomputed)
+            rank = int((row > p_tok).sum() + (row[:tok] == p_tok).sum())
             self.obs[t][min(rank, self.ranks - 1)] += 1
-            head = mass[:self.ranks - 1].tolist()
-            for r, m in enumerate(head + [float(mass[self.ranks - 1:].sum())]):
+            head = torch.topk(row, min(self.ranks - 1, row.numel())).values
+            for r, m in enumerate(head.tolist() + [float(row.sum() - head.sum())]):
                 self.exp[t][r] += m
 
     def statistic(self, min_expected: float = 5.0) -> tuple[float, int]:
