@@ -241,7 +241,10 @@ def lm_eval_command(ctx: typer.Context):
     except ImportError:
         raise BadInput("lm-eval is not installed: pip install 'dlm-studio[eval]'") from None
     import studio.evaluation.lm_eval_model  # noqa: F401 - registers the model
-    sys.argv = ["lm_eval", *ctx.args]
+    args = list(ctx.args)
+    if not any(a == "--device" or a.startswith("--device=") for a in args):
+        args += ["--device", "auto"]   # lm-eval's own default is cuda:0: the studio picks its device itself
+    sys.argv = ["lm_eval", *args]
     harness.cli_evaluate()
 
 

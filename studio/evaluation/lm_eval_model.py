@@ -10,21 +10,22 @@ cannot see ours: `dlm-studio lm-eval` imports this, then runs lm-eval's command 
   where the strategy's clean rows carry it), which must be causal (a bidirectional model scores nothing
   left-to-right: a clear error).
 model_args: model, strategy (or a preset), preset, adapter, device, dtype, max_gen_toks; any other key is a strategy
-parameter (`strategy=isd,stride=3`).
+parameter (`strategy=isd,stride=3`). lm-eval's own `--device` (`cuda`, `cuda:0`, `cpu`) is the device when model_args
+name none; `dlm-studio lm-eval` passes `auto` for it when the command line does not (lm-eval's default, cuda:0, would
+refuse a machine without CUDA).
 """
 from __future__ import annotations
 
 import dataclasses
-import logging
+import sys
 
 import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
+from tqdm import tqdm
 
 from studio.errors import BadInput
-
-log = logging.getLogger("dlm-studio.lm-eval")
 
 GREEDY_KEYS = {"until", "max_gen_toks", "do_sample", "temperature", "top_p", "top_k"}
 
@@ -47,11 +48,27 @@ class StudioLM(LM):
                                   dtype=dtype, tp=int(tp), ep=int(ep)).load()
         self.stats = {"tokens": 0, "forwards": 0, "decode_s": 0.0}
 
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "StudioLM":
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "StudioLM":
+        """The model from `--model_args` and lm-eval's own settings (batch size, device): a device in model_args is
+        the device, lm-eval's `--device` the default (`auto`: no preference); both, differing, are refused."""
+        args = dict(arg_dict)
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        device = extra.pop("device", "auto")
+        if "device" in args and device != "auto" and lm_eval_device(device) != lm_eval_device(args["device"]):
+            raise BadInput(f"--model_args device={args['device']} and --device {device} disagree: give one")
+        args["device"] = lm_eval_device(args.get("device", device))
+        return cls(**{**extra, **args})
+
     # -- generation ----------------------------------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         from studio.run.session import Session
         out = []
-        for request in requests:
+        for request in tqdm(requests, desc=f"dlm-studio {self.config.label}", unit="answer", disable=disable_tqdm):
             context, kwargs = request.args
             unknown = set(kwargs) - GREEDY_KEYS
             if unknown:
@@ -70,11 +87,15 @@ class StudioLM(LM):
             self.stats["decode_s"] += f["wall_s"] - f["prefill_s"]
             out.append(f["text"])
             self.cache_hook.add_partial("generate_until", request.args, f["text"])
-        s = self.stats
-        if s["forwards"]:
-            log.info("dlm-studio %s: %d tokens in %d forwards (TPF %.2f), %.1f tok/s", self.config.label, s["tokens"],
-                     s["forwards"], s["tokens"] / s["forwards"], s["tokens"] / max(s["decode_s"], 1e-9))
+        if self.stats["forwards"]:
+            print(self.summary(), file=sys.stderr)
         return out
+
+    def summary(self) -> str:
+        """One line on how the answers so far were decoded (printed after each generate_until)."""
+        s = self.stats
+        return (f"dlm-studio {self.config.label}: {s['tokens']} tokens in {s['forwards']} forwards "
+                f"(TPF {s['tokens'] / max(s['forwards'], 1):.2f}), {s['tokens'] / max(s['decode_s'], 1e-9):.1f} tok/s")
 
     # -- scoring -------------------------------------------------------------------------------------------------
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
@@ -144,3 +165,8 @@ class StudioLM(LM):
         if not getattr(tok, "chat_template", None):
             raise BadInput(f"{self.engine.name} has no chat template: drop --apply_chat_template")
         return tok.apply_chat_template(chat_history, add_generation_prompt=add_generation_prompt)
+
+
+def lm_eval_device(device: str) -> str:
+    """lm-eval's device spellings as the studio's: `cuda:0` is `cuda` (one GPU per process; `tp=N` for more)."""
+    return "cuda" if str(device) == "cuda:0" else str(device)

@@ -116,3 +116,40 @@ def test_a_preset_alone_runs_its_own_strategy_and_parameters(engine):
     lm = StudioLM(preset="jacobi-mr-cpu")
     assert lm.strategy.name == "jacobi-mr" and lm.config.label == "jacobi-mr-cpu"
     assert StudioLM(strategy="jacobi-mr-cpu").strategy.header_params() == lm.strategy.header_params()
+
+
+def test_the_shipped_example_runs_as_documented_on_the_embedded_model(tmp_path, monkeypatch):
+    """The README's command on `examples/lm-eval` through the real `Engine.load`, with lm-eval's own default device
+    (cuda:0, refused on a machine without CUDA until `dlm-studio lm-eval` passed `auto`) and `device=cpu` in
+    --model_args (once a duplicate keyword): scores, and the one-line decoding summary."""
+    from pathlib import Path
+
+    from tests.conftest import default_gguf_file
+    default_gguf_file()
+    monkeypatch.chdir(Path(__file__).parents[2])   # the task's data path is relative to the repository root
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["lm-eval", "--model", "dlm-studio", "--model_args", "strategy=r-isd,device=cpu",
+                                   "--tasks", "dlm_quick_sums", "--include_path", "examples/lm-eval",
+                                   "--apply_chat_template", "--limit", "2", "--output_path", str(out)])
+    assert res.exit_code == 0, (res.output, res.exception)
+    scores = json.loads(next(out.rglob("results*.json")).read_text())["results"]["dlm_quick_sums"]
+    assert 0.0 <= scores["exact_match,last-number"] <= 1.0
+    assert "dlm-studio r-isd:" in res.stderr and "forwards (TPF" in res.stderr
+
+
+def test_lm_eval_device_settings():
+    """lm-eval's --device is the default of ours (its cuda:0 is our cuda); a device in --model_args wins, and the two,
+    differing, are one clear error."""
+    from studio.evaluation.lm_eval_model import StudioLM
+    made = []
+    class Recorder(StudioLM):
+        def __init__(self, **kw):
+            made.append(kw)
+    Recorder.create_from_arg_string("strategy=ar", {"device": "cuda:0", "batch_size": 1})
+    Recorder.create_from_arg_string("strategy=ar,device=cpu", {"device": "auto", "batch_size": 1})
+    Recorder.create_from_arg_obj({"strategy": "ar"}, {"device": None})
+    assert [m["device"] for m in made] == ["cuda", "cpu", "auto"]
+    assert made[0]["batch_size"] == 1
+    with pytest.raises(BadInput, match="disagree"):
+        Recorder.create_from_arg_string("device=cpu", {"device": "cuda:0"})
