@@ -28,9 +28,13 @@ PREFILL_CHUNK = 256   # prompt tokens per prefill forward of a long prompt: a ca
                       # (well under a second on a CPU for the embedded model), and the UIs show the progress
 
 
+# The answer length every front end starts at (run, chat, the TUI and the web, compare included) unless told
+MAX_NEW_TOKENS = 128
+
+
 @dataclass
 class Settings:
-    max_new_tokens: int = 128
+    max_new_tokens: int = MAX_NEW_TOKENS
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int = 0
     stop: tuple[str, ...] = ()

@@ -10,7 +10,7 @@ import gradio as gr
 from studio.errors import BadInput
 from studio.run.compare import as_trace, compare_configs, make_runs, rows, write_html
 from studio.run.config import RunConfig
-from studio.run.session import costs_pending, encode_prompt
+from studio.run.session import MAX_NEW_TOKENS, costs_pending, encode_prompt
 from studio.run.worker import Worker
 from studio.viz.figures import comparison_figure
 from studio.web import components, render
@@ -32,7 +32,7 @@ class CompareTab:
             self.worker.cancel()
 
 
-COMPARE_SETTINGS = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 64, "seed": 0}   # greedy
+COMPARE_SETTINGS = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": MAX_NEW_TOKENS, "seed": 0}   # greedy
 
 
 def start_runs(engine, prompt: str, names: list[str], settings: dict, chat_template: bool):

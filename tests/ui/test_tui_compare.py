@@ -45,12 +45,15 @@ def used(screen) -> str:
 
 
 def test_compare_runs_greedy_whatever_the_chat_samples_with():
-    """The chat samples at T=0.8 with 10 tokens; compare starts greedy with its own limit, so lossless strategies
-    match ar token for token, and the line under the panes says what the runs used."""
+    """The chat samples at T=0.8 with 10 tokens; compare starts greedy at the chat's answer length (`tui
+    --max-new-tokens`), so lossless strategies match ar token for token, and the line under the panes says what the
+    runs used."""
     async def go():
         app = StudioApp(session("ar", n=10, temperature=0.8))
         async with app.run_test(size=SIZE) as pilot:
-            screen = await open_compare(pilot, "isd,jacobi", max_new_tokens="12")
+            screen = await open_compare(pilot, "isd,jacobi")
+            assert screen.query_one("#compare-max_new_tokens", Input).value == "10"
+            screen.query_one("#compare-max_new_tokens", Input).value = "12"
             assert screen.query_one("#compare-temperature", Input).value == "0.0"
             rows = await compare(pilot, 3)
             assert [row[0] for row in rows] == ["ar", "isd", "jacobi"]

@@ -106,7 +106,8 @@ class ComparePane(Vertical):
 
 
 class CompareSettings(Horizontal):
-    """The settings every run of a comparison uses, one field each, starting at `RunConfig()`'s (greedy)."""
+    """The settings every run of a comparison uses, one field each, starting at `RunConfig()`'s (greedy) with the
+    session's answer length (`tui --max-new-tokens`)."""
     DEFAULT_CSS = """
     CompareSettings { height: 1; padding: 0 1; }
     CompareSettings Label { width: auto; padding: 0 1 0 0; }
@@ -114,10 +115,14 @@ class CompareSettings(Horizontal):
     CompareSettings Input.-invalid { background: $error 40%; }
     """
 
+    def __init__(self, max_new_tokens: int, **kwargs):
+        super().__init__(**kwargs)
+        self.max_new_tokens = max_new_tokens
+
     def compose(self) -> ComposeResult:
         _, defaults = RunConfig().build()
         shown = {"temperature": defaults.sampling.temperature, "top_k": defaults.sampling.top_k,
-                 "top_p": defaults.sampling.top_p, "seed": defaults.seed, "max_new_tokens": defaults.max_new_tokens}
+                 "top_p": defaults.sampling.top_p, "seed": defaults.seed, "max_new_tokens": self.max_new_tokens}
         for key, label in SETTINGS:
             yield Label(label)
             yield Input(str(shown[key]), id=f"compare-{key}", compact=True)
@@ -162,7 +167,7 @@ class CompareScreen(Screen):
             yield Input(value=DEFAULT_SPECS, placeholder="strategies or presets, comma-separated", id="compare-specs")
             yield Button("Run", id="compare-run", variant="primary")
             yield Button("Stop", id="compare-stop")
-        yield CompareSettings(id="compare-settings")
+        yield CompareSettings(self.session.choice.build()[1].max_new_tokens, id="compare-settings")
         yield Horizontal(id="panes")
         yield Static("", id="compare-used")
         yield DataTable(id="compare-table", zebra_stripes=True)
