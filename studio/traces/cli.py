@@ -94,6 +94,7 @@ def info(file: Path = typer.Argument(..., help="A trace file (.jsonl)."),
          json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
          allow_truncated: bool = _ALLOW_TRUNCATED) -> None:
     """Header summary, footer metrics and event counts by kind."""
+    from studio.viz.text import acceptance_shown, prefill_shown
     t = _read(file)
     d = _info_dict(file, t)
     if json_out:
@@ -118,12 +119,12 @@ def info(file: Path = typer.Argument(..., help="A trace file (.jsonl)."),
     lines += [
         f"stop:       {f['stop_reason'] if f else 'truncated (no footer)'}",
         f"tokens:     {src['n_tokens']}   forwards {src['forwards']}   TPF {_fmt(src['tpf'], '.3f')}   "
-        f"accept {_fmt(src['accept_rate'], '.1%')}   mean acceptance length {_fmt(m['mean_acceptance_length'], '.2f')}",
+        f"accept {acceptance_shown(src['accept_rate'], t.events, '.1%')}   mean acceptance length {_fmt(m['mean_acceptance_length'], '.2f')}",
         f"by slot:    {' '.join(f'{x:.0%}' for x in src.get('accept_by_pos') or []) or '–'}",
     ]
     if f is not None:
         lines.append(f"speed:      {_fmt(f.get('tok_s'), '.1f')} tok/s   wall {_fmt(f.get('wall_s'), '.3f')} s   "
-                     f"prefill {_fmt(f.get('prefill_s'), '.3f')} s")
+                     f"prefill {prefill_shown(f.get('prefill_s') or 0.0, t.events, '.3f')}")
     counts = "  ".join(f"{k} {n}" for k, n in sorted(d["events"]["by_kind"].items()))
     lines.append(f"events:     {d['events']['total']} in {d['events']['steps']} steps: {counts}")
     text = src.get("text", "")

@@ -129,6 +129,21 @@ def skipped_note(trace) -> str:
             "shows them")
 
 
+NOT_APPLICABLE = "n/a"
+
+
+def acceptance_shown(rate: float, events: list[dict], spec: str = ".0%") -> str:
+    """An acceptance rate as every text view shows it: n/a for a run that verified nothing (a canvas run, AR steps),
+    whose 0 would read as every draft refused."""
+    return format(rate, spec) if any(e["t"] in ("accept", "reject") for e in events) else NOT_APPLICABLE
+
+
+def prefill_shown(seconds: float, events: list[dict], spec: str = ".2f") -> str:
+    """A prefill's time as every text view shows it: n/a for a run without one (a canvas run: its prompt is part of
+    every forward)."""
+    return format(seconds, spec) + " s" if any(prefill_tokens(events)) else NOT_APPLICABLE
+
+
 def run_summary_line(footer: dict, label: str, events: list[dict]) -> str:
     """The one-line summary printed after a run (and after each chat turn): tokens, forwards, TPF,
     acceptance (n/a when nothing was verified), tok/s, the prefill (prompt tokens computed, and those reused
@@ -138,9 +153,8 @@ def run_summary_line(footer: dict, label: str, events: list[dict]) -> str:
     prefill = f"{new} tokens" + (f" + {reused} reused" if reused else "")
     if f["stop_reason"] == "cancelled" and not any(e["t"] == "emit" or e["step"] > 0 for e in events):
         return f"[{label}] cancelled during the prefill: {prefill} of the prompt in {f['prefill_s']:.2f}s, no output"
-    verified = any(e["t"] in ("accept", "reject") for e in events)
-    acc = f"{f['accept_rate']:.0%}" if verified else "n/a"
     # a canvas run has no prefill: its prompt is part of every forward (or of its cache's rebuilds)
     prefilled = f"  prefill {prefill} {f['prefill_s']:.2f}s" if new or reused else ""
     return (f"[{label}] {f['n_tokens']} tokens  {f['forwards']} forwards  TPF {f['tpf']:.2f}  "
-            f"accept {acc}  {f['tok_s']:.1f} tok/s{prefilled}  stop {f['stop_reason']}")
+            f"accept {acceptance_shown(f['accept_rate'], events)}  {f['tok_s']:.1f} tok/s{prefilled}  "
+            f"stop {f['stop_reason']}")

@@ -440,6 +440,16 @@ def test_an_html_report_is_light(tmp_path):
         assert len(cells) >= n, name   # every emitted position has a cell to hover
 
 
+def test_trace_info_says_n_a_where_the_run_had_none(strategy_traces):
+    """A canvas run verifies nothing and has no prefill: `trace info` says n/a for both, as the TUI and the web do,
+    where it printed an acceptance of 0.0 % and a prefill of 0.000 s; a run that had them still shows numbers."""
+    runner = CliRunner()
+    canvas = runner.invoke(trace_app, ["info", str(strategy_traces["canvas"])]).output
+    assert "accept n/a" in canvas and "prefill n/a" in canvas
+    isd = runner.invoke(trace_app, ["info", str(strategy_traces["isd"])]).output
+    assert "accept n/a" not in isd and "prefill n/a" not in isd and re.search(r"prefill \d+\.\d{3} s", isd)
+
+
 def test_replay_a_trace_of_every_strategy_without_a_model(strategy_traces):
     """`dlm-studio trace replay` through the real entry point, on each strategy's trace; the process never
     imports torch (so no model can have been loaded) and ends with the footer's text."""
