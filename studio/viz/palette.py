@@ -181,7 +181,7 @@ def legend_kind(canvases: list[bool]) -> bool | None:
 FORWARD_ROLES: dict[str, str] = {
     "prefill": "the prompt into the KV cache (in chunks for long prompts)",
     "extend": "ar: one token after the last",
-    "cold": "isd: MASK rows draft a chain (nothing to verify yet)",
+    "cold": "isd, r-isd: the next token, and MASK rows drafting the chain after it (none when drafts do not pay)",
     "verify": "checks the drafts against the target model; drafts the next chain too",
     "jacobi": "jacobi: refines the whole window at once",
     "draft": "block diffusion: one denoising pass over the open block",
@@ -189,7 +189,3 @@ FORWARD_ROLES: dict[str, str] = {
     "target": "simsd: the target model completes a block",
 }
 
-
-def roles_legend(roles=None) -> str:
-    """'verify: checks the drafts …', one line per role given (default: every role)."""
-    return "\n".join(f"{r}: {FORWARD_ROLES[r]}" for r in (roles or FORWARD_ROLES) if r in FORWARD_ROLES)

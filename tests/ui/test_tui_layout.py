@@ -221,9 +221,11 @@ def test_step_mode_reads_on_or_off_and_forward_roles_are_explained():
             await pilot.press("ctrl+t")
             on = str(box.label)
             assert box.value and "ON" in on and "off" in off and on != off
+            assert str(box.render()).startswith("▐X▌")
             await pilot.click("#ctl-step")            # the checkbox itself says the same
             await pilot.pause()
             assert not box.value and str(box.label) == off
+            assert str(box.render()).startswith("▐ ▌")   # a box drawn with its X when off read as on
 
             result = await turn(pilot, "bcdef")
             last_role = [e["role"] for e in result.events if e["t"] == "forward"][-1]

@@ -35,6 +35,15 @@ def choices() -> list[tuple[str, str]]:
     return [(name, name) for name in STRATEGIES] + [(f"{p} (preset)", p) for p in list_presets("strategies")]
 
 
+class StepModeBox(Checkbox):
+    """The step-mode checkbox, its box empty when off: a compact Checkbox draws its X either way, in colours a
+    terminal may not tell apart."""
+
+    def render(self):
+        self.BUTTON_INNER = "X" if self.value else " "
+        return super().render()
+
+
 class Controls(Vertical):
     DEFAULT_CSS = """
     Controls { height: auto; }
@@ -69,7 +78,7 @@ class Controls(Vertical):
             with Horizontal():
                 yield Label(text)
                 yield Input(id=f"ctl-{key}", compact=True)
-        yield Checkbox(step_mode_label(False), id="ctl-step", compact=True)
+        yield StepModeBox(step_mode_label(False), id="ctl-step", compact=True)
 
     def sync(self, choice: RunConfig, engine=None) -> None:
         """Show `choice`'s current values (after any change, so the fields never lie). `engine`: the chat's,
