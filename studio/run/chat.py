@@ -120,13 +120,16 @@ class ChatSession:
         if len(paths) != 1 or flags - {"--all", "--force"}:
             return Reply("usage: /save FILE [--all] [--force]", error=True)
         written = save_traces(self.turns, Path(paths[0]), every_turn="--all" in flags, force="--force" in flags)
-        return Reply("saved " + ", ".join(map(str, written)))
+        return Reply("saved " + ", ".join(str(p.resolve()) for p in written))
 
 
 def save_traces(turns: list[RunResult], path: Path, every_turn: bool = False, force: bool = False) -> list[Path]:
-    """Write the last turn's trace to `path`, or every turn's to PATH-1.jsonl, PATH-2.jsonl, ..."""
+    """Write the last turn's trace to `path`, or every turn's to PATH-1.jsonl, PATH-2.jsonl, ...; a name without
+    `.jsonl` gets it (what `trace` and the web's upload read)."""
     if not turns:
         raise BadInput("nothing to save yet: no turn has finished")
+    if path.suffix != ".jsonl" and not every_turn:
+        path = path.with_name(path.name + ".jsonl")
     if every_turn:
         stem = path.with_suffix("") if path.suffix == ".jsonl" else path
         targets = [(Path(f"{stem}-{i}.jsonl"), t) for i, t in enumerate(turns, 1)]

@@ -64,7 +64,7 @@ def test_reset_help_quit_and_model_errors(tmp_path):
     assert reply.message.startswith("error:") and s.engine.name == "tiny-llama"
 
 
-def test_save_the_last_turn_or_every_turn_and_never_overwrite_without_force(tmp_path):
+def test_save_the_last_turn_or_every_turn_and_never_overwrite_without_force(tmp_path, monkeypatch):
     s = session()
     assert "nothing to save" in s.command(f"/save {tmp_path / 'x.jsonl'}").message
     first, second = finish(s, "bcdef"), finish(s, "gh")
@@ -75,6 +75,10 @@ def test_save_the_last_turn_or_every_turn_and_never_overwrite_without_force(tmp_
     s.command(f"/save {tmp_path / 'chat.jsonl'} --all")
     back = [read_trace(tmp_path / f"chat-{i}.jsonl") for i in (1, 2)]
     assert [t.events for t in back] == [first.events, second.events]
+    # a bare name is saved as NAME.jsonl (what the web's upload takes), and the reply says where, in full
+    monkeypatch.chdir(tmp_path)
+    assert s.command("/save bare").message == f"saved {(tmp_path / 'bare.jsonl').resolve()}"
+    assert read_trace(tmp_path / "bare.jsonl").footer["n_tokens"] == second.footer["n_tokens"]
 
 
 def test_plain_repl_streams_two_answers_and_a_metrics_line_per_turn():

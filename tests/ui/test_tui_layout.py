@@ -140,7 +140,7 @@ def test_a_refused_message_stays_in_the_input_with_the_reason_and_a_running_turn
     asyncio.run(go())
 
 
-def test_focus_comes_back_to_the_input_after_another_screen_and_a_command():
+def test_focus_comes_back_to_the_input_after_another_screen_and_a_command(tmp_path, monkeypatch):
     async def go():
         app = StudioApp(session("ar", n=8, temperature=0.8))
         async with app.run_test(size=SIZE) as pilot:
@@ -159,6 +159,11 @@ def test_focus_comes_back_to_the_input_after_another_screen_and_a_command():
             await wait_until(pilot, lambda: "/set: ok" in status(app))
             assert app.focused is app.screen.query_one("#prompt") and app.focused.value == ""
             assert float(app.screen.query_one("#ctl-temperature").value) == 0   # the run panel follows the command
+            await type_text(pilot, "/save last")      # a file written: the status line says where, not "ok"
+            await pilot.press("enter")
+            await wait_until(pilot, lambda: status(app).startswith("saved"))
+            assert status(app) == f"saved {(tmp_path / 'last.jsonl').resolve()}"
+    monkeypatch.chdir(tmp_path)
     asyncio.run(go())
 
 

@@ -174,7 +174,9 @@ class ChatScreen(Screen):
             return
         prompt = self.query_one("#prompt", Input)
         prompt.focus()
-        self.status(reply.message.splitlines()[0] if reply.error else f"{line.split()[0]}: ok", error=reply.error)
+        # a refusal or a file written says so in the status line; any other command, that it worked
+        said = reply.error or line.split()[0] == "/save"
+        self.status(reply.message.splitlines()[0] if said else f"{line.split()[0]}: ok", error=reply.error)
         if not reply.error and line.split()[0] in ("/reset", "/model"):
             self.query_one("#conversation", VerticalScroll).remove_children()
         self.note(reply.message, error=reply.error)
