@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Wheels for a GPU machine whose Python has torch, Triton and transformers but not the rest of what `python -m studio`
-# and the CUDA tests import (the lent 'cuda' image of 2026-11: it lacks these). Downloads this venv's versions of
+# and the CUDA tests import (the 'cuda' image used in 2026-11 lacks these). Downloads this venv's versions of
 # them for CPython 3.12 on x86-64 into .whl/ (git-ignored through .git/info/exclude); there, before
 # `PYTHON=python3 scripts/gpu-numbers.sh`:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD

@@ -7,7 +7,7 @@
 #   PYTHON=python3 scripts/gpu-numbers.sh
 # Every step runs even when one fails (its log says why); each JSON lands in $DIR as it is made, and the exit status
 # counts the failed steps. Knobs: MODEL, MOE_MODELS, REPEATS, CONCURRENCY, N_PROMPTS, STEP_TIMEOUT (seconds),
-# EAGER_TOKENS (ar without graphs is ~5x slower a token), STEPS (the groups to run, in this order, for a short lease:
+# EAGER_TOKENS (ar without graphs is ~5x slower a token), STEPS (the groups to run, in this order, when GPU time is short:
 # tests ar forwards moe concurrency parallel), DEVICE=cpu (a dry run of the steps themselves, on a small MODEL).
 set -uo pipefail
 PYTHON=${PYTHON:-.venv/bin/python}
