@@ -143,8 +143,9 @@ def build(engine, initial: RunConfig, chat_template: bool, downloads: Downloads,
             return
         try:
             tab.session.choice = read_choice(values)
-        except BadInput as e:
-            yield {form.message: render.note_html(str(e), "error"), status: "", state: tab}
+        except BadInput as e:   # said beside Send too: the form's own line can be below the fold
+            yield {form.message: render.note_html(str(e), "error"),
+                   status: render.note_html(f"not sent: {e}", "error"), state: tab}
             return
         if tab.session.costs_pending():   # the first cost-aware turn on a model waits for the table: say so
             from studio.engine.cost_model import measuring_line

@@ -125,15 +125,15 @@ def build(engine, chat_template: bool, downloads: Downloads, engine_queue: dict)
             traj.view.footer = run.result.footer
         path = downloads.folder() / "compare-report.html"
         write_html(results, path, title=f"compare: {text[:60]}")
-        yield {**_frame(views), status: render.note_html("done"), table: render.comparison_html(rows(results)),
+        yield {**_frame(views, rewind=True), status: render.note_html("done"), table: render.comparison_html(rows(results)),
                figure: gr.Plot(comparison_figure([as_trace(r) for r in results.values()], labels), visible=True),
                report: gr.File(str(path), visible=True)}
 
-    def _frame(views: list[Trajectory]) -> dict:
+    def _frame(views: list[Trajectory], rewind: bool = False) -> dict:
         out = {}
         for i, v in enumerate(views):
             out[metrics[i]] = v.metrics()
-            out[trajectories[i]] = v.frame()
+            out[trajectories[i]] = v.frame(rewind=rewind)
         return out
 
     gr.on([start.click, prompt.submit], on_run, [prompt, names, pace, state], inputs_kwargs=settings,

@@ -1,7 +1,8 @@
 """The page's own component: the trajectory, a gr.HTML whose template never changes and whose script
 appends the rows a new value adds (or drops rows a shorter value no longer has: replay going back).
 
-Its value is `{"run": id, "rows": [row html, ...]}` (`live.Trajectory.frame`). Rows are HTML rendered and
+Its value is `{"run": id, "rows": [row html, ...]}` (`live.Trajectory.frame`), with `"rewind": true` to scroll back to
+the first step and the rows' start. Rows are HTML rendered and
 escaped on the server (`render.row_html`); the script only inserts them. Clicking a cell, or a bar of cells
 (the committed prefix, a canvas's masked tail: `data-lo`, `data-n`), fires the component's `inspect` event
 with `{pos}`.
@@ -38,6 +39,7 @@ function draw() {
       if (last) scroller.scrollLeft = Math.max(0, last.offsetLeft + last.offsetWidth + 8 - scroller.clientWidth);
     }
   }
+  if (v.rewind) { scroller.scrollTop = 0; scroller.scrollLeft = 0; }
 }
 draw();
 watch('value', draw);

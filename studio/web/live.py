@@ -49,9 +49,11 @@ class Trajectory:
         for step in self.view.feed(events):
             self.rows.append(render.row_html(self.view.grid, step))
 
-    def frame(self, n_rows: int | None = None) -> dict:
-        """The trajectory component's value: a new list each time (gradio diffs it against the last frame)."""
-        return {"run": self.id, "rows": self.rows[:n_rows]}
+    def frame(self, n_rows: int | None = None, rewind: bool = False) -> dict:
+        """The trajectory component's value: a new list each time (gradio diffs it against the last frame).
+        `rewind`: the pane then shows its first step and the start of every row (a finished comparison's panes,
+        which followed runs of different lengths, start level)."""
+        return {"run": self.id, "rows": self.rows[:n_rows], **({"rewind": True} if rewind else {})}
 
     def metrics(self, n_rows: int | None = None) -> str:
         """The metrics of the run so far, or as they stood after its first `n_rows` steps (replay)."""

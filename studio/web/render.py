@@ -310,7 +310,7 @@ CSS = f"""
 .traj .steps:empty::before {{ content: "The trajectory appears here, one row per forward, as the run decodes.";
                              color: #777; font-family: system-ui, sans-serif; font-size: 12.5px; }}
 .traj .r {{ display: flex; align-items: center; height: {CELL_PX + 2}px; white-space: nowrap; }}
-.traj .h {{ flex: none; width: 92px; padding-left: 4px; color: #555;
+.traj .h {{ flex: none; width: 16ch; padding-left: 4px; color: #555; overflow: hidden;   /* "1024 prefill d15" */
            position: sticky; left: 0; z-index: 1; background: #fff; }}
 .traj .h i {{ font-style: normal; margin-left: 5px; color: #888; }}
 .traj .h b.pl {{ font-weight: normal; margin-left: 4px; color: #0072B2; }}

@@ -288,6 +288,7 @@ def test_an_invalid_or_empty_field_is_a_message_in_the_forms_words_and_nothing_r
                          ({"isd_proposal": "guess"}, "proposal must be 'sample' or 'argmax'")):
         out = named(app, "chat", c.predict(text="bcd", api_name="/chat", **{"strategy": "isd", **bad}))
         assert render.esc(message) in out["chat-form-message"] and 'class="note error"' in out["chat-form-message"]
+        assert "not sent: " in out["chat-status"] and render.esc(message) in out["chat-status"]   # beside Send too
         assert "--" not in out["chat-form-message"]                            # no CLI flag names in the page
         assert not isinstance(out["chat-log"], list) or not out["chat-log"]   # no turn was started
     out = named(app, "chat", c.predict(text="bcd", strategy="isd", max_new_tokens=500, api_name="/chat"))

@@ -113,11 +113,22 @@ def test_compare_draws_runs_side_by_side_then_the_table(page, shots):
     pg.fill("#cmp-prompt textarea", "bcdef")
     pick(pg, "#cmp-names", "jacobi")
     pg.fill("#cmp-pace input[type=number]", "20")
+    pg.fill("#cmp-max_new_tokens input", "80")   # the tiny model's context is 128 tokens
     pg.click("#cmp-run")
     pg.wait_for_selector("#cmp-table table", timeout=60_000)
     counts = [rows(pg, f"#cmp-trajectory-{i}") for i in range(3)]
     assert all(n > 2 for n in counts) and pg.locator("#cmp-trajectory-3").is_hidden()
     assert pg.locator("#cmp-table td", has_text="jacobi").count() == 1
+    # finished, every pane starts level at its first step and the start of its rows (they followed runs of other
+    # lengths down and sideways), each row's label whole
+    panes = [f"#cmp-trajectory-{i} .rows" for i in range(3)]
+    assert max(pg.eval_on_selector(p, "e => e.scrollHeight - e.clientHeight") for p in panes) > 0   # they scrolled
+    pg.wait_for_function("sel => sel.every(s => { const e = document.querySelector(s); "
+                         "return e.scrollTop === 0 && e.scrollLeft === 0; })", arg=panes, timeout=10_000)
+    for i in range(3):
+        clipped = pg.eval_on_selector_all(f"#cmp-trajectory-{i} .h", "hs => hs.filter(h => h.scrollWidth > h.clientWidth)"
+                                          ".map(h => h.innerText)")
+        assert clipped == [], clipped
     pg.screenshot(path=str(shots / "compare.png"), full_page=True)
 
 
@@ -197,6 +208,10 @@ def test_max_tokens_zero_or_empty_is_refused_and_the_message_kept(page):
         pg.fill("#chat-max_new_tokens input", value)
         send_with_enter(pg, "bcd")
         status_has(pg, "#chat-form-message", message)
+        status_has(pg, "#chat-status", f"not sent: {message}")    # next to Send, where the eye is
+        send, said = pg.locator("#chat-send").bounding_box(), pg.locator("#chat-status").bounding_box()
+        form = pg.locator("#chat-form-message").bounding_box()
+        assert send["y"] + send["height"] <= said["y"] < min(form["y"], send["y"] + 120)   # under Send, above the form
         assert pg.locator("#chat-message textarea").input_value() == "bcd" and rows(pg, "#chat-trajectory") == 0
     pick(pg, "#chat-pick", "r-isd")                              # picking a strategy keeps the settings
     pg.wait_for_selector("#chat-r_isd_stride")
