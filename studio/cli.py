@@ -538,8 +538,10 @@ def _clip(text: str, width: int = 80) -> str:
 def _listing(title: str, rows: list[tuple[str, str, str]]) -> None:
     """A titled section of `models list`: one line per entry (name, a short status or kind, detail)."""
     typer.echo(title)
+    name_w = max([24] + [len(r[0]) for r in rows])   # the longest name sets the columns: every row lines up
+    kind_w = max([21] + [len(r[1]) for r in rows])
     for name, kind, detail in rows:
-        typer.echo(f"  {name:<24} {kind:<21} {detail}")
+        typer.echo(f"  {name:<{name_w}} {kind:<{kind_w}} {detail}")
 
 
 @models_app.command("list")

@@ -221,3 +221,13 @@ def test_a_model_preset_names_the_strategy_and_length_a_run_takes_when_none_is_g
     assert run_config(None, {**values, "max_new_tokens": 7}).build()[1].max_new_tokens == 7
     preset = run_config("simsd-b4", values)
     assert (preset.preset, preset.max_new_tokens) == ("simsd-b4", None)   # the strategy preset's length, else 128
+
+
+def test_models_list_lines_up_every_section():
+    """Each section's rows start their second and third columns at one offset (a preset name longer than the
+    column, `diffusiongemma-26b-a4b-it`, pushed its row out of line)."""
+    out = cli("models", "list", check_rc=0).stdout
+    for section in out.split("\n\n"):
+        title, *lines = section.strip("\n").splitlines()
+        starts = {len(line) - len(line[2 + len(line.split()[0]):].lstrip()) for line in lines}
+        assert len(starts) == 1, (title, lines)
