@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from studio.events import Trace, read_trace
 from studio.viz.grid import TokenText
-from studio.viz.text import rich_legend, rich_step_line, rich_text, rich_text_legend
+from studio.viz.text import acceptance_shown, rich_legend, rich_step_line, rich_text, rich_text_legend
 from studio.viz.view import RunView
 
 MAX_SLEEP_S = 3.0  # one long step (a slow prefill) never stalls a replay for more than this
@@ -53,7 +53,7 @@ def replay(trace: Trace | str, speed: float = 1.0, console: Any = None, step_del
     prompt = (h.get("prompt") or {}).get("text", "")
     if prompt:
         console.print(Text("prompt: ", style="dim") + Text(prompt if len(prompt) < 300 else prompt[:299] + "…"))
-    console.print(rich_legend(grid.canvas is not None))
+    console.print(rich_legend(grid.canvas is not None, upcoming=True))
     console.print(rich_text_legend())
     cols = width if width is not None else max(10, console.width - 40)
 
@@ -99,7 +99,7 @@ def replay(trace: Trace | str, speed: float = 1.0, console: Any = None, step_del
     if t.footer is not None:
         f = t.footer
         summary = (f"done · {f['stop_reason']} · {f['n_tokens']} tokens · {f['forwards']} forwards · "
-                   f"TPF {f['tpf']:.3f} · accept {f['accept_rate']:.1%}"
+                   f"TPF {f['tpf']:.3f} · accept {acceptance_shown(f['accept_rate'], t.events, '.1%')}"
                    + (f" · {f['tok_s']:.1f} tok/s" if f.get("tok_s") is not None else "")
                    + (f" · {f['wall_s']:.2f}s" if f.get("wall_s") is not None else ""))
     elif last is not None:

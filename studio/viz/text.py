@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 from studio.events.metrics import prefill_tokens
 from studio.viz.grid import Grid, show_text
-from studio.viz.palette import HELD_GLYPH, RICH_FG, RICH_STYLE, RICH_TEXT, TEXT_CUE, State, legend_items, legend_text
+from studio.viz.palette import (HELD_GLYPH, PALETTE, RICH_FG, RICH_STYLE, RICH_TEXT, TEXT_CUE, State, legend_items,
+                                legend_text)
 
 if TYPE_CHECKING:
     from rich.text import Text
@@ -111,12 +112,14 @@ def rich_text_legend() -> "Text":
     return out
 
 
-def rich_legend(canvas: bool | None = False) -> "Text":
-    """The glyphs of a run's states (`palette.legend_items`), each in its style."""
+def rich_legend(canvas: bool | None = False, upcoming: bool = False) -> "Text":
+    """The glyphs of a run's states (`palette.legend_items`), each in its style; `upcoming`: also the glyph of the
+    positions a row has not reached (a replay draws every row to the run's last position)."""
     from rich.text import Text
 
     out = Text()
-    for s, g, lab in legend_items(canvas):
+    items = legend_items(canvas) + ([(State.EMPTY, PALETTE[State.EMPTY][1], "not written yet")] if upcoming else [])
+    for s, g, lab in items:
         out.append(g, style=RICH_FG[s] if g == HELD_GLYPH else RICH_STYLE[s])
         out.append(f" {lab}  ", style="default")
     return out

@@ -448,6 +448,8 @@ def test_trace_info_says_n_a_where_the_run_had_none(strategy_traces):
     assert "accept n/a" in canvas and "prefill n/a" in canvas
     isd = runner.invoke(trace_app, ["info", str(strategy_traces["isd"])]).output
     assert "accept n/a" not in isd and "prefill n/a" not in isd and re.search(r"prefill \d+\.\d{3} s", isd)
+    replayed = runner.invoke(trace_app, ["replay", str(strategy_traces["canvas"]), "--speed", "0"]).output
+    assert "accept n/a" in replayed and "· not written yet" in replayed   # its legend names every glyph it draws
 
 
 def test_replay_a_trace_of_every_strategy_without_a_model(strategy_traces):
