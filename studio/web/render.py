@@ -204,17 +204,19 @@ def _tpf_svg(points: Sequence[StepPoint], width: int = 240, height: int = 56, mo
             f'<polyline fill="none" stroke="#000" stroke-width="1.5" points="{line}"/></svg>')
 
 
-def _acceptance_svg(acc: Acceptance, width: int = 240, height: int = 56) -> str:
+def _acceptance_svg(acc: Acceptance, width: int = 240, height: int = 66) -> str:
+    """A bar per draft slot (its acceptance given the slots before it), each named by its slot number below it."""
     rates = acc.by_pos
     if not rates:
         return (f'<svg class="spark" width="{width}" height="{height}"><text x="2" y="10">acceptance by draft slot: '
                 "nothing verified</text></svg>")
-    bar = (width - 8) / len(rates)
+    bar, top, floor = (width - 8) / len(rates), 16, height - 12   # bars between y=top and y=floor, labels below
     color = PALETTE[State.ACCEPTED][0]
     bars = "".join(
-        f'<rect x="{4 + i * bar:.1f}" y="{height - 2 - (height - 16) * r:.1f}" width="{max(1.0, bar - 2):.1f}" '
-        f'height="{(height - 16) * r:.1f}" fill="{color}">'
+        f'<rect x="{4 + i * bar:.1f}" y="{floor - (floor - top) * r:.1f}" width="{max(1.0, bar - 2):.1f}" '
+        f'height="{(floor - top) * r:.1f}" fill="{color}">'
         f'<title>slot {i + 1}: {a}/{v} accepted ({r:.0%})</title></rect>'
+        f'<text class="slot" x="{4 + (i + 0.5) * bar - 1:.1f}" y="{height - 2}" text-anchor="middle">{i + 1}</text>'
         for i, (r, a, v) in enumerate(zip(rates, acc.accepted_by_pos, acc.verified_by_pos)))
     return (f'<svg class="spark" width="{width}" height="{height}" role="img" aria-label="acceptance by draft slot">'
             f'<text x="2" y="10">acceptance by draft slot · overall {acc.rate:.0%}</text>{bars}</svg>')
@@ -337,6 +339,7 @@ CSS = f"""
 .charts {{ display: flex; flex-wrap: wrap; gap: 10px; margin: 4px 0; }}
 .spark {{ background: #fafafa; border: 1px solid #e3e3e3; border-radius: 4px; }}
 .spark text {{ font-size: 10px; fill: #444; }}
+.spark text.slot {{ font-size: 8px; fill: #666; }}
 .tbl {{ border-collapse: collapse; font-size: 12.5px; margin: 4px 0; }}
 .tbl th, .tbl td {{ border-bottom: 1px solid #e3e3e3; padding: 2px 8px; text-align: left; vertical-align: top; }}
 .tbl.kv th {{ color: #555; font-weight: 500; }}

@@ -120,7 +120,10 @@ def build(engine, downloads: Downloads) -> None:
         shown = max(0, min(int(shown), tab.current.n_steps))
         return {trajectory: tab.current.trajectory.frame(shown), metrics: tab.current.trajectory.metrics(shown)}
 
-    step.release(on_seek, [step, state], [trajectory, metrics], api_name="replay_seek", concurrency_limit=None)
+    # a drag ends in `release`; a number typed into the slider's box (Enter, or leaving it) arrives as `input`, which
+    # a replay's own frames never send
+    gr.on([step.release, step.input], on_seek, [step, state], [trajectory, metrics], api_name="replay_seek",
+          concurrency_limit=None, trigger_mode="always_last")
 
     def on_play(shown: int, steps_per_s: float, tab: TracesTab | None):
         """Advance the replay from the slider's position (from the start when at the end), `steps_per_s`

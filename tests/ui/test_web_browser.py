@@ -158,6 +158,9 @@ def test_an_uploaded_trace_replays_with_play_and_pause(page, site, shots, tmp_pa
     paused = rows(pg, "#trace-trajectory")
     pg.wait_for_timeout(500)
     assert rows(pg, "#trace-trajectory") == paused
+    pg.fill("#trace-step input[type=number]", "3")          # a number typed into "Steps shown", then Enter
+    pg.press("#trace-step input[type=number]", "Enter")
+    pg.wait_for_function("document.querySelectorAll('#trace-trajectory .r').length === 3")
     pg.screenshot(path=str(shots / "replay.png"), full_page=True)
 
 
