@@ -147,14 +147,24 @@ def build(engine, initial: RunConfig, chat_template: bool, downloads: Downloads,
             yield {form.message: render.note_html(str(e), "error"),
                    status: render.note_html(f"not sent: {e}", "error"), state: tab}
             return
-        if tab.session.costs_pending():   # the first cost-aware turn on a model waits for the table: say so
+        if tab.session.costs_pending():
+            # the first cost-aware turn on a model waits for the table: the message shows as sent, the status says why
+            # nothing is answered yet
             from studio.engine.cost_model import measuring_line
-            yield {status: render.note_html(measuring_line(tab.session.engine.name)), state: tab}
-            tab.session.measure_costs()
+            pending = tab.session.conversation.messages + [{"role": "user", "content": text}]
+            yield {status: render.note_html(measuring_line(tab.session.engine.name)), state: tab, message: "",
+                   chatbot: render.chat_messages(pending)}
+            try:
+                tab.session.measure_costs()
+            except Exception as e:  # noqa: BLE001 - the message comes back to be sent again
+                yield {status: render.error_html(e), message: text,
+                       chatbot: render.chat_messages(tab.session.conversation.messages)}
+                return
         try:
             turn = tab.start_turn(text, step_mode=(pace_ms or 0) > 0, resets=resets)
-        except BadInput as e:   # the message stays in the box
-            yield {status: render.note_html(form_message(str(e)), "error"), form.message: "", state: tab}
+        except BadInput as e:   # the message stays in the box (or comes back to it)
+            yield {status: render.note_html(form_message(str(e)), "error"), form.message: "", state: tab, message: text,
+                   chatbot: render.chat_messages(tab.session.conversation.messages)}
             return
         if turn is None:   # the conversation was reset after this Send: the page stays as the reset left it
             yield {state: tab, **new_conversation()}

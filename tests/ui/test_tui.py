@@ -119,12 +119,14 @@ def test_a_first_cost_aware_turn_measures_the_costs_off_the_ui_thread_and_says_s
         async with app.run_test(size=SIZE) as pilot:
             await say(pilot, "bcd")
             await wait_until(pilot, lambda: "measuring this machine's forward costs" in status(app))
+            users = lambda: [str(m.render()) for m in app.screen.query(".user")]
+            assert users() == ["bcd"] and app.screen.query_one("#prompt").value == ""   # shown as sent meanwhile
             await say(pilot, "efg")   # the UI answers while the table is measured; the new text waits in the input
             assert "the turn starts when they are in" in status(app)
             assert not app.session.turns and on_ui_thread == [False]
             release.set()
             await wait_until(pilot, lambda: len(app.session.turns) == 1 and app.screen.worker is None)
-            assert app.session.conversation.messages[0]["content"] == "bcd"
+            assert app.session.conversation.messages[0]["content"] == "bcd" and users() == ["bcd"]   # once
             assert app.screen.query_one("#prompt").value == "efg"
             await turn(pilot, "efg")   # the table is stored: the next turn starts at once
             assert len(app.session.turns) == 2 and on_ui_thread == [False]

@@ -260,6 +260,9 @@ def test_a_first_cost_aware_run_says_it_measures_the_forward_costs_before_it_sta
         drawn = [i for i, f in enumerate(frames) if isinstance(f.get(trajectory), dict) and f[trajectory].get("rows")]
         assert len(measured) == 1 and drawn and "Traceback" not in str(frames)
         assert (len(said) == 1 and said[0] < drawn[0]) if turn == 0 else not said
+        if endpoint == "chat" and turn == 0:   # while it measures, the message already shows as sent
+            waiting = frames[said[0]]
+            assert request_["text"] in str(waiting["chat-log"]) and waiting["chat-message"] == ""
 
 
 def test_stop_ends_the_turn_cleanly_and_keeps_the_partial_answer(server):
@@ -359,6 +362,9 @@ def test_compare_advances_runs_in_lock_step_then_reports(server, engine, tmp_pat
     for label, r in zip(["ar", "isd", "jacobi"], runs):
         assert f"<td>{label}</td>" in table and render.esc(r.result.footer["text"]) in table
     assert "<td>jacobi</td><td>24</td>" in table and table.count("<td>yes (ar)</td>") >= 2   # greedy jacobi == ar
+    slots = len(runs[2].result.footer["accept_by_pos"])   # jacobi's acceptance chart names each of its slots
+    assert slots > 1 and all(f'text-anchor="middle">{i}</text>' in final["cmp-metrics-2"] for i in range(1, slots + 1))
+    assert final["cmp-trajectory-0"].get("rewind") and final["cmp-trajectory-2"].get("rewind")   # panes start level
     report = file_path(final["cmp-report"])
     text = open(report, encoding="utf-8").read()
     assert text.startswith("<!DOCTYPE html>") and "jacobi" in text

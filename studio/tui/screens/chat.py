@@ -62,6 +62,7 @@ class ChatScreen(Screen):
         self.session = session
         self.worker: Worker | None = None
         self.measuring = False   # a turn waits for the forward costs it plans with (measure_then_send)
+        self._waiting: ChatMessage | None = None   # its message, shown in the conversation meanwhile
         self.view: RunView | None = None
         self.answer: ChatMessage | None = None
         self.step_mode = False
@@ -132,6 +133,8 @@ class ChatScreen(Screen):
             self.run_command(text)
         elif self.session.costs_pending():
             self.measuring = True
+            event.input.value = ""   # shown as sent; back in the input if the turn cannot start (_measured)
+            self._waiting = self._mount_user(text)
             self.measure_then_send(text)
         elif self.send(text):
             event.input.value = ""   # only a message that became a turn leaves the input
@@ -151,12 +154,16 @@ class ChatScreen(Screen):
 
     def _measured(self, text: str, error: Exception | None) -> None:
         self.measuring = False
+        if error is None and self.send(text):
+            return
+        if self._waiting is not None:   # not sent after all: the message goes back to the input
+            self._waiting.remove()
+            self._waiting = None
+        prompt = self.query_one("#prompt", Input)
+        if not prompt.value:
+            prompt.value = text
         if error is not None:
             self.fail(f"not sent: {error_line(error)}")
-            return
-        prompt = self.query_one("#prompt", Input)
-        if self.send(text) and prompt.value.strip() == text:
-            prompt.value = ""
 
     @work(thread=True, exclusive=True, group="command")
     def run_command(self, line: str) -> None:
@@ -195,7 +202,9 @@ class ChatScreen(Screen):
             self.fail(f"not sent: {error_line(e)}")
             return False
         conv = self.query_one("#conversation", VerticalScroll)
-        conv.mount(ChatMessage(Text(text), classes="user"))
+        if self._waiting is None:
+            self._mount_user(text)
+        self._waiting = None
         self.answer = ChatMessage(Text("…", style="dim"), grow_by=4, classes="assistant")
         conv.mount(self.answer)
         conv.scroll_end(animate=False)
@@ -208,6 +217,13 @@ class ChatScreen(Screen):
         self._timer = self.set_interval(FRAME_S, self.frame)
         self.status(self._decoding_line())
         return True
+
+    def _mount_user(self, text: str) -> ChatMessage:
+        conv = self.query_one("#conversation", VerticalScroll)
+        message = ChatMessage(Text(text), classes="user")
+        conv.mount(message)
+        conv.scroll_end(animate=False)
+        return message
 
     def _decoding_line(self) -> str:
         return f"{self.session.choice.label}: decoding… (Esc stops{', ctrl+n steps' if self.step_mode else ''})"
