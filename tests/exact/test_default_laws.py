@@ -132,3 +132,34 @@ def test_default_mode_follows_the_law_of_the_model_it_decodes(engine, label):
     assert laws.pvalue() > ALPHA, line
     if label == "isd":
         assert leak.pvalue() < ALPHA, f"the harness cannot see an adapter's law: {line}"
+
+
+def test_a_served_sampled_request_follows_the_base_law(engine):
+    """The served path: r-isd's sampled requests through `serve` over loopback HTTP, four clients at a time (the
+    server interleaves their runs step by step), each with its own seed; the tokens the stream's events emit are
+    checked against the base model's law like the runs above."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    openai = pytest.importorskip("openai")
+    from studio.run.config import RunConfig
+    from studio.serve.app import build_app, serving_in_thread
+
+    ids = encode_prompt(engine, PROMPT)
+
+    def served(url: str, seed: int) -> tuple[list[int], list[int]]:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        stream = client.completions.create(
+            model="default:r-isd", prompt=ids, max_tokens=LENGTH, temperature=SAMPLING.temperature,
+            top_p=SAMPLING.top_p, seed=seed, stream=True, stream_options={"include_events": True},
+            extra_body={"top_k": SAMPLING.top_k})
+        events = [e for chunk in stream for e in (chunk.model_extra.get("dlm_trace") or {}).get("events", [])]
+        return ([t for e in events if e["t"] == "emit" for t in e["tok"]],
+                [e["drafts"] for e in events if e["t"] == "plan"])
+
+    with serving_in_thread(build_app(engine, RunConfig("ar", max_new_tokens=LENGTH))) as url:
+        with ThreadPoolExecutor(4) as pool:
+            runs = list(pool.map(lambda seed: served(url, seed), range(SAMPLES)))
+    assert all(tokens for tokens, _ in runs)   # every request answered (an EOS may end one early, as in a run)
+    laws = position_laws(engine.for_strategy("r-isd"), False, ids, runs)
+    line = report("r-isd served", laws, runs)
+    assert laws.pvalue() > ALPHA, line
