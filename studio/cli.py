@@ -600,7 +600,7 @@ def models_costs(spec: str = typer.Argument("default", help="'default', a model 
                  refresh: bool = typer.Option(False, "--refresh", help="Measure again (else the cached table)."),
                  as_json: bool = typer.Option(False, "--json")):
     """What a forward of 1-16 rows costs here, plain and with the LoRA on every row: measured once per model,
-    device, dtype, thread count and LoRA rank (a few seconds), then cached. The table cost-aware drafting reads."""
+    device, dtype, thread count and LoRA rank (10-30 s), then cached. The table cost-aware drafting reads."""
     import json
 
     from studio.engine.cost_model import cached_at, cost_table, unsteady_line
@@ -610,7 +610,7 @@ def models_costs(spec: str = typer.Argument("default", help="'default', a model 
         engine = engine.for_strategy("r-isd")
     path = cached_at(engine)
     if refresh or path is None or not path.exists():
-        typer.echo("measuring forwards of 1-16 rows (a few seconds)...", err=True)
+        typer.echo("measuring forwards of 1-16 rows (10-30 s)...", err=True)
     table = cost_table(engine, refresh=refresh)
     if as_json:
         typer.echo(json.dumps({**table.to_dict(), "path": None if path is None else str(path)}, indent=1))

@@ -4,10 +4,10 @@ A strategy that verifies k draft rows pays for a (1 + k)-row forward whether or 
 so whether drafting pays depends on how that cost grows with the rows on the loaded model, device and dtype
 (on a CPU a 7-row forward costs ~1.3x a 1-row step; on a GPU nearly nothing more). `calibrate` measures it:
 the median time of a forward of 1..`max_rows` rows after a fixed context, plain and with the LoRA on every row
-(when an adapter is attached), round-robin as `forward_cost.measure_forwards` does, again (up to `ATTEMPTS` times)
-while the machine is too busy for steady times, keeping the steadiest table. `cost_table` keeps one
+(when an adapter is attached), round-robin as `forward_cost.measure_forwards` does, again (up to `ATTEMPTS` times,
+within `BUDGET_S`) while the machine is too busy for steady times, keeping the steadiest table. `cost_table` keeps one
 table per model, device, dtype, thread count and LoRA rank in the user cache (`costs/`), measured at first use
-(a few seconds) and again on `refresh`.
+(10-30 s) and again on `refresh`.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import itertools
 import json
 import os
 import statistics
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -35,6 +36,10 @@ CONTEXT = 128        # KV length the forwards attend over: a short chat turn's
 # in them: a table that prices a 16-row forward like a 1-row one would have drafts look free for every later run.
 STEADY = 0.10
 ATTEMPTS = 3
+# A busy machine is measured again only while the measurement stays within this (the steadiest table so far is kept,
+# and `unsteady_line` says so): the first cost-aware run on a model waits for it, ~10 s on a quiet 2-core CPU, where
+# three attempts on a loaded one took ~100 s
+BUDGET_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -121,8 +126,8 @@ def calibrate(engine, max_rows: int = MAX_ROWS, repeats: int = 5, warmup: int = 
     shapes = [Shape(f"{n} rows", n) for n in range(1, max_rows + 1)]
     if engine.lora is not None:
         shapes += [Shape(f"{n} rows, all gated", n, gated=n) for n in range(1, max_rows + 1)]
-    best = None
-    for _ in range(ATTEMPTS):
+    best, start = None, time.monotonic()
+    for attempt in range(1, ATTEMPTS + 1):
         costs = measure_forwards(engine, repeats=repeats, warmup=warmup, context=context, shapes=shapes)
         plain = [c for c in costs if not c.shape.gated]
         table = CostTable(table_key(engine), context, _never_cheaper([c.ms for c in plain]),
@@ -130,7 +135,8 @@ def calibrate(engine, max_rows: int = MAX_ROWS, repeats: int = 5, warmup: int = 
                           statistics.median(c.spread for c in plain))
         if best is None or table.noise < best.noise:
             best = table
-        if best.steady:
+        spent = time.monotonic() - start
+        if best.steady or spent + spent / attempt > BUDGET_S:   # steady, or another attempt would pass the budget
             break
     return best
 
@@ -160,7 +166,7 @@ def cached_at(engine) -> Path | None:
     return None if engine.source == RANDOM_SOURCE else table_path(table_key(engine))
 
 
-# Told (with one line) before a table is measured, which pauses the first cost-aware run for a few seconds, and after,
+# Told (with one line) before a table is measured, which pauses the first cost-aware run for 10-30 s, and after,
 # when the table is not steady: the CLI says so on stderr (studio.run.options.say_when_measuring_costs)
 on_measure: Callable[[str], None] | None = None
 
@@ -192,7 +198,7 @@ def cost_table(engine, refresh: bool = False) -> CostTable:
 
 def measuring_line(model: str) -> str:
     """What a front end says while a table is measured (the first cost-aware run on a model waits for it)."""
-    return (f"measuring this machine's forward costs for {model} (a few seconds, once per model, device and dtype): "
+    return (f"measuring this machine's forward costs for {model} (10-30 s, once per model, device and dtype): "
             "cost-aware drafting plans with them …")
 
 

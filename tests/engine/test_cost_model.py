@@ -117,6 +117,23 @@ def test_a_busy_machine_s_times_are_measured_again_and_the_steadiest_table_kept(
     assert CostTable.from_dict({"key": {}, "context": 8, "plain_ms": [1.0]}).steady   # a table cached before
 
 
+def test_a_busy_machine_is_measured_again_only_within_the_budget(monkeypatch):
+    """Each unsteady attempt takes 12 s here: a second would end at 24 s, a third at 36 s, past BUDGET_S (30 s), so
+    the measurement stops after two (on a loaded machine three attempts made a first decode wait ~100 s)."""
+    from studio.engine.forward_cost import ForwardCost
+    engine = tiny_engine("llama", vocab=64)
+    clock, attempts = [0.0], []
+
+    def measure(engine, shapes, **kw):
+        clock[0] += 12.0
+        attempts.append(clock[0])
+        return [ForwardCost(s, 10.0 + s.tokens, 1.0, 0.5 - 0.1 * len(attempts)) for s in shapes]
+    monkeypatch.setattr(cost_model, "measure_forwards", measure)
+    monkeypatch.setattr(cost_model.time, "monotonic", lambda: clock[0])
+    table = calibrate(engine, max_rows=3)
+    assert attempts == [12.0, 24.0] and table.noise == pytest.approx(0.3) and not table.steady
+
+
 def test_models_costs_warns_of_a_table_measured_on_a_busy_machine(monkeypatch):
     engine = tiny_engine("llama", vocab=64)
     engine.source = "model files"
