@@ -59,6 +59,34 @@ def test_without_a_compiler_the_projections_keep_torchs_kernels(monkeypatch, tmp
 
 
 @needs_kernel
+@pytest.mark.parametrize("isa", ["x86-64-v3", "x86-64-v2"])
+def test_a_baseline_isa_build_computes_the_same_product(monkeypatch, tmp_path, isa):
+    """DLM_STUDIO_CPU_ISA builds the kernel for a named baseline (the AVX2 of a machine without AVX-512, or SSE4):
+    its own library, the same product, and a row's bits the same at every row count there too."""
+    if cpu.platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86-64 baseline")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("DLM_STUDIO_CPU_ISA", isa)
+    cpu._library.cache_clear()
+    try:
+        g = torch.Generator().manual_seed(1)
+        w, x = torch.randn(96, 200, generator=g), torch.randn(4, 200, generator=g)
+        got = cpu.skinny(w, x)
+        torch.testing.assert_close(got.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-5)
+        assert all(torch.equal(cpu.skinny(w, x[i:i + 1].contiguous())[0], got[i]) for i in range(4))
+        assert len(list(tmp_path.rglob("skinny-*.so"))) == 1
+    finally:
+        cpu._library.cache_clear()
+
+
+def test_a_bad_isa_name_is_one_clear_error(monkeypatch):
+    from studio.errors import BadInput
+    monkeypatch.setenv("DLM_STUDIO_CPU_ISA", "native; rm -rf ~")
+    with pytest.raises(BadInput, match="DLM_STUDIO_CPU_ISA must be an -march name"):
+        cpu._flags()
+
+
+@needs_kernel
 @pytest.mark.parametrize("rows, rank", [(1, 16), (3, 8), (4, 64)])
 def test_the_lora_kernel_adds_the_low_rank_term_in_place(rows, rank):
     g = torch.Generator().manual_seed(rows + rank)

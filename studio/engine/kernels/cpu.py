@@ -4,7 +4,8 @@ every row's result the same bits whatever the row count (docs/architecture.md#cp
 Compiled at first use with the machine's C compiler for this very CPU (`-march=native`) into the user cache, keyed by
 the source, the compiler and the CPU, and loaded with ctypes: no build step at install, nothing to ship per
 platform. Where no compiler works, or DLM_STUDIO_CPU_KERNEL=0, `skinny()` is None and the projections keep torch's
-kernels (`studio.engine.model.linear`)."""
+kernels (`studio.engine.model.linear`). DLM_STUDIO_CPU_ISA=x86-64-v3 (or x86-64-v2, or any `-march` name) builds it
+for that baseline instead of this CPU: the instructions a user's machine without AVX-512 runs, tested on this one."""
 from __future__ import annotations
 
 import ctypes
@@ -19,10 +20,20 @@ from pathlib import Path
 
 import torch
 
+from studio.errors import BadInput
+
 MAX_ROWS = 4   # the kernel's register blocking: past it the loads of x bound the kernel, and oneDNN is as fast
 MAX_RANK = 64  # lora_rows keeps a row's low-rank activations on the stack
 SOURCE = Path(__file__).with_name("skinny.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+
+
+def _flags() -> list[str]:
+    """The compiler's flags: for this CPU, or for the baseline DLM_STUDIO_CPU_ISA names."""
+    isa = os.environ.get("DLM_STUDIO_CPU_ISA", "native")
+    if not isa.replace("-", "").replace("_", "").isalnum():
+        raise BadInput(f"DLM_STUDIO_CPU_ISA must be an -march name (native, x86-64-v3, x86-64-v2), got {isa!r}")
+    return [f"-march={isa}", *FLAGS]
 
 
 def _cpu_id() -> str:
@@ -38,15 +49,15 @@ def _cpu_id() -> str:
 
 def _build(cc: str) -> Path | None:
     from studio.engine.model_cache import cache_dir
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(FLAGS).encode(), _cpu_id().encode(),
+    source, flags = SOURCE.read_bytes(), _flags()
+    key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(flags).encode(), _cpu_id().encode(),
                                      sys.platform.encode()])).hexdigest()[:16]
     lib = cache_dir().parent / "kernels" / f"skinny-{key}.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
     tmp = lib.parent / f"{lib.name}.{os.getpid()}.tmp"
-    done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, timeout=120)
+    done = subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp)], capture_output=True, timeout=120)
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)
         return None
