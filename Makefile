@@ -28,8 +28,8 @@ test: venv
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 # the sampled law of every default-mode lossless strategy on the embedded model against the exact law of the model it
-# decodes (tests/exact: 600 seeded runs of 8 tokens each, ar as the control; ~25 min on 2 cores; .ci/run runs it after make
-# test). One line per strategy in exact-laws.txt
+# decodes (tests/exact: 600 seeded runs of 8 tokens each, ar as the control, r-isd through serve; ~30 min on 2 cores;
+# .ci/run runs it after make test). One line per strategy in exact-laws.txt
 EXACT_SAMPLES ?= 600
 test-exact: venv
 	rm -f exact-laws.txt

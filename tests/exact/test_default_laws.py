@@ -5,7 +5,7 @@ writes LENGTH tokens, long enough for a cost-aware plan to change along it; the 
 against the exact conditionals of the model the run says it decodes (`PositionLaws`). `ar` is the control, and `isd`,
 which decodes the adapted model, doubles as the power check: its samples against the base model's law must fail.
 
-About 25 minutes on a 2-core machine for the seven cases (`make test-exact`, which `.ci/run` runs after `make test`):
+About 30 minutes on a 2-core machine for the eight cases (`make test-exact`, which `.ci/run` runs after `make test`):
 DLM_EXACT=1 runs them, DLM_EXACT_SAMPLES sets the sample count (600 by default), and with DLM_EXACT_REPORT=FILE each
 strategy appends its line (p, samples, the plans its runs made) to FILE."""
 import os
