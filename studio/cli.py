@@ -646,10 +646,15 @@ def models_info(spec: str = typer.Argument("default", help="'default', a model p
             typer.echo(f"default run:   {_preset_run(preset)}")
         typer.echo(f"how to get it: {preset.note}")
         return
-    engine = Engine.load(spec)
-    cfg = engine.config
-    n_params = sum(p.numel() for p in {id(p): p for p in engine.model.parameters()}.values())
-    typer.echo(f"name:          {engine.name}\nsource:        {engine.source}\n"
+    from studio.engine import random_models
+    if random_models.is_random(spec):   # described from its shape alone: an 8B shape is never built to be described
+        engine, cfg = None, random_models.random_config(spec)
+        model_name, source, n_params = cfg.name, random_models.RANDOM_SOURCE, random_models.parameter_count(cfg)
+    else:
+        engine = Engine.load(spec)
+        cfg, model_name, source = engine.config, engine.name, engine.source
+        n_params = sum(p.numel() for p in {id(p): p for p in engine.model.parameters()}.values())
+    typer.echo(f"name:          {model_name}\nsource:        {source}\n"
                f"family:        {cfg.family or cfg.arch}{f' ({cfg.arch} block)' if cfg.family else ''}\n"
                f"attention:     {cfg.attention} (trained with; a forward's mask is the run's)")
     typer.echo(f"parameters:    {n_params / 1e6:.1f} M\nlayers:        {cfg.n_layers}  dim {cfg.dim}  "
@@ -675,13 +680,16 @@ def models_info(spec: str = typer.Argument("default", help="'default', a model p
                f"({'hidden i predicts token i+1' if cfg.logit_shift else 'position-aligned: row i predicts token i'})"
                f"\nmask token:    {cfg.mask_token_id}{' (none: a canvas starts as uniform noise)' if cfg.attention == 'canvas' else ''}"
                f"\nblock size:    {cfg.block_size}{' (the canvas length)' if cfg.attention == 'canvas' else ''}")
-    typer.echo(f"eos ids:       {engine.eos_ids()}\nload time:     {engine.load_s:.2f}s"
-               f"{' (from cache)' if engine.from_cache else ''}")
+    if engine is None:
+        typer.echo("eos ids:       none (random weights: a run goes on to --max-new-tokens)")
+    else:
+        typer.echo(f"eos ids:       {engine.eos_ids()}\nload time:     {engine.load_s:.2f}s"
+                   f"{' (from cache)' if engine.from_cache else ''}")
     if preset and preset.strategy:
         typer.echo(f"default run:   {_preset_run(preset)}")
     from studio.presets.shipped import shipped
     for name, entry in shipped().items():
-        if entry["model"] == engine.name:
+        if entry["model"] == model_name:
             typer.echo(f"adapter:       {name} (used by {', '.join(entry['strategies'])}): {entry['description']}")
 
 

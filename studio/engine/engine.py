@@ -13,7 +13,7 @@ from studio.engine.config import ModelConfig
 from studio.engine.device import cpu_threads, resolve_device, resolve_dtype
 from studio.engine.graphs import CachePool
 from studio.engine.model import Transformer, forgo_packed_copies, model_class
-from studio.engine.random_models import RANDOM_SOURCE, build_random, is_random, random_config
+from studio.engine.random_models import RANDOM_SOURCE, build_random, check_fits, is_random, random_config
 from studio.engine.tokenizer import ByteIdTokenizer
 from studio.engine.weights import load_model_files
 from studio.errors import BadInput
@@ -92,6 +92,7 @@ class Engine:
         dt = resolve_dtype(dtype, dev)
         if is_random(spec):
             cfg = random_config(spec)
+            check_fits(cfg, dt, dev, _ram_bytes())
             engine = cls(model=build_random(cfg, dev, dt), tokenizer=ByteIdTokenizer(cfg.vocab_size), config=cfg,
                          name=cfg.name, source=RANDOM_SOURCE, load_s=0.0, from_cache=False, adapter_choice=adapter)
         else:

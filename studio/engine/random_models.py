@@ -103,6 +103,26 @@ def random_config(spec: str) -> ModelConfig:
     return dataclasses.replace(cfg, eos_ids=[], bos_id=None, mask_token_id=mask)
 
 
+def parameter_count(cfg: ModelConfig) -> int:
+    """The parameters a model of shape `cfg` has, counted on the meta device: nothing is allocated (an 8B shape's
+    fp32 weights would not fit a small machine's memory)."""
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    tied_apart = cfg.tie_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight
+    return n - (model.lm_head.weight.numel() if tied_apart else 0)
+
+
+def check_fits(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, free_bytes: int) -> None:
+    """BadInput, in one line and before anything is allocated, when the weights of `cfg` in `dtype` exceed
+    `free_bytes` (the machine's memory on the CPU)."""
+    need = parameter_count(cfg) * torch.empty((), dtype=dtype).element_size()
+    if device.type == "cpu" and need > free_bytes:
+        raise BadInput(f"{cfg.name}: its weights take {need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')}, "
+                       f"more than this machine's {free_bytes / 2**30:.1f} GiB of memory (random:NAME@L keeps the "
+                       "first L layers; --dtype bf16 halves it)")
+
+
 def build_random(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Transformer:
     """A Transformer of shape `cfg` with N(0, INIT_STD) matrices, unit norm gains and zero biases."""
     with torch.device("meta"):

@@ -4,6 +4,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from studio.run.config import RunConfig
 from studio.events import read_trace
@@ -231,3 +232,36 @@ def test_models_list_lines_up_every_section():
         title, *lines = section.strip("\n").splitlines()
         starts = {len(line) - len(line[2 + len(line.split()[0]):].lstrip()) for line in lines}
         assert len(starts) == 1, (title, lines)
+
+
+def test_models_info_describes_any_random_shape_without_building_it():
+    """Every shape at once and in little memory (an 8B or 100B shape built in fp32 was killed for memory), its
+    parameter count what the built model has (checked on the shapes whose one-layer cut can be built here)."""
+    import subprocess
+    import sys
+
+    from studio.engine.random_models import SHAPES, build_random, parameter_count, random_config
+    for name in SHAPES:
+        cfg = random_config(f"random:{name}@1")
+        if parameter_count(cfg) * 4 > 2 ** 30:
+            continue
+        model = build_random(cfg, torch.device("cpu"), torch.float32)
+        assert parameter_count(cfg) == sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()), name
+    # each `models info` in a parent of its own, which reads its child's peak memory
+    peak = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+            "print(r.stdout); print('peak', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    for name in ("llada2-flash", "diffusiongemma-26b-a4b", "llada-8b"):
+        out = subprocess.run([sys.executable, "-c", peak, sys.executable, "-m", "studio", "models", "info",
+                              f"random:{name}"], capture_output=True, text=True, timeout=120).stdout
+        assert f"parameters:    {parameter_count(random_config(f'random:{name}')) / 1e6:.1f} M" in out, out
+        assert int(out.rsplit("peak ", 1)[1]) < 2 ** 20, out   # KiB: under 1 GiB
+
+
+def test_a_random_shape_too_large_for_the_memory_is_refused_before_it_is_built(monkeypatch):
+    from studio.engine import engine as engine_module
+    from studio.errors import BadInput
+    monkeypatch.setattr(engine_module, "_ram_bytes", lambda: 2 ** 30)
+    with pytest.raises(BadInput, match=r"random:qwen3-0.6b: its weights take 2\.\d GiB in float32, more than this "
+                                       r"machine's 1\.0 GiB"):
+        engine_module.Engine.load("random:qwen3-0.6b", device="cpu")
+    assert engine_module.Engine.load("random:qwen3-0.6b@1", device="cpu").config.n_layers == 1   # what fits loads
