@@ -113,13 +113,13 @@ def parameter_count(cfg: ModelConfig) -> int:
     return n - (model.lm_head.weight.numel() if tied_apart else 0)
 
 
-def check_fits(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, free_bytes: int) -> None:
+def check_fits(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ram_bytes: int) -> None:
     """BadInput, in one line and before anything is allocated, when the weights of `cfg` in `dtype` exceed
-    `free_bytes` (the machine's memory on the CPU)."""
+    `ram_bytes` (the machine's memory, on the CPU)."""
     need = parameter_count(cfg) * torch.empty((), dtype=dtype).element_size()
-    if device.type == "cpu" and need > free_bytes:
+    if device.type == "cpu" and need > ram_bytes:
         raise BadInput(f"{cfg.name}: its weights take {need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')}, "
-                       f"more than this machine's {free_bytes / 2**30:.1f} GiB of memory (random:NAME@L keeps the "
+                       f"more than this machine's {ram_bytes / 2**30:.1f} GiB of memory (random:NAME@L keeps the "
                        "first L layers; --dtype bf16 halves it)")
 
 
