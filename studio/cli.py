@@ -456,7 +456,8 @@ def _bench_forwards(engine, repeats: int, warmup: int, as_json: bool) -> None:
 
     engine = engine.for_strategy("r-isd")   # its adapter for the gated shape (none: that shape is left out)
     device = engine.model.lm_head.weight.device
-    from studio.engine.cost_model import cost_table, table_key, table_path
+    from studio.engine.cost_model import cost_table
+    from studio.engine.cost_table import table_key, table_path
     with Console(stderr=True).status("timing forwards"):
         costs = measure_forwards(engine, repeats=10 * repeats, warmup=max(warmup, 1))
         by_rows = cost_table(engine, refresh=True)   # measured anew: bench --forwards refreshes the cached table
@@ -603,7 +604,8 @@ def models_costs(spec: str = typer.Argument("default", help="'default', a model 
     device, dtype, thread count and LoRA rank (10-30 s), then cached. The table cost-aware drafting reads."""
     import json
 
-    from studio.engine.cost_model import cached_at, cost_table, unsteady_line
+    from studio.engine.cost_model import cost_table, unsteady_line
+    from studio.engine.cost_table import cached_at
     from studio.engine.engine import Engine
     engine = Engine.load(spec, adapter=adapter)
     if adapter is None:

@@ -94,6 +94,6 @@ def _tiny_models_plan_on_a_fixed_cost_table(request, monkeypatch):
     every process: tests pin it (rows cost what one does) so a plan, and a snapshot of it, is the same everywhere.
     Tests marked slow (the embedded model) plan on the real table; `tests.support.plans` sets others."""
     if not request.node.get_closest_marker("slow"):
-        from studio.engine.cost_model import FLAT_COSTS
+        from studio.engine.cost_table import FLAT_COSTS
         monkeypatch.setattr("studio.run.session.cost_table", lambda engine: FLAT_COSTS)
         monkeypatch.setattr("studio.run.session.stored_table", lambda engine: FLAT_COSTS)

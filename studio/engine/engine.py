@@ -12,8 +12,10 @@ import torch
 from studio.engine.config import ModelConfig
 from studio.engine.device import cpu_threads, resolve_device, resolve_dtype
 from studio.engine.graphs import CachePool
-from studio.engine.model import Transformer, forgo_packed_copies, model_class
+from studio.engine.architectures import model_class
+from studio.engine.model import Transformer, forgo_packed_copies
 from studio.engine.random_models import RANDOM_SOURCE, build_random, check_fits, is_random, random_config
+from studio.engine.tensor_parallel import build_shard
 from studio.engine.tokenizer import ByteIdTokenizer
 from studio.engine.weights import load_model_files
 from studio.errors import BadInput
@@ -112,7 +114,7 @@ class Engine:
     @classmethod
     def _from_files(cls, spec: str, progress, adapter: str | None, shard=None) -> "Engine":
         """The model of a preset, 'default', a directory or a GGUF, in fp32 on the CPU (with `shard`, this rank's
-        part of it, read alone: studio.parallel.tensor)."""
+        part of it, read alone: studio.engine.tensor_parallel)."""
         preset = load_model_preset(spec)
         if preset and preset.source != "default" and not Path(preset.source).expanduser().exists():
             raise BadInput(f"model preset {preset.name!r}: no weights at {preset.source}. {preset.note}".strip())
@@ -121,7 +123,6 @@ class Engine:
         if preset:
             cfg = dataclasses.replace(cfg, **preset.overrides)
         if files.sharded:
-            from studio.parallel.tensor import build_shard
             model = build_shard(files.state_dict, shard(cfg))
             return cls(model=model, tokenizer=files.tokenizer, config=model.config,
                        name=preset.name if preset else cfg.name, source=files.source, load_s=0.0,
@@ -155,21 +156,11 @@ class Engine:
                                                     adapter_choice=loaded.path)
         return self._views[path]
 
-    def score_logits(self, ids: list[int], rows: list[int], gated: bool) -> torch.Tensor:
-        """Float logits [len(rows), V] of one forward over `ids` on a fresh cache, every row through this view's
-        adapter when `gated`: what scoring a text reads (lm-eval's log-likelihoods). Under tensor parallelism rank 0
-        has every rank run the same forward (studio.parallel.mirror)."""
-        from studio.parallel import mirror
-        leader = mirror.leader()
-        if leader is None:
-            return self.forward_rows(ids, rows, gated)
-        with leader.lock:   # the message and the forward's collectives together
-            leader.send("score", self.adapter, list(ids), list(rows), gated)
-            return self.forward_rows(ids, rows, gated)
-
     @torch.inference_mode()
     def forward_rows(self, ids: list[int], rows: list[int], gated: bool) -> torch.Tensor:
-        """`score_logits` on this process alone."""
+        """Float logits [len(rows), V] of one forward over `ids` on a fresh cache, every row through this view's
+        adapter when `gated`: what scoring a text reads (lm-eval's log-likelihoods; under tensor parallelism
+        through studio.run.mirror.score_logits, so every rank runs it)."""
         self.activate()
         dev = self.model.lm_head.weight.device
         gate = torch.full((len(ids),), gated, device=dev)

@@ -1,6 +1,6 @@
 """Checkpoint tensors read when needed, and only the part needed.
 
-A tensor- or expert-parallel rank keeps a slice of most weights (studio.parallel.tensor): reading every safetensors
+A tensor- or expert-parallel rank keeps a slice of most weights (studio.engine.tensor_parallel): reading every safetensors
 file whole on every rank would take the whole model's memory on each. `open_safetensors` gives each tensor of a file
 as a `Lazy`: its shape, and slicing (all that a family's renaming and a shard plan do to a tensor: the rows of a fused
 QKV, a rank's heads, columns, vocabulary or experts) narrows a window without reading anything. `read()` reads that

@@ -1,6 +1,6 @@
 """A compact transformer for the Llama, Qwen2 and Qwen3 blocks (and the checkpoint families mapped onto them,
 studio.engine.families), with a dense or mixture-of-experts feed-forward (studio.engine.moe). Its parts also build
-DiffusionGemma's Gemma-4 layers (studio.engine.gemma); `model_class` says which model a config builds.
+DiffusionGemma's Gemma-4 layers (studio.engine.gemma); studio.engine.architectures says which model a config builds.
 
 Parameter names follow Hugging Face Llama/Qwen exactly, so those checkpoints and PEFT adapters load without a
 rename table (other families' names are mapped onto them). The forward takes explicit position ids (RoPE) separately from KV slots, an optional
@@ -68,7 +68,7 @@ class Linear(nn.Linear):
     lora_B: torch.Tensor | None = None   # [out, r]
     lora_scale: float = 0.0
     # tensor parallelism: a projection split by input columns makes a partial sum, which this adds up across the
-    # ranks (studio.parallel.tensor); None on one process
+    # ranks (studio.engine.tensor_parallel); None on one process
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, gate: RowGate | None = None) -> torch.Tensor:
@@ -218,7 +218,7 @@ class LanguageModel(nn.Module):
     write the forward."""
     backbone = Backbone
     block = Block   # what one layer builds (studio.engine.weights checks shapes layer by layer)
-    parallel = None   # this rank's TensorParallel plan when the model is one rank's shard (studio.parallel.tensor)
+    parallel = None   # this rank's TensorParallel plan when the model is one rank's shard (studio.engine.tensor_parallel)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -374,12 +374,3 @@ def vocab_logits(head: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
     out = _small_product(head, flat) if _cpu_small(flat) else _w_xt(head, flat)
     return out.reshape(*x.shape[:-1], -1).float().contiguous()
-
-
-def model_class(cfg: ModelConfig) -> type[nn.Module]:
-    """The module a config builds: the compact Transformer, or DiffusionGemma's encoder/decoder (studio.engine.gemma),
-    which share its parts and its forward's contract."""
-    if cfg.arch == "gemma4":
-        from studio.engine.gemma import DiffusionGemma
-        return DiffusionGemma
-    return Transformer

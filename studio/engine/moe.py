@@ -42,7 +42,7 @@ class SwiGLU(nn.Module):
 class Experts(nn.Module):
     """E gated experts as stacked tensors: gate_proj, up_proj [E, I, D], down_proj [E, D, I]."""
     path = "auto"   # auto: grouped GEMMs on CUDA in bf16, else the loop (their oracle); or force "grouped" | "loop"
-    # expert parallelism: the router's experts this rank holds (E of them, studio.parallel.tensor); None: all of them
+    # expert parallelism: the router's experts this rank holds (E of them, studio.engine.tensor_parallel); None: all of them
     held: slice | None = None
 
     def __init__(self, n: int, dim: int, ffn: int, act: str = "silu"):
@@ -136,7 +136,7 @@ class Router(nn.Module):
 
 class MoE(nn.Module):
     # tensor/expert parallelism: the routed and shared outputs are this rank's partial sum, which this adds up
-    # across the ranks (studio.parallel.tensor); None on one process
+    # across the ranks (studio.engine.tensor_parallel); None on one process
     reduce = None
 
     def __init__(self, cfg: ModelConfig):

@@ -8,7 +8,9 @@ import dataclasses
 import torch
 
 from studio.engine.config import ModelConfig
-from studio.engine.model import Transformer, model_class
+from studio.engine.families import read_config
+from studio.engine.architectures import model_class
+from studio.engine.model import Transformer
 from studio.errors import BadInput
 
 RANDOM_SOURCE = "random weights"   # `Engine.source` of a model these build
@@ -90,7 +92,7 @@ def random_config(spec: str) -> ModelConfig:
     name, _, layers = spec.removeprefix(PREFIX).partition("@")
     if name not in SHAPES:
         raise BadInput(f"unknown random model {name!r} (available: {', '.join(PREFIX + n for n in SHAPES)})")
-    cfg = ModelConfig.from_hf(SHAPES[name], name=spec)
+    cfg = read_config(SHAPES[name], name=spec)
     if layers:
         if not layers.isdigit() or not 1 <= int(layers) <= cfg.n_layers:
             raise BadInput(f"{spec}: the layer count after @ must be 1..{cfg.n_layers}, got {layers!r}")

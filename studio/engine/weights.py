@@ -35,9 +35,10 @@ import numpy as np
 import torch
 
 from studio.engine.config import ModelConfig
+from studio.engine.families import read_config
 from studio.engine.families import family_of
 from studio.engine.lazy_tensors import open_safetensors, read
-from studio.engine.model import model_class
+from studio.engine.architectures import model_class
 from studio.engine.model_cache import cache_dir
 from studio.engine.tokenizer import Tokenizer
 from studio.errors import BadInput, one_line
@@ -479,7 +480,7 @@ def _weight_files(path: Path) -> list[Path]:
     raise BadInput(f"no *.safetensors weights in {path}")
 
 
-# A tensor-parallel rank's shard plan of a config (studio.parallel.tensor.TensorParallel: `shard(name, tensor)` gives
+# A tensor-parallel rank's shard plan of a config (studio.engine.tensor_parallel.TensorParallel: `shard(name, tensor)` gives
 # this rank's part of a state-dict entry); a loader given one reads only those parts.
 ShardPlanner = Callable[[ModelConfig], object]
 
@@ -518,7 +519,7 @@ def load_hf_dir(path: str | Path, shard: ShardPlanner | None = None
     if "dlm_studio_cache_format" in raw:  # one of ours
         cfg = _config_from_cache(raw, path)
     else:
-        cfg = ModelConfig.from_hf(raw, name=path.name)
+        cfg = read_config(raw, name=path.name)
     files = _weight_files(path)
     sd: dict = {}
     for f in files:   # unread: each tensor is read below, whole or this rank's part

@@ -26,6 +26,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simpl
 from tqdm import tqdm
 
 from studio.errors import BadInput
+from studio.run import mirror
 
 GREEDY_KEYS = {"until", "max_gen_toks", "do_sample", "temperature", "top_p", "top_k"}
 
@@ -141,7 +142,7 @@ class StudioLM(LM):
                            "use generate_until tasks with it")
         ids = (context_ids + target_ids)[-cfg.max_seq_len:]
         n = len(target_ids)
-        logits = view.score_logits(ids, list(range(len(ids) - n - 1, len(ids) - 1)), self.strategy.clean_gate(view.lora))
+        logits = mirror.score_logits(view, ids, list(range(len(ids) - n - 1, len(ids) - 1)), self.strategy.clean_gate(view.lora))
         logp = torch.log_softmax(logits, -1)
         target = torch.tensor(target_ids, device=logits.device)
         return float(logp.gather(-1, target[:, None]).sum()), bool((logp.argmax(-1) == target).all())

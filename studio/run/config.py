@@ -160,7 +160,7 @@ class ModelChoice:
 
     def load(self) -> Engine:
         from studio.engine.engine import Engine
-        from studio.parallel.group import check_world, torchrun_world
+        from studio.run.group import check_world, torchrun_world
         check_world(self.world)
         if self.world == 1 and torchrun_world() == 1:
             return Engine.load(self.model, adapter=self.adapter, device=self.device, dtype=self.dtype,
@@ -168,7 +168,7 @@ class ModelChoice:
         if self.draft_model is not None or self.draft_adapter is not None:
             raise BadInput("--tp: SimSD's separate drafter is not split across ranks yet")
         from studio.engine.device import resolve_device
-        from studio.parallel.launch import start
+        from studio.run.launch import start
         device = resolve_device(self.device).type
         build = functools.partial(Engine.load, self.model, adapter=None, device=self.device, dtype=self.dtype,
                                   graphs=False)

@@ -14,14 +14,15 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from studio import events as ev
-from studio.engine.cost_model import cost_table, stored_table
+from studio.engine.cost_model import cost_table
+from studio.engine.cost_table import stored_table
 from studio.engine.device import synchronize
 from studio.engine.engine import Engine
 from studio.engine.model import pack_weights
 from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import DecodeContext, Output, Strategy
 from studio.errors import BadInput
-from studio.parallel import mirror
+from studio.run import mirror
 
 CANCELLED = "cancelled"
 PREFILL_CHUNK = 256   # prompt tokens per prefill forward of a long prompt: a cancel waits for one chunk at most

@@ -1,8 +1,9 @@
-"""ModelConfig.from_hf on block-diffusion checkpoints' config.json (read natively, never remote code),
+"""read_config on block-diffusion checkpoints' config.json (read natively, never remote code),
 and the model presets that name them."""
 import pytest
 
 from studio.engine.config import ModelConfig
+from studio.engine.families import read_config
 from studio.errors import BadInput
 from studio.presets import load_model_preset
 
@@ -33,7 +34,7 @@ FAST_DLLM_V2_7B = {
 
 @pytest.mark.parametrize("raw,dim,layers,heads,ffn", [(SDAR_1_7B, 2048, 28, 16, 6144), (SDAR_8B, 4096, 36, 32, 12288)])
 def test_sdar_is_position_aligned_qwen3(raw, dim, layers, heads, ffn):
-    cfg = ModelConfig.from_hf(raw)
+    cfg = read_config(raw)
     assert (cfg.arch, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim) == \
         ("qwen3", dim, layers, heads, 8, 128, ffn)
     assert cfg.qk_norm and not cfg.attn_bias and not cfg.tie_embeddings and cfg.rope_theta == 1e6
@@ -42,49 +43,49 @@ def test_sdar_is_position_aligned_qwen3(raw, dim, layers, heads, ffn):
 
 def test_sdar_defaults_and_overrides():
     bare = {k: v for k, v in SDAR_8B.items() if k not in ("mask_token_id", "block_size")}
-    cfg = ModelConfig.from_hf(bare)
+    cfg = read_config(bare)
     assert (cfg.mask_token_id, cfg.block_size, cfg.logit_shift) == (151669, 4, False)
-    assert ModelConfig.from_hf(dict(SDAR_8B, block_size=8)).block_size == 8       # SDAR-8B-Chat-b8
+    assert read_config(dict(SDAR_8B, block_size=8)).block_size == 8       # SDAR-8B-Chat-b8
     no_arch = {k: v for k, v in SDAR_1_7B.items() if k != "architectures"}      # model_type alone
-    assert ModelConfig.from_hf(no_arch).arch == "qwen3"
-    assert ModelConfig.from_hf(no_arch).logit_shift is False
+    assert read_config(no_arch).arch == "qwen3"
+    assert read_config(no_arch).logit_shift is False
 
 
 def test_idlm_checkpoint_keeps_the_shift():
     """I-DLM ships as SDARForCausalLM too, but is trained with the AR logit shift; its SDARConfig
     carries use_regular_causal=True (references/idlm.md §5), which original SDAR configs lack."""
-    cfg = ModelConfig.from_hf(dict(SDAR_8B, block_size=3, use_regular_causal=True))
+    cfg = read_config(dict(SDAR_8B, block_size=3, use_regular_causal=True))
     assert cfg.arch == "qwen3" and cfg.logit_shift is True and cfg.mask_token_id == 151669
 
 
 def test_fast_dllm_v2_is_right_shifted_qwen2():
-    cfg = ModelConfig.from_hf(FAST_DLLM_V2_7B)
+    cfg = read_config(FAST_DLLM_V2_7B)
     assert (cfg.arch, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim) == \
         ("qwen2", 3584, 28, 28, 4, 128, 18944)
     assert cfg.attn_bias and not cfg.qk_norm and cfg.eos_ids == [151645]
     assert cfg.logit_shift is True and cfg.mask_token_id == 151665 and cfg.block_size == 32
-    assert ModelConfig.from_hf(dict(FAST_DLLM_V2_7B, bd_size=16)).block_size == 16
-    assert ModelConfig.from_hf(dict(FAST_DLLM_V2_7B, mask_token_id=151666)).mask_token_id == 151666
+    assert read_config(dict(FAST_DLLM_V2_7B, bd_size=16)).block_size == 16
+    assert read_config(dict(FAST_DLLM_V2_7B, mask_token_id=151666)).mask_token_id == 151666
     no_bd = {k: v for k, v in FAST_DLLM_V2_7B.items() if k != "bd_size"}
-    assert ModelConfig.from_hf(no_bd).block_size == 32
+    assert read_config(no_bd).block_size == 32
     no_arch = {k: v for k, v in FAST_DLLM_V2_7B.items() if k != "architectures"}
-    assert ModelConfig.from_hf(no_arch).arch == "qwen2"
+    assert read_config(no_arch).arch == "qwen2"
 
 
 def test_a_default_mask_id_outside_the_vocab_is_not_invented():
     tiny = dict(SDAR_1_7B, vocab_size=64)
     del tiny["mask_token_id"]
-    assert ModelConfig.from_hf(tiny).mask_token_id is None
+    assert read_config(tiny).mask_token_id is None
 
 
 def test_plain_ar_models_unchanged():
     qwen3 = dict(SDAR_1_7B, architectures=["Qwen3ForCausalLM"], model_type="qwen3")
     for k in ("mask_token_id", "block_size"):
         qwen3.pop(k)
-    cfg = ModelConfig.from_hf(qwen3)
+    cfg = read_config(qwen3)
     assert cfg.arch == "qwen3" and cfg.logit_shift is True and cfg.mask_token_id is None and cfg.block_size is None
     qwen2 = dict(FAST_DLLM_V2_7B, architectures=["Qwen2ForCausalLM"], model_type="qwen2")
-    cfg = ModelConfig.from_hf(qwen2)
+    cfg = read_config(qwen2)
     assert cfg.arch == "qwen2" and cfg.logit_shift is True and cfg.mask_token_id is None and cfg.block_size is None
 
 
@@ -95,14 +96,14 @@ def test_plain_ar_models_unchanged():
 def test_unknown_architectures_raise(arch, model_type):
     raw = dict(SDAR_1_7B, architectures=[arch] if arch else [], model_type=model_type)
     with pytest.raises(BadInput, match="unsupported model"):
-        ModelConfig.from_hf(raw)
+        read_config(raw)
 
 
 @pytest.mark.parametrize("name,raw", [("sdar-1.7b-chat", SDAR_1_7B), ("sdar-8b-chat", SDAR_8B),
                                       ("fast-dllm-v2-7b", FAST_DLLM_V2_7B)])
 def test_presets_agree_with_config(name, raw):
     preset = load_model_preset(name)
-    cfg = ModelConfig.from_hf(raw)
+    cfg = read_config(raw)
     assert preset.overrides == {"mask_token_id": cfg.mask_token_id, "block_size": cfg.block_size,
                                 "logit_shift": cfg.logit_shift}
     assert preset.source.startswith("~/models/")

@@ -9,7 +9,8 @@ from typer.testing import CliRunner
 
 from studio.cli import app
 from studio.engine import cost_model
-from studio.engine.cost_model import CostTable, calibrate, cost_table, table_key, table_path
+from studio.engine.cost_model import calibrate, cost_table
+from studio.engine.cost_table import CostTable, table_key, table_path
 from studio.engine.engine import Engine
 from tests.support.adapters import random_adapter
 from tests.support.tiny import tiny_engine

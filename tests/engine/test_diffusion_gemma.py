@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from studio.engine.engine import Engine
+from studio.engine.families import read_config
 from studio.engine.random_models import SHAPES, random_config
 from studio.engine.strategies import STRATEGIES, make_strategy
 from studio.engine.weights import load_hf_dir
@@ -171,9 +172,8 @@ def test_the_random_shape_is_transformers_text_model_at_the_published_sizes():
     assert count(mine) == count(theirs) and 25.2e9 < count(mine) < 25.3e9
     cut = random_config("random:diffusiongemma-26b-a4b@2")
     assert cut.layer_types == ["sliding", "full"] and cut.mask_token_id is None   # @L keeps a full layer last
-    from studio.engine.config import ModelConfig
     from studio.presets import load_model_preset
-    preset, published = load_model_preset("diffusiongemma-26b-a4b-it"), ModelConfig.from_hf(raw)
+    preset, published = load_model_preset("diffusiongemma-26b-a4b-it"), read_config(raw)
     assert preset.overrides == {"block_size": published.block_size, "logit_shift": published.logit_shift}
     assert (preset.strategy, preset.max_new_tokens, published.block_size) == ("diffusiongemma", 256, 256)
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from studio.engine.engine import Engine
+from studio.engine.families import read_config
 from studio.engine.masks import bidirectional, causal
 from studio.engine.model import Transformer
 from studio.engine.strategies import make_strategy
@@ -166,7 +167,6 @@ def test_models_info_names_the_family_attention_and_alignment_and_the_preset_agr
     from typer.testing import CliRunner
 
     from studio.cli import app
-    from studio.engine.config import ModelConfig
     from studio.presets import load_model_preset
     llada_checkpoint(tmp_path / "llada")
     out = CliRunner().invoke(app, ["models", "info", str(tmp_path / "llada")])
@@ -177,7 +177,7 @@ def test_models_info_names_the_family_attention_and_alignment_and_the_preset_agr
     assert lines["mask token"] == "39"
     published = dict(LLADA_CONFIG, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, mlp_hidden_size=12288,
                      vocab_size=126464, embedding_size=126464, mask_token_id=126336)
-    cfg, preset = ModelConfig.from_hf(published), load_model_preset("llada-8b-instruct")
+    cfg, preset = read_config(published), load_model_preset("llada-8b-instruct")
     assert preset.overrides == {"mask_token_id": cfg.mask_token_id, "logit_shift": cfg.logit_shift, "block_size": 32}
 
 

@@ -13,7 +13,7 @@ import torch
 
 from studio.engine.lora import attach_adapter
 from studio.errors import BadInput
-from studio.parallel.tensor import TensorParallel, check_splittable, shard_model
+from studio.engine.tensor_parallel import TensorParallel, check_splittable, shard_model
 from tests.support.lora import random_adapter
 from tests.support.parallel import FAMILIES, build, decode, served
 from tests.support.tiny import tiny_model

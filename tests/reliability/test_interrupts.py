@@ -31,7 +31,7 @@ def tiny_dir(tmp_path_factory):
     import torch
     from safetensors.torch import save_file
 
-    from studio.engine.config import ModelConfig
+    from studio.engine.families import read_config
     from studio.engine.model import Transformer
     path = tmp_path_factory.mktemp("interrupts") / "tiny"
     path.mkdir()
@@ -39,7 +39,7 @@ def tiny_dir(tmp_path_factory):
            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
            "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False}
     torch.manual_seed(0)
-    weights = {k: v.clone() for k, v in Transformer(ModelConfig.from_hf(cfg)).state_dict().items()}
+    weights = {k: v.clone() for k, v in Transformer(read_config(cfg)).state_dict().items()}
     weights["lm_head.weight"][[2, 10]] = 0.0          # </s> and <|im_end|>: logit 0, below the best of the rest
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(cfg))

@@ -231,7 +231,7 @@ def test_bench_forwards_json_and_table(engine, monkeypatch, tmp_path):
     assert report["step_stream_gbps"] == pytest.approx(report["weight_bytes"] / 1e9 / step_s, rel=0.01, abs=0.01)
     assert report["copy_gbps"] > 0 and report["verify_7_rows_us"] > 0 and report["verify_path"] in ("torch", "fused")
     assert report["moe_layer_vs_dense"] is None     # a dense model
-    from studio.engine.cost_model import CostTable, table_key, table_path
+    from studio.engine.cost_table import CostTable, table_key, table_path
     cached = CostTable.from_dict(json.loads(table_path(table_key(engine)).read_text()))
     assert cached.to_dict() == report["by_rows"] and cached.max_rows == 16 and cached.gated_ms is None
     res = CliRunner().invoke(app, ["bench", "--forwards", "--repeats", "1"])

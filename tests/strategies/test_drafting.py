@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from studio.engine.cost_model import CostTable
+from studio.engine.cost_table import CostTable
 from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import make_strategy
 from studio.engine.strategies.drafting import (MARGIN, REGRET_SHARE, RISK_SHARE, BlockPlanner, DraftPlanner, Regret,

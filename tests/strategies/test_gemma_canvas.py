@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from studio.engine.config import ModelConfig
+from studio.engine.families import read_config
 from studio.engine.engine import Engine
 from studio.engine.random_models import build_random
 from studio.engine.sampling import SamplingParams
@@ -33,7 +34,7 @@ def tiny_gemma(eos_ids=(), seed=0) -> Engine:
         vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, head_dim=16, global_head_dim=16, num_global_key_value_heads=1, sliding_window=4,
         num_experts=4, top_k_experts=2, moe_intermediate_size=16, max_position_embeddings=256)}
-    cfg = dataclasses.replace(ModelConfig.from_hf(raw, name="tiny-gemma"), eos_ids=list(eos_ids))
+    cfg = dataclasses.replace(read_config(raw, name="tiny-gemma"), eos_ids=list(eos_ids))
     model = build_random(cfg, torch.device("cpu"), torch.float32, seed)
     with torch.no_grad():
         for p in model.parameters():

@@ -141,7 +141,7 @@ def main() -> None:
         lm = StudioLM(model=args["model"], strategy="jacobi", device="cpu", dtype="fp32", tp=args["world"])
         print(json.dumps(lm_eval_answers(lm)))
         return
-    from studio.parallel.launch import _workers, finish, start
+    from studio.run.launch import _workers, finish, start
     family = args.get("family", "llama")
     make = functools.partial(build, family) if "model" not in args else functools.partial(load, args["model"])
     engine = start(args["world"], make, timeout_s=args.get("timeout_s", 60.0), place_experts=args.get("ep", False))

@@ -1,6 +1,6 @@
 """Cost-aware plans for tests: runs plan with a given cost table instead of this machine's, so each plan follows
 from the table and the run's verdicts alone (and a test can ask for plans that change along a run)."""
-from studio.engine.cost_model import CostTable
+from studio.engine.cost_table import CostTable
 
 # fresh, a slot reads 0.79 (its prior 0.5, optimistically) and one draft pays; after a rejection it reads 0.57 and
 # none does: plans switch along a run

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from studio.engine.config import ModelConfig
+from studio.engine.families import read_config
 from studio.engine.model import Transformer
 
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -29,7 +30,7 @@ def hf_pair(family: str, seed: int = 0, **over):
     torch.manual_seed(seed)
     hf_cfg = hf_config(family, **over)
     hf = tf.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa").eval()
-    ours = Transformer(ModelConfig.from_hf(hf_cfg.to_dict())).eval()
+    ours = Transformer(read_config(hf_cfg.to_dict())).eval()
     missing, unexpected = ours.load_state_dict(hf.state_dict(), strict=False)
     assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
     return hf, ours
@@ -124,7 +125,7 @@ def tiny_gemma(vocab: int = 24, seed: int = 0, max_seq_len: int = 256, canvas: i
     from studio.engine.random_models import build_random
     raw = {"architectures": ["DiffusionGemmaForBlockDiffusion"], "model_type": "diffusion_gemma",
            "canvas_length": canvas, "text_config": dict(GEMMA_TEXT, vocab_size=vocab, max_position_embeddings=max_seq_len)}
-    cfg = ModelConfig.from_hf(raw, name="tiny-gemma")
+    cfg = read_config(raw, name="tiny-gemma")
     import dataclasses
     cfg = dataclasses.replace(cfg, eos_ids=[], mask_token_id=None)
     model = build_random(cfg, torch.device("cpu"), torch.float32, seed=seed)

@@ -102,7 +102,7 @@ def test_a_first_cost_aware_turn_measures_the_costs_off_the_ui_thread_and_says_s
     """The first turn of a cost-aware strategy on a model without a stored cost table measures one (20-30 s on a
     2-core CPU): the status says so, the UI keeps answering meanwhile, and the turn starts once the table is in."""
     import threading
-    from studio.engine.cost_model import FLAT_COSTS
+    from studio.engine.cost_table import FLAT_COSTS
     release, stored, on_ui_thread = threading.Event(), {}, []
 
     def measure(engine):

@@ -242,7 +242,7 @@ def test_a_first_cost_aware_run_says_it_measures_the_forward_costs_before_it_sta
                                                                                    request_, panes):
     """The first cost-aware run on a model without a stored cost table waits seconds for it: the status line says
     so before the first frame of the run, the table is measured once, and the next run starts at once."""
-    from studio.engine.cost_model import FLAT_COSTS
+    from studio.engine.cost_table import FLAT_COSTS
     app, url, _ = server
     status, trajectory = panes
     measured = []

@@ -10,6 +10,7 @@ import dataclasses
 import torch
 
 from studio.engine.config import ModelConfig
+from studio.engine.families import hf
 
 NAME = "dream"   # ModelConfig.family
 MASK_ID = 151666   # <|mask|>, when config.json does not say
@@ -21,7 +22,7 @@ def matches(raw: dict) -> bool:
 
 def config(raw: dict, name: str = "") -> ModelConfig:
     qwen2 = dict(raw, architectures=["Qwen2ForCausalLM"], model_type="qwen2")
-    cfg = ModelConfig.from_hf(qwen2, name=name)
+    cfg = hf.config(qwen2, name=name)
     return dataclasses.replace(cfg, attention="bidirectional", family=NAME, logit_shift=True,
                                mask_token_id=raw.get("mask_token_id", MASK_ID))
 

@@ -12,7 +12,7 @@ import torch
 
 from studio import events as ev
 from studio.engine import kernels
-from studio.engine.cost_model import FLAT_COSTS, CostTable
+from studio.engine.cost_table import FLAT_COSTS, CostTable
 from studio.engine.oracle import oracle_chain
 from studio.engine.sampling import ChainResult, Proposal, SamplingParams, verify_chain
 from studio.errors import BadInput

@@ -1,7 +1,7 @@
 """Starting a tensor-parallel engine: ranks spawned on this machine (`--tp N`) or started by `torchrun`.
 
 `start` returns rank 0's shard of the engine to the command that asked for it; every other rank builds its own
-shard of the same engine and follows rank 0 (studio.parallel.mirror) until rank 0 ends, then exits. A rank builds
+shard of the same engine and follows rank 0 (studio.run.mirror) until rank 0 ends, then exits. A rank builds
 with `build(shard=planner)`: a model read from files is read only as far as the rank keeps it; an engine that comes
 back whole (random weights, the tests' tiny models) is split here.
 """
@@ -14,10 +14,16 @@ import os
 import sys
 from typing import Callable
 
+from studio.engine.cost_model import calibrate
+from studio.engine.graphs import CachePool
+from studio.engine.lora import attach_adapter
+from studio.engine.strategies import make_strategy
+from studio.engine.tensor_parallel import TensorParallel, check_splittable, shard_model
 from studio.errors import BadInput, RankLost
-from studio.parallel import group as groups
-from studio.parallel import mirror
-from studio.parallel.tensor import TensorParallel, check_splittable, shard_model
+from studio.presets.shipped import adapter_path
+from studio.run import group as groups
+from studio.run import mirror
+from studio.run.session import Run
 
 _workers: list = []
 
@@ -25,7 +31,6 @@ _workers: list = []
 def shard_engine(engine, group: groups.Group, place_experts: bool = False):
     """This rank's shard of `engine` (no adapter attached yet: adapters are split as they load); `place_experts`:
     an MoE model's experts placed whole across the ranks (--ep)."""
-    from studio.engine.graphs import CachePool
     check_splittable(engine.config, group.world, place_experts)
     if engine.lora is not None:
         raise ValueError("shard the engine before attaching an adapter")
@@ -89,8 +94,6 @@ def _shard(build, group: groups.Group, adapter: str | None, place_experts: bool)
     if engine.model.parallel is None:
         engine = shard_engine(engine, group, place_experts)
     if adapter and adapter != "none":
-        from studio.engine.lora import attach_adapter
-        from studio.presets.shipped import adapter_path
         attach_adapter(engine, adapter_path(adapter))
     elif adapter == "none":
         engine.adapter_choice = "none"
@@ -102,7 +105,7 @@ def _serve(rank: int, world: int, port: int | None, build, device: str, split: t
     groups.set_threads(world)
     group = groups.join(rank, world, port=port, device=device, timeout_s=timeout_s)
     try:
-        mirror.follow(_shard(build, group, *split), group)
+        follow(_shard(build, group, *split), group)
     except BadInput:   # the model or the options: rank 0 meets the same and says it, once
         pass
     except Exception as e:   # rank 0 ended without a stop (it failed or was killed), or this rank failed
@@ -110,3 +113,48 @@ def _serve(rank: int, world: int, port: int | None, build, device: str, split: t
               file=sys.stderr)
     finally:
         groups.leave()
+
+
+def follow(engine, group: Group) -> None:
+    """A rank > 0's loop: build and advance what rank 0 announces, until it says stop."""
+    runs, caches = {}, {}
+    while True:
+        gone, message = mirror.receive(group)
+        for run_id in gone:
+            caches.pop(run_id, None)
+        kind = message[0]
+        if kind == "stop":
+            return
+        if kind == "calibrate":
+            calibrate(_view(engine, message[1]))
+        elif kind == "score":   # a text scored by one forward (mirror.score_logits)
+            _, adapter, ids, rows, gated = message
+            _view(engine, adapter).forward_rows(ids, rows, gated)
+        elif kind == "run":
+            _, run_id, spec = message
+            run = _build(engine, spec, caches)
+            runs[run_id], caches[run_id] = run, run.ctx.kv
+        elif kind == "advance":
+            _, run_id, cancelled = message
+            run = runs[run_id]
+            if cancelled:
+                run.cancel()
+            run.advance()
+            if run.done:
+                del runs[run_id]
+
+
+def _view(engine, adapter: str | None):
+    """The engine view rank 0's run decodes with: `adapter`'s, or the plain model's."""
+    view = engine.with_adapter(adapter)
+    return view if adapter else dataclasses.replace(view, adapter_choice="none")
+
+
+def _build(engine, spec: mirror.RunSpec, caches: dict):
+    kv = caches[spec.kv_from] if spec.kv_from is not None else None
+    if kv is not None:   # as rank 0 left it: its run's commits past the answer and the unshared turns dropped
+        kv.rollback(spec.kv_length)
+    run = Run(_view(engine, spec.adapter), make_strategy(spec.strategy, spec.params), spec.settings,
+              spec.prompt_text, list(spec.prompt_ids), kv=kv)
+    run.ctx.costs = spec.costs or run.ctx.costs
+    return run

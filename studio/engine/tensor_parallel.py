@@ -11,7 +11,7 @@ Rank r of `world` keeps (Megatron's layout):
   (`moe_ffn_dim / world` columns of every expert) or, with `--ep`, placed whole (`n_experts / world` experts per
   rank, each rank running only the assignments to its own); a shared expert split like an MLP;
 - the head: `vocab / world` rows of the vocabulary; each forward gathers the logits of the rows the strategy asked
-  for, so every rank holds the whole logits and decides the same way (studio.parallel.mirror).
+  for, so every rank holds the whole logits and decides the same way (studio.run.mirror).
 o_proj, down_proj and an MoE layer produce partial sums that one all-reduce each adds up (`Linear.reduce`,
 `MoE.reduce`): activations are whole on every rank between layers, so the experts need no all-to-all -- a rank
 skips the tokens routed elsewhere and the all-reduce the layer needs anyway brings their outputs. The embedding table
@@ -28,7 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from studio.engine.architectures import model_class
 from studio.engine.config import ModelConfig
+from studio.engine.model import MLP, Attention
 from studio.engine.moe import Experts, MoE
 from studio.errors import BadInput
 
@@ -191,7 +193,6 @@ def shard_model(model: nn.Module, plan: TensorParallel) -> nn.Module:
 def build_shard(state: dict[str, torch.Tensor], plan: TensorParallel, device=None) -> nn.Module:
     """The shard model holding `state` (each entry already this rank's part, `plan.shard`; taken, not copied): its
     row-parallel projections and MoE layers all-reduce and its head gathers the vocabulary."""
-    from studio.engine.model import MLP, Attention, model_class
     cfg = plan.shard_config()
     with torch.device("meta"):
         shard = model_class(cfg)(cfg)

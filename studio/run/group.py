@@ -2,7 +2,7 @@
 
 Rank 0 is the process the user started: it decides what runs and shows everything. The others (`launch` spawns
 them on this machine; `torchrun` starts them anywhere) build the same engine, keep their shard of it and follow
-rank 0 (studio.parallel.mirror). Every collective has `timeout_s`: a rank that dies ends the others with an error
+rank 0 (studio.run.mirror). Every collective has `timeout_s`: a rank that dies ends the others with an error
 instead of a hang.
 """
 from __future__ import annotations

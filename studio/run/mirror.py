@@ -16,7 +16,7 @@ import weakref
 
 import torch.distributed as dist
 
-from studio.parallel.group import Group, current, lost
+from studio.run.group import Group, current, lost
 
 _leader: "Leader | None" = None
 
@@ -100,49 +100,12 @@ def receive(group: Group) -> tuple[list[int], tuple]:
     return box[0]
 
 
-def follow(engine, group: Group) -> None:
-    """A rank > 0's loop: build and advance what rank 0 announces, until it says stop."""
-    from studio.engine.cost_model import calibrate
-    runs, caches = {}, {}
-    while True:
-        gone, message = receive(group)
-        for run_id in gone:
-            caches.pop(run_id, None)
-        kind = message[0]
-        if kind == "stop":
-            return
-        if kind == "calibrate":
-            calibrate(_view(engine, message[1]))
-        elif kind == "score":   # a text scored by one forward (Engine.score_logits)
-            _, adapter, ids, rows, gated = message
-            _view(engine, adapter).forward_rows(ids, rows, gated)
-        elif kind == "run":
-            _, run_id, spec = message
-            run = _build(engine, spec, caches)
-            runs[run_id], caches[run_id] = run, run.ctx.kv
-        elif kind == "advance":
-            _, run_id, cancelled = message
-            run = runs[run_id]
-            if cancelled:
-                run.cancel()
-            run.advance()
-            if run.done:
-                del runs[run_id]
-
-
-def _view(engine, adapter: str | None):
-    """The engine view rank 0's run decodes with: `adapter`'s, or the plain model's."""
-    view = engine.with_adapter(adapter)
-    return view if adapter else dataclasses.replace(view, adapter_choice="none")
-
-
-def _build(engine, spec: RunSpec, caches: dict):
-    from studio.engine.strategies import make_strategy
-    from studio.run.session import Run
-    kv = caches[spec.kv_from] if spec.kv_from is not None else None
-    if kv is not None:   # as rank 0 left it: its run's commits past the answer and the unshared turns dropped
-        kv.rollback(spec.kv_length)
-    run = Run(_view(engine, spec.adapter), make_strategy(spec.strategy, spec.params), spec.settings,
-              spec.prompt_text, list(spec.prompt_ids), kv=kv)
-    run.ctx.costs = spec.costs or run.ctx.costs
-    return run
+def score_logits(engine, ids: list[int], rows: list[int], gated: bool):
+    """`engine.forward_rows`: float logits of one forward over `ids` (lm-eval's log-likelihoods). Under tensor
+    parallelism rank 0 has every rank run the same forward."""
+    lead_ = leader()
+    if lead_ is None:
+        return engine.forward_rows(ids, rows, gated)
+    with lead_.lock:   # the message and the forward's collectives together
+        lead_.send("score", engine.adapter, list(ids), list(rows), gated)
+        return engine.forward_rows(ids, rows, gated)
