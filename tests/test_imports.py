@@ -3,6 +3,8 @@ through others, and every import runs downhill through the layers docs/README.md
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,11 @@ def test_imports_run_downhill(part):
     uphill = sorted(f"{m} -> {t}" for m, targets in import_graph().items() if _part(m) == part
                     for t in targets if LAYERS[_part(t)] > LAYERS[part])
     assert uphill == []
+
+
+def test_the_command_line_starts_without_torch():
+    """The function-local imports of cli.py and run/config.py are there for this: `--help`, argument errors and
+    `trace` commands answer before torch (about 2 s to import) is loaded."""
+    probe = "import sys, studio.cli, studio.run.config, studio.run.options; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

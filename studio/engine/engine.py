@@ -9,10 +9,11 @@ from pathlib import Path
 
 import torch
 
+from studio.engine.architectures import model_class
 from studio.engine.config import ModelConfig
 from studio.engine.device import cpu_threads, resolve_device, resolve_dtype
 from studio.engine.graphs import CachePool
-from studio.engine.architectures import model_class
+from studio.engine.lora import attach_adapter, install, load_adapter
 from studio.engine.model import Transformer, forgo_packed_copies
 from studio.engine.random_models import RANDOM_SOURCE, build_random, check_fits, is_random, random_config
 from studio.engine.tensor_parallel import build_shard
@@ -20,6 +21,7 @@ from studio.engine.tokenizer import ByteIdTokenizer
 from studio.engine.weights import load_model_files
 from studio.errors import BadInput
 from studio.presets import load_model_preset
+from studio.presets.shipped import adapter_path, shipped_for, shipped_name
 
 _threads_set = False
 
@@ -103,8 +105,6 @@ class Engine:
         if dev.type == "cpu" and _weight_bytes(engine.model) > PACKED_COPY_SHARE * _ram_bytes():
             forgo_packed_copies(engine.model)
         if adapter and adapter != "none":
-            from studio.presets.shipped import adapter_path
-            from studio.engine.lora import attach_adapter
             attach_adapter(engine, adapter_path(adapter))
         # an MoE layer sizes its expert groups on the host (moe.py), which a CUDA graph cannot capture
         engine.graphs = graphs and dev.type == "cuda" and not engine.config.n_experts
@@ -141,7 +141,6 @@ class Engine:
     def activate(self) -> None:
         """Install this engine's adapter on the shared model (a no-op when it is already there)."""
         if getattr(self.model, "active_adapter", None) is not self.lora:
-            from studio.engine.lora import install
             install(self.model, self.lora)
             self.model.config = self.config
 
@@ -149,7 +148,6 @@ class Engine:
         """This model with the adapter at `path` (None: no adapter), sharing the weights; made once per path."""
         base = self._views.setdefault(None, self)   # `attach_adapter` keeps a copy from before its adapter
         if path not in self._views:
-            from studio.engine.lora import load_adapter
             loaded = load_adapter(self.model, path)
             cfg = loaded.configure(base.config)
             self._views[path] = dataclasses.replace(base, config=cfg, adapter=loaded.path, lora=loaded,
@@ -172,7 +170,6 @@ class Engine:
         the adapter shipped for this model and strategy, if there is one."""
         if self.adapter_choice is not None:
             return self
-        from studio.presets.shipped import shipped_for
         return self.with_adapter(shipped_for(self.name, strategy))
 
     @property
@@ -185,7 +182,6 @@ class Engine:
         return name + spec + adapter
 
     def model_meta(self) -> dict:
-        from studio.presets.shipped import shipped_name
         p = self.model.lm_head.weight
         return {"name": self.name, "arch": self.config.arch, "dtype": str(p.dtype).removeprefix("torch."),
                 "device": str(p.device), "adapter": self.adapter, "adapter_name": shipped_name(self.adapter)}

@@ -16,7 +16,10 @@ import torch
 
 from studio.engine.device import synchronize
 from studio.engine.engine import Engine
+from studio.engine.kernels import runs_fused, verify_logits
 from studio.engine.masks import causal
+from studio.engine.moe import Experts, MoE, SwiGLU
+from studio.engine.sampling import Proposal, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -133,7 +136,6 @@ def moe_vs_dense(engine: Engine, repeats: int = 50) -> float | None:
     """For a mixture-of-experts model: one token through its first MoE layer, over one token through a dense SwiGLU
     with the same active width (k experts + the shared one), same device and dtype. None for a dense model. The
     price of routing and grouping: a 1-token step should cost about what its active parameters cost."""
-    from studio.engine.moe import MoE, SwiGLU
     layer = next((m for m in engine.model.modules() if isinstance(m, MoE)), None)
     if layer is None:
         return None
@@ -157,7 +159,6 @@ def weight_bytes(engine: Engine) -> int:
     """Bytes a 1-token step streams: every weight once, but of a mixture only the k experts the token goes to
     (the rest stay in memory unread). Counted by storage: a tied head is a second Parameter viewing the embedding
     table's storage (after an adapter's MASK row has grown the table)."""
-    from studio.engine.moe import Experts
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in engine.model.parameters()}
     cfg = engine.config
     for experts in (m for m in engine.model.modules() if isinstance(m, Experts)):
@@ -169,8 +170,6 @@ def weight_bytes(engine: Engine) -> int:
 def verify_time(engine: Engine, rows: int = 7, repeats: int = 50) -> tuple[float, str]:
     """Seconds to verify a chain of `rows` sampled drafts (T = 1) against random logits of the model's vocabulary,
     and the path that ran: the fused Triton kernel where it runs, else the torch rules."""
-    from studio.engine.kernels import runs_fused, verify_logits
-    from studio.engine.sampling import Proposal, SamplingParams
     device = engine.model.lm_head.weight.device
     gen = torch.Generator(device=device).manual_seed(0)
     V = engine.config.vocab_size

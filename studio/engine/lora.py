@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from studio.engine.config import ModelConfig
+from studio.engine.families import adapter_names
 from studio.engine.model import Linear, keep_packed_copy
 from studio.engine.weights import _load_safetensors, _short
 from studio.errors import BadInput, one_line
@@ -115,7 +116,6 @@ def read_adapter(path: str | Path, base: ModelConfig | None = None) -> Adapter:
     tensors = {k.removeprefix(_PREFIX): v for k, v in _load_safetensors(weights).items()}
     targets = cfg.get("target_modules")
     if base is not None and base.family:
-        from studio.engine.families import adapter_names
         tensors, targets = adapter_names(base, tensors, targets)
     lora, extra = _split_lora(tensors, r)
     _check_targets(targets, lora)

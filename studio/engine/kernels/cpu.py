@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from studio.engine.model_cache import cache_dir
 from studio.errors import BadInput
 
 MAX_ROWS = 4   # the kernel's register blocking: past it the loads of x bound the kernel, and oneDNN is as fast
@@ -48,7 +49,6 @@ def _cpu_id() -> str:
 
 
 def _build(cc: str) -> Path | None:
-    from studio.engine.model_cache import cache_dir
     source, flags = SOURCE.read_bytes(), _flags()
     key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(flags).encode(), _cpu_id().encode(),
                                      sys.platform.encode()])).hexdigest()[:16]

@@ -12,6 +12,8 @@ import torch
 
 from studio import events as ev
 from studio.engine import kernels
+from studio.engine.graphs import GraphRunner
+from studio.engine.moe import MoE
 from studio.engine.cost_table import FLAT_COSTS, CostTable
 from studio.engine.oracle import oracle_chain
 from studio.engine.sampling import ChainResult, Proposal, SamplingParams, verify_chain
@@ -101,7 +103,6 @@ class DecodeContext:
         # with the cache, so a pooled cache or a chat's kept one replays the graphs of earlier runs.
         self._runner = None
         if graphs:
-            from studio.engine.graphs import GraphRunner
             if self.kv.runner is None:
                 self.kv.runner = GraphRunner(model, self.kv)
             self._runner = self.kv.runner
@@ -207,7 +208,6 @@ class DecodeContext:
 
     def _moe_layers(self, model) -> list:
         if id(model) not in self._moe:
-            from studio.engine.moe import MoE
             self._moe[id(model)] = [m for m in model.modules() if isinstance(m, MoE)]
         return self._moe[id(model)]
 
