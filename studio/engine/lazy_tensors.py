@@ -118,3 +118,8 @@ def _narrow(window: tuple[slice, ...], key) -> tuple[slice, ...]:
             raise TypeError("a lazy tensor takes slices with a step of 1")
         out[i] = slice(window[i].start + start, window[i].start + max(start, stop))
     return tuple(out)
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, read whole (adapters, datasets, optimizer state: small files)."""
+    return {name: tensor.read() for name, tensor in open_safetensors(path).items()}

@@ -59,8 +59,8 @@ from torch import nn
 from studio.engine.config import ModelConfig
 from studio.engine.families import adapter_names
 from studio.engine.model import Linear, keep_packed_copy
-from studio.engine.weights import _load_safetensors, _short
-from studio.errors import BadInput, one_line
+from studio.engine.lazy_tensors import read_safetensors
+from studio.errors import BadInput, one_line, short_repr
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -113,7 +113,7 @@ def read_adapter(path: str | Path, base: ModelConfig | None = None) -> Adapter:
             raise BadInput(f"{root} has only adapter_model.bin (a PyTorch pickle); dlm-studio reads "
                            f"{WEIGHTS_FILE} only and never unpickles -- save the adapter with safe_serialization")
         raise BadInput(f"{root} has no {WEIGHTS_FILE}")
-    tensors = {k.removeprefix(_PREFIX): v for k, v in _load_safetensors(weights).items()}
+    tensors = {k.removeprefix(_PREFIX): v for k, v in read_safetensors(weights).items()}
     targets = cfg.get("target_modules")
     if base is not None and base.family:
         tensors, targets = adapter_names(base, tensors, targets)
@@ -128,11 +128,11 @@ def read_adapter(path: str | Path, base: ModelConfig | None = None) -> Adapter:
     adapted = cfg.get("adapted_rows", "all")
     if adapted not in ADAPTED_ROWS:
         raise BadInput(f"{root / CONFIG_FILE}: adapted_rows must be one of {', '.join(map(repr, ADAPTED_ROWS))}, "
-                       f"got {_short(adapted)}")
+                       f"got {short_repr(adapted)}")
     attention = cfg.get("attention")
     if attention is not None and attention not in ATTENTIONS:
         raise BadInput(f"{root / CONFIG_FILE}: attention must be one of {', '.join(map(repr, ATTENTIONS))}, "
-                       f"got {_short(attention)}")
+                       f"got {short_repr(attention)}")
     mask_emb, table = extra.get(_MASK_KEY), extra.get(_EMBED_KEY)
     if mask_emb is not None and (mask_emb.dim() != 2 or mask_emb.shape[0] != 1):
         raise BadInput(f"adapter tensor {_MASK_KEY} must have shape [1, dim], got {tuple(mask_emb.shape)}")
@@ -160,7 +160,7 @@ def _read_config(root: Path) -> dict:
     if not isinstance(cfg, dict):
         raise BadInput(f"invalid {f}: expected a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":
-        raise BadInput(f"{f}: peft_type {_short(cfg['peft_type'])} is not supported (only LORA)")
+        raise BadInput(f"{f}: peft_type {short_repr(cfg['peft_type'])} is not supported (only LORA)")
     for key in ("r", "lora_alpha"):
         v = cfg.get(key)
         try:
@@ -168,11 +168,11 @@ def _read_config(root: Path) -> dict:
         except OverflowError:  # an int beyond the float range (10**400): math.isfinite() raised here
             ok = False
         if not ok or (key == "r" and not isinstance(v, int)):
-            raise BadInput(f"{f}: {key} must be a positive {'integer' if key == 'r' else 'number'}, got {_short(v)}")
+            raise BadInput(f"{f}: {key} must be a positive {'integer' if key == 'r' else 'number'}, got {short_repr(v)}")
     # Each of these changes what the weights mean; applying the adapter without them would be silently wrong.
     for key, ok in (("fan_in_fan_out", False), ("use_dora", False), ("bias", "none")):
         if cfg.get(key, ok) not in (ok, None):
-            raise BadInput(f"{f}: {key}={_short(cfg[key])} is not supported (must be {ok!r})")
+            raise BadInput(f"{f}: {key}={short_repr(cfg[key])} is not supported (must be {ok!r})")
     for key in ("rank_pattern", "alpha_pattern"):
         if cfg.get(key):
             raise BadInput(f"{f}: {key} is not supported (one r and lora_alpha for every module)")
@@ -180,7 +180,7 @@ def _read_config(root: Path) -> dict:
     if isinstance(saved, str):
         saved = [saved]
     if not isinstance(saved, list):
-        raise BadInput(f"{f}: modules_to_save must be a list of module names, got {_short(saved)}")
+        raise BadInput(f"{f}: modules_to_save must be a list of module names, got {short_repr(saved)}")
     bad = [m for m in saved if str(m).rsplit(".", 1)[-1] not in ("embed_tokens", "lm_head")]
     if bad:
         raise BadInput(f"{f}: modules_to_save {bad[0]!r} is not supported (only embed_tokens / lm_head for a MASK row)")

@@ -345,7 +345,7 @@ def pack_cmd(
     from safetensors.torch import save_file
 
     from studio.engine.lora import CONFIG_FILE, WEIGHTS_FILE, read_adapter
-    from studio.engine.weights import _load_safetensors
+    from studio.engine.lazy_tensors import read_safetensors
     from studio.errors import BadInput
 
     types = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -355,7 +355,7 @@ def pack_cmd(
     if out.exists():
         raise BadInput(f"{out} exists: choose a new directory")
     out.mkdir(parents=True)
-    tensors = {k: v.to(types[dtype]).contiguous() for k, v in _load_safetensors(adapter / WEIGHTS_FILE).items()}
+    tensors = {k: v.to(types[dtype]).contiguous() for k, v in read_safetensors(adapter / WEIGHTS_FILE).items()}
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     shutil.copy(adapter / CONFIG_FILE, out / CONFIG_FILE)
     for f in ("train_state.json", "train_log.jsonl"):

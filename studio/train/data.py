@@ -44,9 +44,9 @@ def write_shard(path: Path, seqs: list[Sequence]) -> None:
 
 
 def read_shard(path: Path) -> list[Sequence]:
-    from studio.engine.weights import _load_safetensors
+    from studio.engine.lazy_tensors import read_safetensors
 
-    t = _load_safetensors(path)
+    t = read_safetensors(path)
     try:
         tokens, offsets, plens = t["tokens"].tolist(), t["offsets"].tolist(), t["prompt_lens"].tolist()
     except KeyError as e:

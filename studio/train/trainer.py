@@ -208,9 +208,9 @@ def _save(root: Path, trainable: Trainable, opt, tensors, state: dict, objective
 
 
 def _load_optimizer(root: Path, opt, tensors) -> None:
-    from studio.engine.weights import _load_safetensors
+    from studio.engine.lazy_tensors import read_safetensors
 
-    saved = _load_safetensors(root / STATE_TENSORS)
+    saved = read_safetensors(root / STATE_TENSORS)
     params = opt.param_groups[0]["params"]
     for i, (name, _) in enumerate(tensors):
         if f"{name}.exp_avg" in saved:

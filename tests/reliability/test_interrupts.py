@@ -184,13 +184,13 @@ def test_an_interrupt_while_safetensors_loads_waits_for_the_load(tiny_dir):
     import random
 
     from studio.cli import _hold_interrupts
-    from studio.engine.weights import _load_safetensors
+    from studio.engine.lazy_tensors import read_safetensors
     restore, rng, outcomes = _hold_interrupts(), random.Random(0), {"loaded": 0, "interrupted": 0}
     try:
         for _ in range(200):
             try:
                 signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0, 0.002))   # SIGALRM: the handler's own path
-                _load_safetensors(tiny_dir / "model.safetensors")
+                read_safetensors(tiny_dir / "model.safetensors")
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 outcomes["loaded"] += 1
             except KeyboardInterrupt:

