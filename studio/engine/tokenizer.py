@@ -190,14 +190,7 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def is_special(self, token_id: int) -> bool:
-        return int(token_id) in self.special_ids
-
     # -- chat --------------------------------------------------------------------------------------
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(self.chat_template)
-
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """Render `messages` ([{"role": ..., "content": ...}, ...]) with the model's chat template."""
         import jinja2

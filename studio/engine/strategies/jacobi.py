@@ -244,7 +244,7 @@ class JacobiMR(_JacobiBase):
             self._settle(ctx, {})
 
     def step(self, ctx: DecodeContext) -> None:
-        n, n_out, L = self.params.block_size, ctx.n_out, ctx.kv.length
+        n_out = ctx.n_out
         horizon = self._horizon()
         window = [self.guess[j] for j in range(n_out, horizon)]
         m = self.ra_end - n_out                       # open RA positions (>= 1 after _settle)
@@ -259,8 +259,26 @@ class JacobiMR(_JacobiBase):
         narrow = k < m or not whole
         if narrow:
             window, cands = window[:k], []
+        fwd = self._forward(ctx, window, cands, m)
+        self._propose(ctx, n_out, window[:k], min(len(looked), k))
+        for c in cands:
+            ctx.event("propose", pos=list(range(n_out, n_out + len(c))), tok=c, q=[1.0] * len(c), src="ngram")
+        best, drafts, new = self._verify_best_chain(ctx, fwd, window[:k], cands)
+        if ctx.out.finished:
+            return
+        # rejection recycling: the rejected noisy tail (RA drafts, then pseudo guesses) after the (up to n)
+        # known tokens that precede it; the last of those is the key
+        if self.params.pool_size:
+            n = self.params.block_size
+            j = next((i for i in range(min(k, len(new))) if window[i] != new[i]), None)
+            if j is not None:
+                out = ctx.out.token_ids
+                self._push((*out[max(0, n_out + j - n):n_out + j], *window[j:j + n]))
+        self._jacobi_update(ctx, fwd, best, drafts, narrow, horizon)
 
-        # one forward: [pending | window (RA drafts + pseudo blocks), causal] + candidate rows
+    def _forward(self, ctx: DecodeContext, window: list[int], cands: list[list[int]], m: int) -> "_Forward":
+        """One forward: [pending | window (RA drafts + pseudo blocks), causal] + candidate rows."""
+        n_out, L = ctx.n_out, ctx.kv.length
         t_main = 1 + len(window)
         tokens = [self.pending] + window
         positions = list(range(L, L + t_main))
@@ -273,15 +291,17 @@ class JacobiMR(_JacobiBase):
         mask = self._mask(ctx, L, t_main, [len(c) for c in cands]) if cands else None
         logits = ctx.forward("jacobi", tokens, positions=positions if cands else None, mask=mask,
                              logits_rows=None if len(rows) == len(tokens) else rows)
-        at = {r: i for i, r in enumerate(rows)}
-        pred = logits.argmax(-1).tolist()
-        self._propose(ctx, n_out, window[:k], min(len(looked), k))
-        for c in cands:
-            ctx.event("propose", pos=list(range(n_out, n_out + len(c))), tok=c, q=[1.0] * len(c), src="ngram")
+        return _Forward(logits, {r: i for i, r in enumerate(rows)}, logits.argmax(-1).tolist(), n_out, t_main,
+                        offsets)
 
+    def _verify_best_chain(self, ctx: DecodeContext, fwd: "_Forward", drafts: list[int],
+                           cands: list[list[int]]) -> tuple[int, list[int], list[int]]:
+        """Verify the chain (RA drafts or an n-gram candidate) with the longest expected accepted run, commit
+        what it accepts; (its index, its drafts, the new tokens)."""
+        k, logits, at = len(drafts), fwd.logits, fwd.at
         # chains: (drafts, verify rows, bonus row, KV rows of the drafts)
-        chains = [(window[:k], list(range(k)), k, list(range(1, k + 1)))]
-        for c, o in zip(cands, offsets):
+        chains = [(drafts, list(range(k)), k, list(range(1, k + 1)))]
+        for c, o in zip(cands, fwd.offsets):
             chains.append((c, [0] + list(range(o, o + len(c) - 1)), o + len(c) - 1, list(range(o, o + len(c)))))
         verify_rows = sorted({r for ch in chains for r in ch[1]})
         p_all = process_logits(logits[[at[r] for r in verify_rows]], ctx.sampling)
@@ -299,38 +319,30 @@ class JacobiMR(_JacobiBase):
         best = 0 if len(chains) == 1 else max(range(len(chains)), key=lambda i: expected_len(chains[i]))
         drafts, _, bonus_row, kv_rows = chains[best]
         target_rows = logits[[at[r] for r in chains[best][1]]]
-        a, new = self._decide(ctx, drafts, p_of(chains[best]), target_rows, logits[at[bonus_row]], n_out)
+        a, new = self._decide(ctx, drafts, p_of(chains[best]), target_rows, logits[at[bonus_row]], fwd.n_out)
         ctx.keep([0] + kv_rows[:a])
         self.pending = new[-1]
         ctx.emit(new)
-        if ctx.out.finished:
-            return
-        new_n_out = ctx.n_out
+        return best, drafts, new
 
-        # rejection recycling: the rejected noisy tail (RA drafts, then pseudo guesses) after the (up to n)
-        # known tokens that precede it; the last of those is the key
-        if self.params.pool_size:
-            j = next((i for i in range(min(k, len(new))) if window[i] != new[i]), None)
-            if j is not None:
-                out = ctx.out.token_ids
-                self._push((*out[max(0, n_out + j - n):n_out + j], *window[j:j + n]))
-
-        def main_pred(pos: int) -> int | None:
-            r = pos - n_out
-            return pred[at[r]] if 0 <= r < t_main and r in at else None
+    def _jacobi_update(self, ctx: DecodeContext, fwd: "_Forward", best: int, drafts: list[int], narrow: bool,
+                       horizon: int) -> None:
+        """Grow the pseudo blocks' frozen prefixes, take the forward's predictions as the next guesses, restart a
+        stalled block, settle."""
+        n, n_out, new_n_out = self.params.block_size, fwd.n_out, ctx.n_out
 
         def next_guess(pos: int) -> int:
             if best and pos <= n_out + len(drafts):   # a candidate won: its rows predict the RA positions
-                o = offsets[best - 1]
-                return pred[at[0 if pos == n_out else o + pos - n_out - 1]]
-            return main_pred(pos)
+                o = fwd.offsets[best - 1]
+                return fwd.pred[fwd.at[0 if pos == n_out else o + pos - n_out - 1]]
+            return fwd.main_pred(pos)
 
         # pseudo blocks: grow the frozen prefix by the leading matches + the prediction after them
         old_frozen = {pos for b in self.pseudo for pos in range(b.start, b.start + b.acc)}
         unmasked: list[int] = []
         for b in [] if narrow else self.pseudo:
             old = b.acc
-            while b.acc < n and self.guess[b.start + b.acc] == main_pred(b.start + b.acc):
+            while b.acc < n and self.guess[b.start + b.acc] == fwd.main_pred(b.start + b.acc):
                 b.acc += 1
             if b.acc < n:
                 b.acc += 1
@@ -341,12 +353,12 @@ class JacobiMR(_JacobiBase):
         def update(pos: int) -> int | None:
             if pos in old_frozen:
                 return None
-            return main_pred(pos) if pos >= self.ra_end else next_guess(pos)
+            return fwd.main_pred(pos) if pos >= self.ra_end else next_guess(pos)
         self.guess = {pos: g if (g := update(pos)) is not None else self.guess[pos] for pos in range(new_n_out, horizon)}
         unmasked = [pos for pos in unmasked if pos >= new_n_out]
         if unmasked:
-            conf = torch.softmax(logits[[at[pos - n_out] for pos in unmasked]].float(), -1)
-            toks = [main_pred(pos) for pos in unmasked]
+            conf = torch.softmax(fwd.logits[[fwd.at[pos - n_out] for pos in unmasked]].float(), -1)
+            toks = [fwd.main_pred(pos) for pos in unmasked]
             ctx.event("unmask", pos=unmasked, tok=toks,
                       conf=conf.gather(1, torch.tensor(toks, device=conf.device)[:, None])[:, 0].tolist())
 
@@ -355,7 +367,7 @@ class JacobiMR(_JacobiBase):
             self.iters = 0
             fresh = self._init_tokens(ctx, self.ra_end - new_n_out)
             self.guess.update(zip(range(new_n_out, self.ra_end), fresh))
-        self._settle(ctx, {horizon: main_pred(horizon)})
+        self._settle(ctx, {horizon: fwd.main_pred(horizon)})
 
     # -- pieces ---------------------------------------------------------------------------
     def _settle(self, ctx: DecodeContext, known: dict[int, int | None]) -> None:
@@ -428,3 +440,19 @@ class JacobiMR(_JacobiBase):
             mask[o:o + l, L + o:L + o + l] = torch.ones(l, l, dtype=torch.bool, device=ctx.device).tril()
             o += l
         return mask
+
+
+@dataclass
+class _Forward:
+    """One Jacobi forward: its logits by row (`at`: layout row -> logits row), their argmax, and the layout."""
+    logits: torch.Tensor
+    at: dict[int, int]
+    pred: list[int]
+    n_out: int                 # the output length when it ran (layout row r is position n_out + r)
+    t_main: int                # rows of the main chain: pending + window
+    offsets: list[int]         # where each n-gram candidate's rows start
+
+    def main_pred(self, pos: int) -> int | None:
+        """The main chain's prediction for position `pos`, None where no row of it was read."""
+        r = pos - self.n_out
+        return self.pred[self.at[r]] if 0 <= r < self.t_main and r in self.at else None

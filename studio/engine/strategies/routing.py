@@ -78,10 +78,6 @@ class RoutingPolicy:
         verifier ran, `cost` = the step's forwards (default 2 if verified else 1, paper Eq. 18).
         No-op except for UCB."""
 
-    def reset_block(self) -> None:
-        """A new block opens. Every policy here keeps its state across blocks (the reference keeps
-        the hysteresis flag and the bandit statistics for the whole generate call)."""
-
     def reset(self) -> None:
         """A new generation starts: forget all state."""
 
