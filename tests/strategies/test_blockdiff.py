@@ -4,7 +4,7 @@ import torch
 
 from studio import events as ev
 from studio.engine.strategies import make_strategy
-from studio.engine.strategies.blockdiff import (select_dynamic, select_hierarchical, top_k, transfer_counts)
+from studio.engine.strategies.unmasking import select_dynamic, select_hierarchical, top_k, transfer_counts
 from studio.errors import BadInput
 from tests.support.dlm import block_size_one_greedy, generate, opened
 from tests.support.tiny import FAMILIES, tiny_dlm

@@ -22,8 +22,9 @@ import torch
 from studio.engine.kv_cache import WindowWrite
 from studio.engine.masks import bidirectional, block_causal, causal
 from studio.engine.strategies.base import DecodeContext, Strategy
-from studio.engine.strategies.blockdiff import (BlockDiffusion, Credit, DecoderParams, Draft, select_dynamic,
-                                               select_hierarchical, top_k, transfer_counts)
+from studio.engine.strategies.blockdiff import BlockDiffusion
+from studio.engine.strategies.unmasking import (Credit, DecoderParams, Draft, select_dynamic, select_hierarchical,
+                                               top_k, transfer_counts)
 from studio.engine.strategies.params import N, TAU, param
 from studio.errors import BadInput
 

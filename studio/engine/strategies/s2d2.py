@@ -18,7 +18,8 @@ from studio.engine.sampling import process_logits
 from studio.engine.strategies import drafting
 from studio.engine.strategies import lookup as prompt_lookup
 from studio.engine.strategies.base import DecodeContext
-from studio.engine.strategies.blockdiff import BlockDiffusion, Draft, is_d2f
+from studio.engine.strategies.blockdiff import BlockDiffusion, is_d2f
+from studio.engine.strategies.unmasking import Draft
 from studio.engine.strategies.params import param
 from studio.engine.strategies.routing import POLICIES, RouteInput, make_policy
 from studio.errors import BadInput

@@ -16,7 +16,8 @@ from studio.engine.sampling import SamplingParams, process_logits
 from studio.engine.strategies import drafting
 from studio.engine.strategies import lookup as prompt_lookup
 from studio.engine.strategies.base import DecodeContext
-from studio.engine.strategies.blockdiff import SCHEDULES, BlockDiffusion, transfer_counts, top_k
+from studio.engine.strategies.blockdiff import SCHEDULES, BlockDiffusion
+from studio.engine.strategies.unmasking import top_k, transfer_counts
 from studio.engine.strategies.params import param
 from studio.errors import BadInput
 
