@@ -27,6 +27,27 @@ def _metrics_line(pt: Any, n_steps: int, final: bool = False) -> str:
     return ("done · " if final else "") + " · ".join(parts)
 
 
+def _recorded_delay(ms: float | None, prev_ms: float | None, speed: float) -> float:
+    """Seconds to wait before a step stamped `ms` after one stamped `prev_ms`: the recorded gap divided by `speed`,
+    at most MAX_SLEEP_S; none at speed 0 or when a stamp is missing."""
+    if speed and speed > 0 and ms is not None and prev_ms is not None:
+        return min(MAX_SLEEP_S, max(0.0, (ms - prev_ms) / 1000.0 / speed))
+    return 0.0
+
+
+def _summary(t: Trace, last: Any, n_steps: int) -> str:
+    """The closing line: the footer's numbers, else the last step's (a truncated trace)."""
+    if t.footer is not None:
+        f = t.footer
+        return (f"done · {f['stop_reason']} · {f['n_tokens']} tokens · {f['forwards']} forwards · "
+                f"TPF {f['tpf']:.3f} · accept {acceptance_shown(f['accept_rate'], t.events, '.1%')}"
+                + (f" · {f['tok_s']:.1f} tok/s" if f.get("tok_s") is not None else "")
+                + (f" · {f['wall_s']:.2f}s" if f.get("wall_s") is not None else ""))
+    if last is not None:
+        return _metrics_line(last, n_steps, final=True) + " · truncated trace"
+    return "empty trace"
+
+
 def replay(trace: Trace | str, speed: float = 1.0, console: Any = None, step_delay: float | None = None, *,
            token_text: TokenText | None = None, width: int | None = None,
            sleep: Callable[[float], None] = time.sleep) -> str:
@@ -71,12 +92,7 @@ def replay(trace: Trace | str, speed: float = 1.0, console: Any = None, step_del
             live.start()
         for step in grid.steps:
             pt = pts[step]
-            if step_delay is not None:
-                delay = step_delay
-            elif speed and speed > 0 and pt.ms is not None and prev_ms is not None:
-                delay = min(MAX_SLEEP_S, max(0.0, (pt.ms - prev_ms) / 1000.0 / speed))
-            else:
-                delay = 0.0
+            delay = step_delay if step_delay is not None else _recorded_delay(pt.ms, prev_ms, speed)
             if pt.ms is not None:
                 prev_ms = pt.ms
             if delay > 0:
@@ -96,15 +112,5 @@ def replay(trace: Trace | str, speed: float = 1.0, console: Any = None, step_del
     console.print(Panel(rich_text(grid) if grid.text == final_text else Text(final_text),
                         title="output", title_align="left", border_style="grey50"))
     last = pts[grid.steps[-1]] if grid.steps else None
-    if t.footer is not None:
-        f = t.footer
-        summary = (f"done · {f['stop_reason']} · {f['n_tokens']} tokens · {f['forwards']} forwards · "
-                   f"TPF {f['tpf']:.3f} · accept {acceptance_shown(f['accept_rate'], t.events, '.1%')}"
-                   + (f" · {f['tok_s']:.1f} tok/s" if f.get("tok_s") is not None else "")
-                   + (f" · {f['wall_s']:.2f}s" if f.get("wall_s") is not None else ""))
-    elif last is not None:
-        summary = _metrics_line(last, len(grid.steps), final=True) + " · truncated trace"
-    else:
-        summary = "empty trace"
-    console.print(Text(summary, style="bold"))
+    console.print(Text(_summary(t, last, len(grid.steps)), style="bold"))
     return final_text

@@ -14,7 +14,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from studio.events import summarize
-from studio.viz.grid import Grid, TokenText, build_grid, visible_token
+from studio.viz.grid import Cell, Grid, TokenText, build_grid, visible_token
 from studio.viz.palette import (CANVAS_LABELS, CANVAS_STATES, DRAFT_STATES, HELD_GLYPH, HOLDS, OKABE_ITO, PALETTE,
                                 RUN_COLORS, State, fill, tint)
 from studio.viz.stats import acceptance, progress, stalled_steps
@@ -76,22 +76,41 @@ def trajectory_figure(header: Mapping[str, Any] | None, events: Sequence[Mapping
     fig.update_layout(**_BASE_LAYOUT, title=_title("Decoding trajectory: steps × output positions", header))
     if not g.steps or not g.n_pos:
         return _empty_note(fig, "no tokens in this trace")
-    n_rows, n_pos = len(g.steps), g.n_pos
+    n_rows = len(g.steps)
     row_px = 20 if n_rows <= 60 else max(4, min(20, 1300 // n_rows))
-    show_glyphs = n_rows * n_pos <= max_glyph_cells and row_px >= 12
-    # Two layers: the background (committed cells carried over from earlier steps, a canvas's untouched masked
-    # and padding cells: the bulk of a long run) and the cells where something happens (glyph + hover).
-    small = n_rows * n_pos <= max_hover_cells
-    xgap = 1 if n_pos <= 300 else 0     # gaps would eat sub-pixel cells of long runs
-    ygap = 1 if row_px >= 8 else 0
+    show_glyphs = n_rows * g.n_pos <= max_glyph_cells and row_px >= 12
+    _add_cell_layers(fig, g, row_px, show_glyphs, hover_background=n_rows * g.n_pos <= max_hover_cells)
+    _add_state_legend(fig, g)
+    last = g.steps[-1]
+    for span in g.blocks:
+        y1 = span.close_step if span.close_step is not None else last
+        fig.add_shape(type="rect", x0=span.start - 0.5, x1=min(span.end, g.n_pos) - 0.5, y0=span.open_step - 0.5,
+                      y1=y1 + 0.5, line=dict(color="#333333", width=1.5, dash="dot"), fillcolor="rgba(0,0,0,0)")
+    _label_axes(fig, g)
+    fig.update_layout(height=max(340, row_px * n_rows + 240), plot_bgcolor="#FFFFFF",
+                      legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="left", x=0.0,
+                                  font=dict(size=13), itemsizing="constant"),
+                      margin=dict(l=90, r=45, t=130, b=110 if g.n_pos <= 80 and g.final else 50))
+    return fig
+
+
+def _cell_hover(c: Cell) -> str:
+    return "<br>".join(html.escape(line) for line in c.describe())
+
+
+def _cell_layers(g: Grid, show_glyphs: bool, hover_background: bool) -> dict[str, Any]:
+    """The two layers' z levels, glyphs and hovers: the background (committed cells carried over from earlier
+    steps, a canvas's untouched masked and padding cells: the bulk of a long run) and the cells where something
+    happens (glyph + hover). The background's hover is left out of big grids (`hover_background` False)."""
+    n_rows, n_pos = len(g.steps), g.n_pos
     row_of = {s: i for i, s in enumerate(g.steps)}
     heads = {s: f"<b>step {s}</b>" + (f" · {g.rows[s].role}" if g.rows[s].role else "") for s in g.steps}
     bg_z = np.full((n_rows, n_pos), np.nan, dtype=np.float32)  # float32: half the size in the HTML
     fg_z = np.full((n_rows, n_pos), np.nan, dtype=np.float32)
     text = [[""] * n_pos for _ in range(n_rows)]
     hover = [[""] * n_pos for _ in range(n_rows)]
-    bg_hover = [[""] * n_pos for _ in range(n_rows)] if small else None
-    described: dict[int, str] = {}
+    bg_hover = [[""] * n_pos for _ in range(n_rows)] if hover_background else None
+    described: dict[int, str] = {}   # background cells are shared between steps: describe each once
     for (step, pos), c in g.cells.items():
         i = row_of[step]
         if c.state in _BACKGROUND and not c.emitted and not c.kinds:
@@ -99,32 +118,46 @@ def trajectory_figure(header: Mapping[str, Any] | None, events: Sequence[Mapping
             if bg_hover is not None:
                 d = described.get(id(c))
                 if d is None:
-                    d = described[id(c)] = "<br>".join(html.escape(line) for line in c.describe())
+                    d = described[id(c)] = _cell_hover(c)
                 bg_hover[i][pos] = f"{heads[step]} · pos {pos}<br>{d}"
             continue
         fg_z[i, pos] = _LEVEL[(c.state, c.held and c.state in HOLDS)]
         if show_glyphs:
             text[i][pos] = c.glyph
-        hover[i][pos] = f"{heads[step]} · pos {pos}<br>" + "<br>".join(html.escape(line) for line in c.describe())
+        hover[i][pos] = f"{heads[step]} · pos {pos}<br>" + _cell_hover(c)
+    return dict(bg_z=bg_z, fg_z=fg_z, text=text, hover=hover, bg_hover=bg_hover)
+
+
+def _add_cell_layers(fig: go.Figure, g: Grid, row_px: int, show_glyphs: bool, hover_background: bool) -> None:
+    """The grid as two heatmaps, the background under the cells where something happens."""
+    layers = _cell_layers(g, show_glyphs, hover_background)
+    xs = list(range(g.n_pos))
+    xgap = 1 if g.n_pos <= 300 else 0     # gaps would eat sub-pixel cells of long runs
+    ygap = 1 if row_px >= 8 else 0
     nb = len(_BACKGROUND)
     bg_scale = [[(i + k) / nb, PALETTE[s][0]] for i, s in enumerate(_BACKGROUND) for k in (0, 1)]
+    bg_hover = (dict(hovertext=layers["bg_hover"], hovertemplate="%{hovertext}<extra></extra>") if hover_background
+                else dict(hoverinfo="skip"))
     fig.add_trace(go.Heatmap(
-        z=bg_z, x=list(range(n_pos)), y=g.steps, colorscale=bg_scale, zmin=-0.5, zmax=nb - 0.5,
-        showscale=False, xgap=xgap, ygap=ygap, hoverongaps=False, name="committed",
-        **(dict(hovertext=bg_hover, hovertemplate="%{hovertext}<extra></extra>") if small else dict(hoverinfo="skip"))))
+        z=layers["bg_z"], x=xs, y=g.steps, colorscale=bg_scale, zmin=-0.5, zmax=nb - 0.5,
+        showscale=False, xgap=xgap, ygap=ygap, hoverongaps=False, name="committed", **bg_hover))
     n = len(_LEVELS)
     scale = []
     for i, (state, held) in enumerate(_LEVELS):
         col = fill(state, held)
         scale += [[i / n, col], [(i + 1) / n, col]]
+    glyphs = (dict(text=layers["text"], texttemplate="%{text}", textfont=dict(size=13 if row_px >= 16 else 9))
+              if show_glyphs else {})
     fig.add_trace(go.Heatmap(
-        z=fg_z, x=list(range(n_pos)), y=g.steps,
-        **(dict(text=text, texttemplate="%{text}", textfont=dict(size=13 if row_px >= 16 else 9)) if show_glyphs else {}),
-        hovertext=hover, hovertemplate="%{hovertext}<extra></extra>",
+        z=layers["fg_z"], x=xs, y=g.steps, **glyphs,
+        hovertext=layers["hover"], hovertemplate="%{hovertext}<extra></extra>",
         colorscale=scale, zmin=-0.5, zmax=n - 0.5, showscale=False, xgap=xgap, ygap=ygap, hoverongaps=False,
         name="cells"))
-    # a legend with the glyphs (colour is never the only cue): a run's own states (a canvas run's or a drafting
-    # run's), and the held and canvas ones only where they occur
+
+
+def _add_state_legend(fig: go.Figure, g: Grid) -> None:
+    """A legend with the glyphs (colour is never the only cue): a run's own states (a canvas run's or a drafting
+    run's), and the held and canvas ones only where they occur."""
     present = {(c.state, c.held and c.state in HOLDS) for c in g.cells.values()}
     usual = {(s, False) for s in (CANVAS_STATES if g.canvas else DRAFT_STATES)}
     for state, held in _LEVELS:
@@ -137,12 +170,12 @@ def trajectory_figure(header: Mapping[str, Any] | None, events: Sequence[Mapping
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=f"{glyph}  {name}",
                                  marker=dict(symbol="square", size=15, color=col, line=dict(color="#555555", width=1)),
                                  hoverinfo="skip", showlegend=True))
-    last = g.steps[-1]
-    for span in g.blocks:
-        y1 = span.close_step if span.close_step is not None else last
-        fig.add_shape(type="rect", x0=span.start - 0.5, x1=min(span.end, g.n_pos) - 0.5, y0=span.open_step - 0.5,
-                      y1=y1 + 0.5, line=dict(color="#333333", width=1.5, dash="dot"), fillcolor="rgba(0,0,0,0)")
-    if n_rows <= 60:
+
+
+def _label_axes(fig: go.Figure, g: Grid) -> None:
+    """Step rows labelled with their forward role and the tokens they emitted (short runs), position columns with
+    their final token (short outputs)."""
+    if len(g.steps) <= 60:
         ticktext = [f"{s} {g.rows[s].role or ''}".rstrip() for s in g.steps]
         fig.update_yaxes(tickmode="array", tickvals=g.steps, ticktext=ticktext)
         for s in g.steps:
@@ -160,11 +193,6 @@ def trajectory_figure(header: Mapping[str, Any] | None, events: Sequence[Mapping
         fig.update_xaxes(tickmode="array", tickvals=list(range(g.n_pos)), ticktext=ticks, tickangle=-60,
                          tickfont=dict(family="DejaVu Sans Mono, Menlo, Consolas, monospace", size=11),
                          title_text="output position and final token")
-    fig.update_layout(height=max(340, row_px * n_rows + 240), plot_bgcolor="#FFFFFF",
-                      legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="left", x=0.0,
-                                  font=dict(size=13), itemsizing="constant"),
-                      margin=dict(l=90, r=45, t=130, b=110 if g.n_pos <= 80 and g.final else 50))
-    return fig
 
 
 # -- TPF over steps ---------------------------------------------------------------------------------
@@ -331,18 +359,6 @@ def comparison_figure(traces: Sequence[Any], labels: Sequence[str] | None = None
     fig.update_yaxes(title_text="tokens emitted", row=2, col=2)
     fig.update_layout(height=720, legend=dict(orientation="h", yanchor="top", y=-0.08, xanchor="right", x=1.0))
     return fig
-
-
-def run_figures(header: Mapping[str, Any] | None, events: Sequence[Mapping[str, Any]],
-                footer: Mapping[str, Any] | None = None, *, token_text: TokenText | None = None,
-                grid: Grid | None = None) -> dict[str, go.Figure]:
-    """All single-run figures, by name."""
-    return {
-        "trajectory": trajectory_figure(header, events, footer, token_text=token_text, grid=grid),
-        "tpf": tpf_figure(header, events, footer),
-        "acceptance_by_position": acceptance_by_position_figure(header, events, footer),
-        "acceptance_length": acceptance_length_figure(header, events, footer),
-    }
 
 
 def accuracy_figure(report: dict) -> go.Figure:

@@ -17,224 +17,18 @@ Every consumer (plotly figures, Rich/plain text, the TUI, HTML) renders this one
 """
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping
 
-from studio.viz.palette import HOLDS, PRIORITY, State, glyph, label
+from studio.viz.grid_model import BlockSpan, Cell, Grid, Row, Segment, show_text, visible_token
+from studio.viz.palette import HOLDS, PRIORITY, State
+
+# The grid's types live in grid_model; every viewer imports them, the builder and the token helpers from here.
+__all__ = ["BlockSpan", "Cell", "Grid", "GridBuilder", "Row", "Segment", "TokenText", "build_grid", "show_text",
+           "visible_token"]
 
 TokenText = Callable[[int], str]
-
-
-@dataclass
-class Cell:
-    state: State
-    tok: int | None = None          # the token now at this position (draft, accepted, resampled, ...)
-    text: str | None = None         # its text (from emit text, else token_text, else None)
-    p: float | None = None          # target/verifier probability of the verified token
-    q: float | None = None          # draft/proposal probability
-    conf: float | None = None       # diffusion confidence (unmask)
-    draft_tok: int | None = None    # a rejected draft token (the resample replaced it)
-    draft_text: str | None = None
-    draft_p: float | None = None    # p and q of that rejected draft (the correction has none of its own)
-    draft_q: float | None = None
-    src: str | None = None          # proposal source (mask, draft_model, jacobi, ngram, diffusion)
-    kinds: tuple[str, ...] = ()     # event kinds that touched the position at this step, in order
-    emitted: bool = False           # emitted (became final output) at this very step
-    held: bool = False              # carried-over unmasked/edited token (no event at this step)
-    committed_step: int | None = None  # the step it was emitted at (committed cells, final tokens)
-    filled_step: int | None = None  # the step its token was filled (unmask) or last edited at
-    old: int | None = None          # the token an edit replaced
-    old_text: str | None = None
-    guess: int | None = None        # a guess (propose) the noise of a remask at the same step replaced
-    guess_text: str | None = None
-
-    @property
-    def ratio(self) -> float | None:
-        """Acceptance ratio min(1, p/q) of this cell's accepted draft (None when p or q is unknown)."""
-        return _ratio(self.p, self.q) if "accept" in self.kinds else None
-
-    @property
-    def glyph(self) -> str:
-        return glyph(self.state, self.held)
-
-    def reasons(self, canvas: bool = False) -> list[str]:
-        """Why the cell is what it is, in words, for the events a canvas run adds (and a canvas's guesses):
-        what filled, edited or re-noised it, and that a cell after an EOS is padding."""
-        out = []
-        if "propose" in self.kinds and canvas and self.guess is None:
-            out.append("guess, not verified")
-        if "unmask" in self.kinds:
-            out.append("filled by the fill rule")
-        if "edit" in self.kinds:
-            out.append(f"T2T edit: {_token(self.old, self.old_text)} → {_token(self.tok, self.text)}")
-        if self.guess is not None:
-            out.append(f"guess {_token(self.guess, self.guess_text)} not taken")
-        if "remask" in self.kinds:
-            out.append("re-noised: a noise token" if self.state is State.NOISE else "remasked: back to MASK")
-        if self.state is State.PADDING:
-            out.append("after the EOS: never output")
-        return out
-
-    def describe(self) -> list[str]:
-        """Human-readable lines (hover text)."""
-        lines = [f"{self.glyph} {label(self.state)}" + (" (held: not yet emitted)" if self.held else "")]
-        if self.tok is not None and self.state is not State.MASKED:
-            lines.append(f"token {_token(self.tok, self.text)}")
-        lines += self.reasons()
-        lines += _probs(self.p, self.q, self.ratio)
-        if self.draft_tok is not None:
-            lines.append(f"rejected draft {_token(self.draft_tok, self.draft_text)}")
-            lines += ["  " + line for line in _probs(self.draft_p, self.draft_q, _ratio(self.draft_p, self.draft_q))]
-        if self.conf is not None:
-            lines.append(f"confidence {_fmt(self.conf)}")
-        if self.src:
-            lines.append(f"proposed by {self.src}")
-        if self.filled_step is not None and "unmask" not in self.kinds and "edit" not in self.kinds:
-            lines.append(f"filled at step {self.filled_step}")
-        if self.emitted:
-            lines.append("emitted at this step")
-        elif self.committed_step is not None and self.state is State.COMMITTED:
-            lines.append(f"committed at step {self.committed_step}")
-        if len(self.kinds) > 1:
-            lines.append("events: " + ", ".join(self.kinds))
-        return lines
-
-
-@dataclass
-class Row:
-    """What happened at one step, besides the cells."""
-    step: int
-    role: str | None = None          # forward role ("prefill", "verify", ...); None: no forward event
-    n_tokens: int = 0                # rows in the forward
-    lora_rows: int = 0
-    wall_ms: float | None = None     # forward time (summed if a step has several forward events)
-    ms: float | None = None          # time of the step's last event, since run start
-    n_forwards: int = 0
-    emitted: list[int] = field(default_factory=list)  # token ids emitted at this step
-    text: str = ""                   # their text
-    route: dict[str, Any] | None = None
-    plan: dict[str, Any] | None = None   # cost-aware drafting's plan for this step's forward (a `plan` event)
-    kv: list[dict[str, Any]] = field(default_factory=list)
-    blocks: list[dict[str, Any]] = field(default_factory=list)
-    n_events: int = 0
-    eos_pos: int | None = None       # the first EOS the canvas holds after this step: the cells after it are padding
-
-    @property
-    def refreshes(self) -> list[tuple[int, int]]:
-        """The KV slot ranges [from, to) an approximate cache recomputed at this step (the KV length stays)."""
-        return [(k["from_len"], k["to_len"]) for k in self.kv if k["op"] == "refresh"]
-
-
-@dataclass
-class BlockSpan:
-    start: int
-    end: int                 # exclusive
-    open_step: int
-    close_step: int | None   # None: still open at the end of the trace
-
-
-@dataclass
-class Segment:
-    """A piece of the final text with the provenance of its token(s), for per-token colouring."""
-    text: str
-    positions: tuple[int, ...]
-    state: State
-    step: int
-
-
-@dataclass
-class Grid:
-    steps: list[int]
-    n_pos: int
-    cells: dict[tuple[int, int], Cell]   # only non-empty cells
-    rows: dict[int, Row] = field(default_factory=dict)
-    blocks: list[BlockSpan] = field(default_factory=list)
-    final: dict[int, Cell] = field(default_factory=dict)   # emitted positions: token, text, provenance
-    segments: list[Segment] = field(default_factory=list)
-    canvas: dict[str, int] | None = None   # the header's {length, block_size} of a canvas run
-
-    def cell(self, step: int, pos: int) -> Cell:
-        return self.cells.get((step, pos)) or _EMPTY
-
-    def state(self, step: int, pos: int) -> State:
-        return self.cell(step, pos).state
-
-    def states(self) -> dict[tuple[int, int], State]:
-        return {k: c.state for k, c in self.cells.items()}
-
-    def row_cells(self, step: int) -> list[Cell]:
-        return [self.cell(step, p) for p in range(self.n_pos)]
-
-    @property
-    def text(self) -> str:
-        return "".join(s.text for s in self.segments)
-
-    def eos_before(self, pos: int, step: int | None = None) -> int | None:
-        """The EOS position `pos` is padding after, as of `step` (default: the last), or None."""
-        steps = [s for s in self.steps if step is None or s <= step]
-        eos = self.rows[steps[-1]].eos_pos if steps else None
-        return eos if eos is not None and pos > eos else None
-
-    def fill_history(self, pos: int, upto_step: int | None = None) -> list[str]:
-        """When the token at `pos` was filled (step, confidence), edited (old → new, confidence) and remasked, up to
-        `upto_step`: one line each, oldest first (an inspector's summary of a canvas cell)."""
-        lines = []
-        for step in self.steps:
-            if upto_step is not None and step > upto_step:
-                break
-            c = self.cells.get((step, pos))
-            if c is None or not c.kinds:
-                continue
-            conf = f" (conf {_fmt(c.conf)})" if c.conf is not None else ""
-            if "unmask" in c.kinds:
-                lines.append(f"filled at step {step}{conf}")
-            if "edit" in c.kinds:
-                lines.append(f"edited at step {step}: {_token(c.old, c.old_text)} → {_token(c.tok, c.text)}{conf}")
-            if "remask" in c.kinds:
-                lines.append(f"{'re-noised' if c.state is State.NOISE else 'remasked'} at step {step}")
-        return lines
-
-
-_EMPTY = Cell(State.EMPTY)
-_MASKED = Cell(State.MASKED)
-
-
-def _token(tok: int, text: str | None) -> str:
-    """'12 "abc"' (the id, and the text when known)."""
-    return f"{tok}" + (f" {show_text(text)}" if text is not None else "")
-
-
-def _fmt(v: float) -> str:
-    return f"{v:.3g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"
-
-
-def _ratio(p: float | None, q: float | None) -> float | None:
-    """min(1, p/q): the chance a draft with these probabilities is accepted (None when one is unknown)."""
-    if p is None or q is None:
-        return None
-    return 1.0 if q <= 0 else min(1.0, p / q)
-
-
-def _probs(p: float | None, q: float | None, ratio: float | None) -> list[str]:
-    """'p=0.9  q=1  min(1,p/q)=0.9', or nothing when no number is known."""
-    parts = [f"{k}={_fmt(v)}" for k, v in (("p", p), ("q", q), ("min(1,p/q)", ratio)) if v is not None]
-    return ["  ".join(parts)] if parts else []
-
-
-def visible_token(text: str | None, tok: int | None = None, limit: int = 9) -> str:
-    """A token for a narrow label or cell: whitespace made visible (␣ ↵ ⇥ ␍), cut to `limit` characters
-    with …; `#id` when the text is unknown."""
-    if text is None:
-        return f"#{tok}" if tok is not None else ""
-    s = text.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥").replace("\r", "␍") or "∅"
-    return s if len(s) <= limit else s[: limit - 1] + "…"
-
-
-def show_text(text: str | None) -> str:
-    """A token's text with whitespace made visible (a JSON string literal), or '?' if unknown."""
-    return "?" if text is None else json.dumps(text, ensure_ascii=False)
 
 
 # -- token texts ------------------------------------------------------------------------------------
@@ -292,9 +86,8 @@ def _token_texts(emits: list[Mapping[str, Any]]) -> tuple[dict[int, str], dict[i
 
 
 # -- the grid ---------------------------------------------------------------------------------------
-_EVENT_STATE = {"propose": State.PROPOSED, "accept": State.ACCEPTED, "reject": State.REJECTED,
-                "resample": State.RESAMPLED, "bonus": State.BONUS, "unmask": State.UNMASKED, "edit": State.EDITED}
 _PROVENANCE = (State.ACCEPTED, State.RESAMPLED, State.BONUS, State.UNMASKED, State.EDITED)
+_MASKED = Cell(State.MASKED)
 
 
 def _as_list(v: Any) -> list:
@@ -316,6 +109,36 @@ def build_grid(header: Mapping[str, Any] | None, events: Iterable[Mapping[str, A
     builder = GridBuilder.of_events(events, token_text, header)
     builder.feed(events)
     return builder.grid
+
+
+@dataclass
+class _Step:
+    """One step being added: its row, and what its events said about each position before the cells are made
+    (`touched`: the strongest state and the merged fields of the events that touched it; `emitted`: pos -> token)."""
+    step: int
+    row: Row
+    touched: dict[int, dict[str, Any]] = field(default_factory=dict)
+    emitted: dict[int, int] = field(default_factory=dict)
+
+    def touch(self, pos: int, kind: str, st: State, **info: Any) -> None:
+        """Event `kind` put `pos` in state `st`: the strongest state (PRIORITY) wins, its token with it; the
+        other fields of every event that touched the position are kept."""
+        c = self.touched.setdefault(pos, {"state": None, "kinds": []})
+        c["kinds"].append(kind)
+        if kind == "reject":   # the draft's numbers; the correction that replaces it has none
+            c["draft_tok"], c["draft_p"], c["draft_q"] = info.pop("tok"), info.pop("p"), info.pop("q")
+            c.pop("q", None)   # the proposal's q, now the draft's
+        wins = c["state"] is None or PRIORITY[st] >= PRIORITY[c["state"]]
+        if st is State.NOISE and c["state"] is State.PROPOSED:
+            c["guess"] = c["tok"]   # the noise the canvas holds after the step shows; the guess is kept beside it
+        elif kind == "propose" and c["state"] is State.NOISE:
+            c["guess"] = info["tok"]
+        if "tok" in info and wins:
+            c["tok"] = info.pop("tok")
+        info.pop("tok", None)
+        c.update((k, v) for k, v in info.items() if v is not None)
+        if c["state"] is None or PRIORITY[st] > PRIORITY[c["state"]]:
+            c["state"] = st
 
 
 class GridBuilder:
@@ -383,170 +206,196 @@ class GridBuilder:
         return None
 
     def _add_step(self, step: int, step_events: list[Mapping[str, Any]]) -> None:
-        g = self.grid
-        committed, held, noise, final, segments = self._committed, self._held, self._noise, g.final, g.segments
-        text_of = self._text_of
-        if step not in g.rows:
-            g.steps.append(step)
-        row = g.rows[step] = Row(step)
-        emits_now = [e for e in step_events if e["t"] == "emit"]
-        for e in emits_now:
+        """Read one step's events (a handler per kind, `_ON_EVENT`), then make its row of cells: the touched ones,
+        the emitted ones, the provenance of what became final, the carried-over cells, padding after an EOS."""
+        if step not in self.grid.rows:
+            self.grid.steps.append(step)
+        s = _Step(step, Row(step))
+        self.grid.rows[step] = s.row
+        emits = [e for e in step_events if e["t"] == "emit"]
+        self._learn_emits(emits)
+        self._widen(step_events)
+        for e in step_events:
+            s.row.n_events += 1
+            if s.row.ms is None or (e["ms"] is not None and e["ms"] > s.row.ms):
+                s.row.ms = e["ms"]
+            handler = _ON_EVENT.get(e["t"])
+            if handler is not None:   # unknown kinds (a future minor version) are ignored here
+                handler(self, s, e)
+        cells: dict[int, Cell] = {}   # this step's row
+        for pos, c in s.touched.items():   # in order: a rejection drops the held tokens after it
+            cells[pos] = self._touched_cell(s, pos, c)
+            self._carry_forward(pos, cells[pos])
+        for pos, tok in s.emitted.items():   # emitted without another event at this step
+            if pos not in s.touched:
+                cells[pos] = Cell(State.COMMITTED, tok=tok, text=self._text_of(pos, tok), kinds=("emit",),
+                                  emitted=True, committed_step=step, filled_step=self._held_filled_step(pos))
+        self._record_final(s, cells)
+        self._carry_over(cells)
+        self._pad_after_eos(s.row, cells)
+        self.grid.cells.update(((step, pos), cell) for pos, cell in cells.items())
+        self._add_segments(step, emits)
+
+    def _learn_emits(self, emits: list[Mapping[str, Any]]) -> None:
+        """The tokens this step emits, and (live) their texts."""
+        for e in emits:
             for p, t in zip(e["pos"], e["tok"]):
                 self.emitted_tok[p] = t
         if self._live_texts:
-            for p, t in _token_texts(emits_now)[0].items():
+            for p, t in _token_texts(emits)[0].items():
                 self.pos_text[p] = t
                 self.id_text.setdefault(self.emitted_tok[p], t)
+
+    def _widen(self, step_events: list[Mapping[str, Any]]) -> None:
+        """Grow the grid to the furthest position an event names (a block's span is not a position)."""
         for e in step_events:
             if "pos" in e and e["t"] != "block":
                 ps = _as_list(e["pos"])
                 if ps:
-                    g.n_pos = max(g.n_pos, max(ps) + 1)
-        touched: dict[int, dict[str, Any]] = {}
-        emitted_now: dict[int, int] = {}
+                    self.grid.n_pos = max(self.grid.n_pos, max(ps) + 1)
 
-        def touch(pos: int, kind: str, st: State, **info: Any) -> None:
-            c = touched.setdefault(pos, {"state": None, "kinds": []})
-            c["kinds"].append(kind)
-            if kind == "reject":   # the draft's numbers; the correction that replaces it has none
-                c["draft_tok"], c["draft_p"], c["draft_q"] = info.pop("tok"), info.pop("p"), info.pop("q")
-                c.pop("q", None)   # the proposal's q, now the draft's
-            wins = c["state"] is None or PRIORITY[st] >= PRIORITY[c["state"]]
-            if st is State.NOISE and c["state"] is State.PROPOSED:
-                c["guess"] = c["tok"]   # the noise the canvas holds after the step shows; the guess is kept beside it
-            elif kind == "propose" and c["state"] is State.NOISE:
-                c["guess"] = info["tok"]
-            if "tok" in info and wins:
-                c["tok"] = info.pop("tok")
-            info.pop("tok", None)
-            c.update((k, v) for k, v in info.items() if v is not None)
-            if c["state"] is None or PRIORITY[st] > PRIORITY[c["state"]]:
-                c["state"] = st
+    # -- one handler per event kind: what the event says about its positions (`_Step.touch`) or its row
+    def _on_forward(self, s: _Step, e: Mapping[str, Any]) -> None:
+        row = s.row
+        row.n_forwards += 1
+        if row.role is None:
+            row.role = e["role"]
+        row.n_tokens += e["n_tokens"]
+        row.lora_rows += e["lora_rows"]
+        if e["wall_ms"] is not None:
+            row.wall_ms = (row.wall_ms or 0.0) + e["wall_ms"]
 
-        for e in step_events:
-            t = e["t"]
-            row.n_events += 1
-            row.ms = e["ms"] if row.ms is None or (e["ms"] is not None and e["ms"] > row.ms) else row.ms
-            if t == "forward":
-                row.n_forwards += 1
-                if row.role is None:
-                    row.role = e["role"]
-                row.n_tokens += e["n_tokens"]
-                row.lora_rows += e["lora_rows"]
-                if e["wall_ms"] is not None:
-                    row.wall_ms = (row.wall_ms or 0.0) + e["wall_ms"]
-            elif t == "propose":
-                for i, p in enumerate(e["pos"]):
-                    touch(p, t, State.PROPOSED, tok=e["tok"][i], q=_at(e["q"], i), src=e["src"])
-            elif t == "accept":
-                for i, p in enumerate(e["pos"]):
-                    touch(p, t, State.ACCEPTED, tok=e["tok"][i], p=_at(e["p"], i), q=_at(e["q"], i))
-            elif t == "reject":
-                touch(e["pos"], t, State.REJECTED, tok=e["tok"], p=e["p"], q=e["q"])
-            elif t in ("resample", "bonus"):
-                touch(e["pos"], t, _EVENT_STATE[t], tok=e["tok"])
-            elif t == "unmask":
-                for i, p in enumerate(e["pos"]):
-                    touch(p, t, State.UNMASKED, tok=e["tok"][i], conf=_at(e["conf"], i), filled_step=step)
-            elif t == "edit":
-                for i, p in enumerate(e["pos"]):
-                    touch(p, t, State.EDITED, tok=e["tok"][i], old=e["old"][i], conf=_at(e["conf"], i),
-                          filled_step=step)
-            elif t == "remask":
-                for p, tok in zip(e["pos"], e["tok"]):
-                    touch(p, t, State.MASKED if tok == self.mask_id else State.NOISE, tok=tok)
-            elif t == "emit":
-                for p, tok in zip(e["pos"], e["tok"]):
-                    emitted_now[p] = tok
-                row.emitted.extend(e["tok"])
-                row.text += e["text"]
-            elif t == "block":
-                row.blocks.append(dict(e))
-                if e["op"] == "open":
-                    span = BlockSpan(e["start"], e["end"], step, None)
-                    g.blocks.append(span)
-                    self._open_blocks.append(span)
-                else:
-                    for span in self._open_blocks:
-                        if span.start == e["start"] and span.end == e["end"]:
-                            span.close_step = step
-                            self._open_blocks.remove(span)
-                            break
-                    else:  # a close without a matching open: still show the span
-                        g.blocks.append(BlockSpan(e["start"], e["end"], step, step))
-            elif t == "route":
-                row.route = {"verify": e["verify"], "score": e["score"], "policy": e["policy"]}
-            elif t == "plan":
-                row.plan = {"drafts": e["drafts"], "max_drafts": e["max_drafts"], "gain": e["gain"]}
-            elif t == "kv":
-                row.kv.append({"op": e["op"], "from_len": e["from_len"], "to_len": e["to_len"]})
-            # unknown kinds (a future minor version) are ignored here
+    def _on_propose(self, s: _Step, e: Mapping[str, Any]) -> None:
+        for i, p in enumerate(e["pos"]):
+            s.touch(p, "propose", State.PROPOSED, tok=e["tok"][i], q=_at(e["q"], i), src=e["src"])
 
-        cells: dict[int, Cell] = {}   # this step's row
-        # cells touched at this step
-        for pos, c in touched.items():
-            state = c["state"]
-            tok = c.get("tok", emitted_now.get(pos))
-            emitted = pos in emitted_now
-            if emitted and state is State.PROPOSED:
-                state = State.COMMITTED
-            if emitted:
-                tok = emitted_now[pos]
-            draft, old, guess = c.get("draft_tok"), c.get("old"), c.get("guess")
-            cell = Cell(state, tok=tok, text=text_of(pos, tok), p=c.get("p"), q=c.get("q"), conf=c.get("conf"),
-                        draft_tok=draft, draft_text=text_of(None, draft), draft_p=c.get("draft_p"),
-                        draft_q=c.get("draft_q"), src=c.get("src"),
-                        kinds=tuple(c["kinds"]) + (("emit",) if emitted else ()), emitted=emitted,
-                        committed_step=step if emitted else None, filled_step=c.get("filled_step"),
-                        old=old, old_text=text_of(None, old), guess=guess, guess_text=text_of(None, guess))
-            if cell.filled_step is None and pos in held and state not in (State.MASKED, State.NOISE):
-                cell.filled_step = held[pos].filled_step   # e.g. the emit of a token filled earlier
-            cells[pos] = cell
-            if state in (State.MASKED, State.NOISE):   # a remask: the filled token is gone
-                held.pop(pos, None)
-                noise.pop(pos, None)
-                if state is State.NOISE:
-                    noise[pos] = replace(cell, kinds=(), guess=None, guess_text=None, q=None, src=None)
-            elif state in HOLDS and not emitted:
-                noise.pop(pos, None)
-                if pos not in committed:
-                    held[pos] = cell
-            elif state in (State.REJECTED, State.RESAMPLED):
-                # a rejection invalidates this position and every held token after it
-                for p in [p for p in held if p >= pos]:
-                    del held[p]
-        # emitted without another event at this step
-        for pos, tok in emitted_now.items():
-            if pos not in touched:
-                cells[pos] = Cell(State.COMMITTED, tok=tok, text=text_of(pos, tok), kinds=("emit",), emitted=True,
-                                  committed_step=step, filled_step=held[pos].filled_step if pos in held else None)
-        # provenance of what became final at this step
-        for pos, tok in emitted_now.items():
-            here = cells[pos]
-            if here.state in _PROVENANCE:
-                prov, src = here.state, here
-            elif pos in held and held[pos].tok == tok:
-                prov, src = held[pos].state, held[pos]
-            else:
-                prov, src = State.COMMITTED, here
-            final[pos] = replace(src, state=prov, tok=tok, text=text_of(pos, tok), emitted=True, held=False,
-                                 committed_step=step)
+    def _on_accept(self, s: _Step, e: Mapping[str, Any]) -> None:
+        for i, p in enumerate(e["pos"]):
+            s.touch(p, "accept", State.ACCEPTED, tok=e["tok"][i], p=_at(e["p"], i), q=_at(e["q"], i))
+
+    def _on_reject(self, s: _Step, e: Mapping[str, Any]) -> None:
+        s.touch(e["pos"], "reject", State.REJECTED, tok=e["tok"], p=e["p"], q=e["q"])
+
+    def _on_resample(self, s: _Step, e: Mapping[str, Any]) -> None:
+        s.touch(e["pos"], "resample", State.RESAMPLED, tok=e["tok"])
+
+    def _on_bonus(self, s: _Step, e: Mapping[str, Any]) -> None:
+        s.touch(e["pos"], "bonus", State.BONUS, tok=e["tok"])
+
+    def _on_unmask(self, s: _Step, e: Mapping[str, Any]) -> None:
+        for i, p in enumerate(e["pos"]):
+            s.touch(p, "unmask", State.UNMASKED, tok=e["tok"][i], conf=_at(e["conf"], i), filled_step=s.step)
+
+    def _on_edit(self, s: _Step, e: Mapping[str, Any]) -> None:
+        for i, p in enumerate(e["pos"]):
+            s.touch(p, "edit", State.EDITED, tok=e["tok"][i], old=e["old"][i], conf=_at(e["conf"], i),
+                    filled_step=s.step)
+
+    def _on_remask(self, s: _Step, e: Mapping[str, Any]) -> None:
+        for p, tok in zip(e["pos"], e["tok"]):
+            s.touch(p, "remask", State.MASKED if tok == self.mask_id else State.NOISE, tok=tok)
+
+    def _on_emit(self, s: _Step, e: Mapping[str, Any]) -> None:
+        for p, tok in zip(e["pos"], e["tok"]):
+            s.emitted[p] = tok
+        s.row.emitted.extend(e["tok"])
+        s.row.text += e["text"]
+
+    def _on_block(self, s: _Step, e: Mapping[str, Any]) -> None:
+        s.row.blocks.append(dict(e))
+        if e["op"] == "open":
+            span = BlockSpan(e["start"], e["end"], s.step, None)
+            self.grid.blocks.append(span)
+            self._open_blocks.append(span)
+            return
+        for span in self._open_blocks:
+            if span.start == e["start"] and span.end == e["end"]:
+                span.close_step = s.step
+                self._open_blocks.remove(span)
+                return
+        self.grid.blocks.append(BlockSpan(e["start"], e["end"], s.step, s.step))   # a close without an open: show it
+
+    def _on_route(self, s: _Step, e: Mapping[str, Any]) -> None:
+        s.row.route = {"verify": e["verify"], "score": e["score"], "policy": e["policy"]}
+
+    def _on_plan(self, s: _Step, e: Mapping[str, Any]) -> None:
+        s.row.plan = {"drafts": e["drafts"], "max_drafts": e["max_drafts"], "gain": e["gain"]}
+
+    def _on_kv(self, s: _Step, e: Mapping[str, Any]) -> None:
+        s.row.kv.append({"op": e["op"], "from_len": e["from_len"], "to_len": e["to_len"]})
+
+    # -- from what the events said to the step's cells
+    def _held_filled_step(self, pos: int) -> int | None:
+        """The step the token held at `pos` was filled at (None: nothing held there)."""
+        return self._held[pos].filled_step if pos in self._held else None
+
+    def _touched_cell(self, s: _Step, pos: int, c: dict[str, Any]) -> Cell:
+        """The cell of a position an event touched at this step (`c`: what the events said about it)."""
+        text_of = self._text_of
+        emitted = pos in s.emitted
+        state = State.COMMITTED if emitted and c["state"] is State.PROPOSED else c["state"]
+        tok = s.emitted[pos] if emitted else c.get("tok")
+        draft, old, guess = c.get("draft_tok"), c.get("old"), c.get("guess")
+        cell = Cell(state, tok=tok, text=text_of(pos, tok), p=c.get("p"), q=c.get("q"), conf=c.get("conf"),
+                    draft_tok=draft, draft_text=text_of(None, draft), draft_p=c.get("draft_p"),
+                    draft_q=c.get("draft_q"), src=c.get("src"),
+                    kinds=tuple(c["kinds"]) + (("emit",) if emitted else ()), emitted=emitted,
+                    committed_step=s.step if emitted else None, filled_step=c.get("filled_step"),
+                    old=old, old_text=text_of(None, old), guess=guess, guess_text=text_of(None, guess))
+        if cell.filled_step is None and state not in (State.MASKED, State.NOISE):
+            cell.filled_step = self._held_filled_step(pos)   # e.g. the emit of a token filled earlier
+        return cell
+
+    def _carry_forward(self, pos: int, cell: Cell) -> None:
+        """What `cell` leaves for later steps: a filled token held until emitted, a remask's noise, or neither."""
+        held, noise = self._held, self._noise
+        if cell.state in (State.MASKED, State.NOISE):   # a remask: the filled token is gone
             held.pop(pos, None)
             noise.pop(pos, None)
-            committed[pos] = Cell(State.COMMITTED, tok=tok, text=text_of(pos, tok), committed_step=step)
+            if cell.state is State.NOISE:
+                noise[pos] = replace(cell, kinds=(), guess=None, guess_text=None, q=None, src=None)
+        elif cell.state in HOLDS and not cell.emitted:
+            noise.pop(pos, None)
+            if pos not in self._committed:
+                held[pos] = cell
+        elif cell.state in (State.REJECTED, State.RESAMPLED):
+            # a rejection invalidates this position and every held token after it
+            for p in [p for p in held if p >= pos]:
+                del held[p]
+
+    def _record_final(self, s: _Step, cells: dict[int, Cell]) -> None:
+        """The provenance of what became final at this step, and the committed cells later steps show."""
+        for pos, tok in s.emitted.items():
+            here, held = cells[pos], self._held.get(pos)
+            if here.state in _PROVENANCE:
+                prov, src = here.state, here
+            elif held is not None and held.tok == tok:   # filled at an earlier step, emitted now
+                prov, src = held.state, held
+            else:
+                prov, src = State.COMMITTED, here
+            text = self._text_of(pos, tok)
+            self.grid.final[pos] = replace(src, state=prov, tok=tok, text=text, emitted=True, held=False,
+                                           committed_step=s.step)
+            self._held.pop(pos, None)
+            self._noise.pop(pos, None)
+            self._committed[pos] = Cell(State.COMMITTED, tok=tok, text=text, committed_step=s.step)
             if tok in self.eos_ids and (self._eos_emitted is None or pos < self._eos_emitted):
                 self._eos_emitted = pos
-        # carried-over cells: committed positions, held tokens, the noise or MASK of a canvas's other positions
-        for pos, cell in committed.items():
+
+    def _carry_over(self, cells: dict[int, Cell]) -> None:
+        """The cells no event touched: committed positions, held tokens, the noise or MASK of a canvas's others."""
+        for pos, cell in self._committed.items():
             cells.setdefault(pos, cell)
-        for pos, cell in held.items():
+        for pos, cell in self._held.items():
             if pos not in cells:
                 cells[pos] = replace(cell, held=True, kinds=(), emitted=False)
         for pos in range(self.canvas_len):
             if pos not in cells:
-                cells[pos] = noise.get(pos, _MASKED)
-        # padding: every cell after the first EOS the canvas holds (emitted, or filled and held)
-        eos = [p for p, c in held.items() if c.tok in self.eos_ids] if self.eos_ids else []
+                cells[pos] = self._noise.get(pos, _MASKED)
+
+    def _pad_after_eos(self, row: Row, cells: dict[int, Cell]) -> None:
+        """Padding: every cell after the first EOS the canvas holds (emitted, or filled and held)."""
+        eos = [p for p, c in self._held.items() if c.tok in self.eos_ids] if self.eos_ids else []
         if self._eos_emitted is not None:
             eos.append(self._eos_emitted)
         if eos:
@@ -554,10 +403,11 @@ class GridBuilder:
             for pos, cell in cells.items():
                 if pos > first:
                     cells[pos] = replace(cell, state=State.PADDING, held=False)
-        g.cells.update(((step, pos), cell) for pos, cell in cells.items())
-        # text segments, one per token when the token's text is known, else one per emit event
-        pos_text = self.pos_text
-        for e in emits_now:
+
+    def _add_segments(self, step: int, emits: list[Mapping[str, Any]]) -> None:
+        """Text segments, one per token when the token's text is known, else one per emit event."""
+        pos_text, final, segments = self.pos_text, self.grid.final, self.grid.segments
+        for e in emits:
             ps = e["pos"]
             if all(p in pos_text for p in ps) and "".join(pos_text[p] for p in ps) == e["text"]:
                 for p in ps:
@@ -568,3 +418,12 @@ class GridBuilder:
                 segments.append(Segment(e["text"], tuple(ps), top, step))
             elif e["text"]:
                 segments.append(Segment(e["text"], (), State.COMMITTED, step))
+
+
+_ON_EVENT: dict[str, Callable[[GridBuilder, _Step, Mapping[str, Any]], None]] = {
+    "forward": GridBuilder._on_forward, "propose": GridBuilder._on_propose, "accept": GridBuilder._on_accept,
+    "reject": GridBuilder._on_reject, "resample": GridBuilder._on_resample, "bonus": GridBuilder._on_bonus,
+    "unmask": GridBuilder._on_unmask, "edit": GridBuilder._on_edit, "remask": GridBuilder._on_remask,
+    "emit": GridBuilder._on_emit, "block": GridBuilder._on_block, "route": GridBuilder._on_route,
+    "plan": GridBuilder._on_plan, "kv": GridBuilder._on_kv,
+}
