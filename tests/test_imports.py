@@ -18,7 +18,7 @@ LAYERS = {
     "viz": 2, "traces": 3,
     "run": 4,
     "serve": 5, "train": 5, "tui": 5, "web": 5, "evaluation": 5,
-    "cli": 6, "__main__": 7,
+    "cli": 6, "commands": 6, "__main__": 7,
 }
 
 

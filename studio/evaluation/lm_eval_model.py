@@ -67,7 +67,7 @@ class StudioLM(LM):
 
     # -- generation ----------------------------------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        from studio.run.session import Session
+        from studio.run.session import run_to_end
         out = []
         for request in tqdm(requests, desc=f"dlm-studio {self.config.label}", unit="answer", disable=disable_tqdm):
             context, kwargs = request.args
@@ -81,7 +81,7 @@ class StudioLM(LM):
                 temperature=float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0,
                 top_p=kwargs.get("top_p") if kwargs.get("do_sample") else None)
             strategy, settings = config.build()
-            result = Session(self.engine, strategy, settings).run(context, self._encode(context))
+            result = run_to_end(self.engine, strategy, settings, context, self._encode(context))
             f = result.footer
             self.stats["tokens"] += f["n_tokens"]
             self.stats["forwards"] += f["forwards"]

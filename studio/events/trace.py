@@ -93,7 +93,7 @@ class TraceWriter:
             self._f.write(line)
             self.n_events += 1
 
-    __call__ = write  # a writer is an event sink: `Session.run(..., sinks=[writer])`
+    __call__ = write  # a writer is an event sink: `run_to_end(..., sinks=[writer])`
 
     def close(self, footer: Mapping[str, Any] | None = None) -> None:
         """Write `footer` (if given) and close. Idempotent: later calls do nothing."""

@@ -26,7 +26,7 @@ from studio.errors import BadInput
 from studio.files import read_user_text
 from studio.run.compare import first_difference
 from studio.run.config import RunConfig
-from studio.run.session import Run, Session, drive, encode_prompt, kv_length_needed
+from studio.run.session import Run, drive, encode_prompt, kv_length_needed, run_to_end
 
 BUILTIN_PROMPTS = [
     "What is the capital of France?",                                      # chat
@@ -206,7 +206,7 @@ def run_bench(engine, prompts: list[str], configs: Mapping[str, RunConfig], repe
     hf = [[] for _ in prompts]
     for w in range(warmup):
         for label, (strategy, settings) in runs.items():
-            Session(engine, strategy, settings).run(prompts[0], ids[0])
+            run_to_end(engine, strategy, settings, prompts[0], ids[0])
             if progress:
                 progress("warm-up", label)
         if with_transformers:
@@ -395,6 +395,43 @@ def write_bench_html(report: dict, path) -> Path:
     with atomic_write(path) as f:   # a temporary name renamed into place: never a half-written report
         f.write(page)
     return path
+
+
+@dataclass
+class ForwardCosts:
+    """`bench --forwards`: one forward of each shape the strategies use, timed round-robin, with what explains them
+    (the copy bandwidth, the verify kernel, an MoE layer against a dense one) and the cost table by row count."""
+    head: dict       # the report's own fields (rounded, as the JSON gives them)
+    costs: list      # `forward_cost.measure_forwards`: one per shape, the 1-token step first
+    by_rows: object  # the cost table by row count (`cost_model.cost_table`), measured anew
+    copy_gbps: float
+    stream_gbps: float
+    moe_ratio: float | None
+
+    def to_dict(self) -> dict:
+        return {**self.head, "forwards": [c.to_dict() for c in self.costs], "by_rows": self.by_rows.to_dict()}
+
+
+def measure_forward_costs(engine, repeats: int, warmup: int) -> ForwardCosts:
+    """Time the forwards of `engine` (the view a strategy runs: with r-isd's adapter, the gated shape is timed too)
+    10 x `repeats` times each; the cached cost table is refreshed."""
+    import torch
+    from studio.engine.cost_model import cost_table
+    from studio.engine.forward_cost import (copy_bandwidth, lora_overhead, measure_forwards, moe_vs_dense,
+                                            verify_time, weight_bytes)
+    device = engine.model.lm_head.weight.device
+    costs = measure_forwards(engine, repeats=10 * repeats, warmup=max(warmup, 1))
+    by_rows = cost_table(engine, refresh=True)   # measured anew: bench --forwards refreshes the cached table
+    copy_gbps, verify_s, verify_path = copy_bandwidth(device), *verify_time(engine)
+    moe_ratio = moe_vs_dense(engine)
+    weights = weight_bytes(engine)
+    stream_gbps = weights / (costs[0].ms / 1e3) / 1e9   # the 1-token step reads every weight once
+    head = {**engine.model_meta(), "threads": torch.get_num_threads(), "weight_bytes": weights,
+            "copy_gbps": round(copy_gbps, 2), "step_stream_gbps": round(stream_gbps, 2),
+            "step_share_of_copy": round(stream_gbps / copy_gbps, 3), "lora_overhead": lora_overhead(costs),
+            "verify_7_rows_us": round(verify_s * 1e6, 1), "verify_path": verify_path,
+            "moe_layer_vs_dense": None if moe_ratio is None else round(moe_ratio, 3)}
+    return ForwardCosts(head, costs, by_rows, copy_gbps, stream_gbps, moe_ratio)
 
 
 def _against(mine: list[Samples], ref: list[Samples] | None, label: str | None) -> dict:

@@ -3,7 +3,7 @@
 `Run` is the steppable object every front end drives (docs/architecture.md): `advance()` does the prefill, then
 one strategy step per call, and hands back that step's events; `cancel()` (from any thread) ends the
 run at the next step boundary with `stop_reason = "cancelled"`. `drive` is the one loop: a single run
-to its end, or several in lock-step by forward count (compare). `Session.run` is `drive` on one run.
+to its end, or several in lock-step by forward count (compare). `run_to_end` is `drive` on one run.
 Seeding, stop rules, timing and the trace live here; what a UI shows comes out as events.
 """
 from __future__ import annotations
@@ -344,18 +344,14 @@ def drive(runs: Sequence[Run], on_events: Callable[[int, list[dict]], None] | No
             on_events(i, events)
 
 
-class Session:
-    def __init__(self, engine: Engine, strategy: Strategy, settings: Settings):
-        self.engine, self.strategy, self.settings = engine, strategy, settings
+def run_to_end(engine: Engine, strategy: Strategy, settings: Settings, prompt_text: str, prompt_ids: list[int],
+             sinks: Sequence[Callable[[dict], None]] = (), trace_path: str | None = None) -> RunResult:
+    """One run to its end (`drive` on it); every event goes to each sink (between steps, never inside timed work)."""
+    run = Run(engine, strategy, settings, prompt_text, prompt_ids, trace_path=trace_path)
 
-    def run(self, prompt_text: str, prompt_ids: list[int], sinks: list[Callable[[dict], None]] = (),
-            trace_path: str | None = None) -> RunResult:
-        """Generate; every event goes to each sink (between steps, never inside timed work)."""
-        run = Run(self.engine, self.strategy, self.settings, prompt_text, prompt_ids, trace_path=trace_path)
-
-        def publish(_, events: list[dict]) -> None:
-            for e in events:
-                for sink in sinks:
-                    sink(e)
-        drive([run], publish)
-        return run.result
+    def publish(_, events: list[dict]) -> None:
+        for e in events:
+            for sink in sinks:
+                sink(e)
+    drive([run], publish)
+    return run.result

@@ -42,6 +42,16 @@ def build_app(engine, default: RunConfig, *, served: str = "default", chat_templ
               api_key: str | None = None, limits: Limits = Limits(), trace_dir: Path | None = None) -> FastAPI:
     """The app for `engine`, served under the model name `served`; requests that name no strategy run `default`.
     Traces go to `trace_dir` (None: a temporary directory removed at shutdown)."""
+    app = FastAPI(title="dlm-studio", lifespan=_lifespan(engine, limits, trace_dir), docs_url=None, redoc_url=None,
+                  openapi_url=None, dependencies=[Depends(_authorizer(api_key))])
+    _add_error_handlers(app)
+    _add_routes(app, engine, default, served=served, chat_template=chat_template, limits=limits)
+    return app
+
+
+def _lifespan(engine, limits: Limits, trace_dir: Path | None):
+    """The app's lifespan: the scheduler's thread runs while the app serves; its own trace directory (where
+    `trace_dir` is None) is removed at shutdown."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -55,9 +65,12 @@ def build_app(engine, default: RunConfig, *, served: str = "default", chat_templ
             app.state.scheduler.stop()
             if own:
                 shutil.rmtree(where, ignore_errors=True)
+    return lifespan
 
+
+def _authorizer(api_key: str | None):
+    """The dependency every route has: with an API key, the request must carry it."""
     key = api_key.encode() if api_key else None
-    runnable = _runnable(engine)   # the model names GET /v1/models lists (read once: it reads every preset file)
 
     def authorize(request: HttpRequest) -> None:
         """With an API key, every route wants it as a bearer token (compared in constant time)."""
@@ -66,9 +79,11 @@ def build_app(engine, default: RunConfig, *, served: str = "default", chat_templ
             if not hmac.compare_digest(token.encode(), key) or scheme.lower() != "bearer":
                 raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
                                type="authentication_error", code="invalid_api_key")
+    return authorize
 
-    app = FastAPI(title="dlm-studio", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
-                  dependencies=[Depends(authorize)])
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every failure as an OpenAI error object with its status."""
 
     @app.exception_handler(ApiError)
     async def api_error(_, e: ApiError):
@@ -83,6 +98,15 @@ def build_app(engine, default: RunConfig, *, served: str = "default", chat_templ
     async def internal_error(_, e: Exception):
         log.exception("internal error")
         return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)
+
+
+def _add_routes(app: FastAPI, engine, default: RunConfig, *, served: str, chat_template: bool,
+                limits: Limits) -> None:
+    """GET /v1/models, POST /v1/chat/completions and /v1/completions, GET /v1/traces/{rid}."""
+    runnable = _runnable(engine)   # the model names GET /v1/models lists (read once: it reads every preset file)
+
+    async def complete(http: HttpRequest, chat: bool):
+        return await _complete(http, chat, engine, default, served=served, chat_template=chat_template, limits=limits)
 
     @app.get("/v1/models")
     async def models():
@@ -104,32 +128,34 @@ def build_app(engine, default: RunConfig, *, served: str = "default", chat_templ
             raise ApiError(404, f"no finished request {rid!r} among the traces this server keeps", code="not_found")
         return FileResponse(path, media_type="application/x-ndjson")
 
-    async def complete(http: HttpRequest, chat: bool):
-        request = parse(await _read_json(http, limits.max_body_bytes), chat=chat, served=served, default=default,
-                        limits=limits)
-        prompt_ids = _prompt_ids(engine, request, chat_template)
-        loop, inbox = asyncio.get_running_loop(), asyncio.Queue()
-        job = Job(request, prompt_ids, request.new_id(), lambda msg: loop.call_soon_threadsafe(inbox.put_nowait, msg))
-        http.app.state.scheduler.submit(job)
-        try:
+
+async def _complete(http: HttpRequest, chat: bool, engine, default: RunConfig, *, served: str, chat_template: bool,
+                    limits: Limits):
+    """A completion request: parsed and tokenized here, decoded by the scheduler's thread; streamed as server-sent
+    events or answered whole."""
+    request = parse(await _read_json(http, limits.max_body_bytes), chat=chat, served=served, default=default,
+                    limits=limits)
+    prompt_ids = _prompt_ids(engine, request, chat_template)
+    loop, inbox = asyncio.get_running_loop(), asyncio.Queue()
+    job = Job(request, prompt_ids, request.new_id(), lambda msg: loop.call_soon_threadsafe(inbox.put_nowait, msg))
+    http.app.state.scheduler.submit(job)
+    try:
+        kind, payload = await _next(inbox, http, job)
+        if kind == "error":
+            raise payload
+        if request.stream:
+            return StreamingResponse(_stream(request, job, inbox, payload, len(prompt_ids)),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        while kind != "done":
             kind, payload = await _next(inbox, http, job)
             if kind == "error":
                 raise payload
-            if request.stream:
-                return StreamingResponse(_stream(request, job, inbox, payload, len(prompt_ids)),
-                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-            while kind != "done":
-                kind, payload = await _next(inbox, http, job)
-                if kind == "error":
-                    raise payload
-            return JSONResponse(response(request, job.id, payload.footer["text"], payload.footer, len(prompt_ids)))
-        except ClientGone:
-            return Response(status_code=CLIENT_GONE)
-        finally:
-            if not request.stream:
-                job.cancel()   # a no-op once done; stops the run when the handler ends early
-
-    return app
+        return JSONResponse(response(request, job.id, payload.footer["text"], payload.footer, len(prompt_ids)))
+    except ClientGone:
+        return Response(status_code=CLIENT_GONE)
+    finally:
+        if not request.stream:
+            job.cancel()   # a no-op once done; stops the run when the handler ends early
 
 
 def _runnable(engine) -> list[str]:

@@ -99,6 +99,44 @@ class ChatTab:
 
 def build(engine, initial: RunConfig, chat_template: bool, downloads: Downloads, engine_queue: dict) -> None:
     """The tab's components and handlers (call inside a gr.Tab)."""
+    page = _layout(initial)
+    _wire_send(page, engine, initial, chat_template, engine_queue)
+    _wire_controls(page)
+    _wire_inspector(page)
+    _wire_download(page, downloads)
+
+
+@dataclass
+class _Page:
+    """The tab's components (`_layout`) that its handlers read and write."""
+    state: gr.State
+    chatbot: gr.Chatbot
+    message: gr.Textbox
+    send: gr.Button
+    stop: gr.Button
+    reset: gr.Button
+    status: gr.HTML
+    form: RunForm
+    pace: gr.Slider
+    metrics: gr.HTML
+    trajectory: gr.HTML
+    position: gr.Number
+    inspector: gr.HTML
+    tpf_plot: gr.Plot
+    acc_plot: gr.Plot
+    fmt: gr.Dropdown
+    prepare: gr.Button
+    download: gr.File
+    turn_panels: dict = None   # what belongs to one turn: cleared when a new turn starts or the conversation is reset
+
+    def new_conversation(self) -> dict:
+        return {self.chatbot: [], self.trajectory: components.EMPTY, self.metrics: render.metrics_html(),
+                self.status: render.note_html("new conversation"), **self.turn_panels}
+
+
+def _layout(initial: RunConfig) -> _Page:
+    """The conversation, its controls and the run form on the left; the turn's metrics, trajectory, inspector,
+    figures and downloads on the right."""
     state = gr.State(None)
     with gr.Row():
         with gr.Column(scale=2, min_width=360):
@@ -127,116 +165,147 @@ def build(engine, initial: RunConfig, chat_template: bool, downloads: Downloads,
                 tpf_plot = gr.Plot(label="Tokens per forward", elem_id="chat-tpf")
                 acc_plot = gr.Plot(label="Acceptance by draft position", elem_id="chat-acceptance")
             fmt, prepare, download = components.download_row("chat")
-    # what belongs to one turn: cleared when a new turn starts or the conversation is reset
-    turn_panels = {inspector: render.inspector_html(None, None), position: None, form.message: "",
-                   download: gr.File(None, visible=False), tpf_plot: None, acc_plot: None}
+    page = _Page(state, chatbot, message, send, stop, reset, status, form, pace, metrics, trajectory, position,
+                 inspector, tpf_plot, acc_plot, fmt, prepare, download)
+    page.turn_panels = {inspector: render.inspector_html(None, None), position: None, form.message: "",
+                        download: gr.File(None, visible=False), tpf_plot: None, acc_plot: None}
+    return page
 
-    def new_conversation() -> dict:
-        return {chatbot: [], trajectory: components.EMPTY, metrics: render.metrics_html(),
-                status: render.note_html("new conversation"), **turn_panels}
+
+def _wire_send(page: _Page, engine, initial: RunConfig, chat_template: bool, engine_queue: dict) -> None:
+    """Send (or Enter): the turn decodes in the engine's queue, its answer, trajectory and metrics streaming in; a
+    Send while this session's own turn decodes says why nothing starts."""
+    p = page
 
     def on_send(text: str, tab: ChatTab | None, pace_ms: float, **values):
         tab = tab or ChatTab(ChatSession(engine, initial, chat=chat_template))
         resets = tab.resets
-        if not (text or "").strip():
-            yield {status: render.note_html("type a message first", "error"), state: tab}
-            return
-        try:
-            tab.session.choice = read_choice(values)
-        except BadInput as e:   # said beside Send too: the form's own line can be below the fold
-            yield {form.message: render.note_html(str(e), "error"),
-                   status: render.note_html(f"not sent: {e}", "error"), state: tab}
-            return
-        if tab.session.costs_pending():
-            # the first cost-aware turn on a model waits for the table: the message shows as sent, the status says why
-            # nothing is answered yet
-            from studio.engine.cost_model import measuring_line
-            pending = tab.session.conversation.messages + [{"role": "user", "content": text}]
-            yield {status: render.note_html(measuring_line(tab.session.engine.name)), state: tab, message: "",
-                   chatbot: render.chat_messages(pending)}
-            try:
-                tab.session.measure_costs()
-            except Exception as e:  # noqa: BLE001 - the message comes back to be sent again
-                yield {status: render.error_html(e), message: text,
-                       chatbot: render.chat_messages(tab.session.conversation.messages)}
-                return
-        try:
-            turn = tab.start_turn(text, step_mode=(pace_ms or 0) > 0, resets=resets)
-        except BadInput as e:   # the message stays in the box (or comes back to it)
-            yield {status: render.note_html(form_message(str(e)), "error"), form.message: "", state: tab, message: text,
-                   chatbot: render.chat_messages(tab.session.conversation.messages)}
-            return
-        if turn is None:   # the conversation was reset after this Send: the page stays as the reset left it
-            yield {state: tab, **new_conversation()}
+        turn = yield from _start(p, tab, text, pace_ms, values, resets)
+        if turn is None:
             return
         run, traj, worker, history = turn.run, turn.trajectory, turn.worker, turn.history
-        yield {state: tab, message: "", status: "", trajectory: traj.frame(), metrics: traj.metrics(),
-               chatbot: render.chat_messages(history + [{"role": "assistant", "content": ""}]), **turn_panels}
+        yield {p.state: tab, p.message: "", p.status: "", p.trajectory: traj.frame(), p.metrics: traj.metrics(),
+               p.chatbot: render.chat_messages(history + [{"role": "assistant", "content": ""}]), **p.turn_panels}
         try:
             for finished in frames(worker, [traj], (pace_ms or 0) / 1000):
                 if finished or tab.turn is not turn:
                     break
-                yield {chatbot: render.chat_messages(history + [{"role": "assistant", "content": traj.view.text}]),
-                       trajectory: traj.frame(), metrics: traj.metrics()}
+                yield {p.chatbot: render.chat_messages(history + [{"role": "assistant", "content": traj.view.text}]),
+                       p.trajectory: traj.frame(), p.metrics: traj.metrics()}
         finally:
             worker.cancel()   # a closed page ends the run at its next step, before the engine is free again
             worker.join()
         if tab.turn is not turn:
             # the conversation was reset during the turn; gradio shows a handler's last frame again when it ends
             # (with the values this handler last gave each output), so that frame is the new conversation's page
-            yield new_conversation()
+            yield p.new_conversation()
             return
         if worker.error is not None:
-            yield {status: render.error_html(worker.error), trajectory: traj.frame(),
-                   chatbot: render.chat_messages(tab.session.conversation.messages)}
+            yield {p.status: render.error_html(worker.error), p.trajectory: traj.frame(),
+                   p.chatbot: render.chat_messages(tab.session.conversation.messages)}
             return
-        result = run.result
-        traj.view.footer = result.footer
-        yield {chatbot: render.chat_messages(tab.session.conversation.messages), trajectory: traj.frame(),
-               metrics: traj.metrics(),
-               status: render.note_html(run_summary_line(result.footer, tab.session.choice.label, result.events)),
-               tpf_plot: tpf_figure(result.header, result.events, result.footer),
-               acc_plot: acceptance_by_position_figure(result.header, result.events, result.footer)}
+        yield _finished_turn(p, tab, run, traj)
 
     # a queued request shows its place in the queue (gradio's tracker, on the status line); a Send while this
     # session's own turn decodes says why nothing starts (the front end ignores a trigger that is pending)
-    gr.on([send.click, message.submit], on_send, inputs=[message, state, pace], inputs_kwargs=form.kwargs(),
-          outputs=[state, chatbot, message, status, trajectory, metrics, *turn_panels],
-          api_name="chat", show_progress="full", show_progress_on=[status], **engine_queue)
+    gr.on([p.send.click, p.message.submit], on_send, inputs=[p.message, p.state, p.pace],
+          inputs_kwargs=p.form.kwargs(), outputs=[p.state, p.chatbot, p.message, p.status, p.trajectory, p.metrics,
+                                                  *p.turn_panels],
+          api_name="chat", show_progress="full", show_progress_on=[p.status], **engine_queue)
 
     def on_busy_send(text: str, tab: ChatTab | None):
         return render.note_html(BUSY, "error") if tab is not None and tab.busy_with_another(text) else gr.skip()
 
-    gr.on([send.click, message.submit], on_busy_send, [message, state], status, api_visibility="private",
+    gr.on([p.send.click, p.message.submit], on_busy_send, [p.message, p.state], p.status, api_visibility="private",
           trigger_mode="multiple", show_progress="hidden", concurrency_limit=None)
+
+
+def _start(p: _Page, tab: ChatTab, text: str, pace_ms: float, values: dict, resets: int):
+    """The frames before a turn decodes (a refusal, the cost table being measured); returns the started turn, or
+    None where none starts (what the page shows then already yielded)."""
+    if not (text or "").strip():
+        yield {p.status: render.note_html("type a message first", "error"), p.state: tab}
+        return None
+    try:
+        tab.session.choice = read_choice(values)
+    except BadInput as e:   # said beside Send too: the form's own line can be below the fold
+        yield {p.form.message: render.note_html(str(e), "error"),
+               p.status: render.note_html(f"not sent: {e}", "error"), p.state: tab}
+        return None
+    if tab.session.costs_pending():
+        # the first cost-aware turn on a model waits for the table: the message shows as sent, the status says why
+        # nothing is answered yet
+        from studio.engine.cost_model import measuring_line
+        pending = tab.session.conversation.messages + [{"role": "user", "content": text}]
+        yield {p.status: render.note_html(measuring_line(tab.session.engine.name)), p.state: tab, p.message: "",
+               p.chatbot: render.chat_messages(pending)}
+        try:
+            tab.session.measure_costs()
+        except Exception as e:  # noqa: BLE001 - the message comes back to be sent again
+            yield {p.status: render.error_html(e), p.message: text,
+                   p.chatbot: render.chat_messages(tab.session.conversation.messages)}
+            return None
+    try:
+        turn = tab.start_turn(text, step_mode=(pace_ms or 0) > 0, resets=resets)
+    except BadInput as e:   # the message stays in the box (or comes back to it)
+        yield {p.status: render.note_html(form_message(str(e)), "error"), p.form.message: "", p.state: tab,
+               p.message: text, p.chatbot: render.chat_messages(tab.session.conversation.messages)}
+        return None
+    if turn is None:   # the conversation was reset after this Send: the page stays as the reset left it
+        yield {p.state: tab, **p.new_conversation()}
+    return turn
+
+
+def _finished_turn(p: _Page, tab: ChatTab, run: Run, traj: Trajectory) -> dict:
+    """The page once a turn has finished: its answer in the conversation, its summary line and figures."""
+    result = run.result
+    traj.view.footer = result.footer
+    return {p.chatbot: render.chat_messages(tab.session.conversation.messages), p.trajectory: traj.frame(),
+            p.metrics: traj.metrics(),
+            p.status: render.note_html(run_summary_line(result.footer, tab.session.choice.label, result.events)),
+            p.tpf_plot: tpf_figure(result.header, result.events, result.footer),
+            p.acc_plot: acceptance_by_position_figure(result.header, result.events, result.footer)}
+
+
+def _wire_controls(p: _Page) -> None:
+    """Stop, New conversation and the chatbot's own Clear icon (beside the engine's queue)."""
 
     def on_stop(tab: ChatTab | None) -> None:
         if tab is not None:
             tab.cancel()
 
-    stop.click(on_stop, state, None, api_name="stop_chat", concurrency_limit=None)
+    p.stop.click(on_stop, p.state, None, api_name="stop_chat", concurrency_limit=None)
 
     def on_reset(tab: ChatTab | None):
         """A new conversation: the turn being decoded is cancelled and never shown again, the history forgotten."""
         if tab is not None:
             tab.reset()
-        return new_conversation()
+        return p.new_conversation()
 
-    reset_outputs = [chatbot, trajectory, metrics, status, *turn_panels]
-    reset.click(on_reset, state, reset_outputs, api_name="reset_chat", concurrency_limit=None)
+    reset_outputs = [p.chatbot, p.trajectory, p.metrics, p.status, *p.turn_panels]
+    p.reset.click(on_reset, p.state, reset_outputs, api_name="reset_chat", concurrency_limit=None)
     # the chatbot's own Clear icon: a new conversation too (else the next turn would still see the history)
-    chatbot.clear(on_reset, state, reset_outputs, api_visibility="private", concurrency_limit=None)
+    p.chatbot.clear(on_reset, p.state, reset_outputs, api_visibility="private", concurrency_limit=None)
+
+
+def _wire_inspector(p: _Page) -> None:
+    """The token inspector: a position typed in, or a cell clicked in the trajectory."""
 
     def on_inspect(tab: ChatTab | None, pos: int | None):
         return render.inspector_html(tab.trajectory.view.grid if tab and tab.trajectory else None, pos)
 
-    position.input(on_inspect, [state, position], inspector, api_name="inspect_chat", concurrency_limit=None)
+    p.position.input(on_inspect, [p.state, p.position], p.inspector, api_name="inspect_chat", concurrency_limit=None)
 
     def on_cell(tab: ChatTab | None, evt: gr.EventData):
         pos = components.clicked_position(evt)
         return pos, on_inspect(tab, pos)
 
-    trajectory.inspect(on_cell, state, [position, inspector], api_name="inspect_chat_cell", concurrency_limit=None)
+    p.trajectory.inspect(on_cell, p.state, [p.position, p.inspector], api_name="inspect_chat_cell",
+                         concurrency_limit=None)
+
+
+def _wire_download(p: _Page, downloads: Downloads) -> None:
+    """The last finished turn's trace, in the format picked."""
 
     def on_download(tab: ChatTab | None, label: str):
         if tab is None or not tab.session.turns:
@@ -245,4 +314,5 @@ def build(engine, initial: RunConfig, chat_template: bool, downloads: Downloads,
         path = downloads.write(as_trace(result), DOWNLOADS[label], f"chat-{result.header['strategy']}")
         return gr.File(str(path), visible=True), ""
 
-    prepare.click(on_download, [state, fmt], [download, status], api_name="download_chat", concurrency_limit=None)
+    p.prepare.click(on_download, [p.state, p.fmt], [p.download, p.status], api_name="download_chat",
+                    concurrency_limit=None)

@@ -62,6 +62,42 @@ def measuring_first(engine, names: list[str], settings: dict) -> str | None:
 
 
 def build(engine, chat_template: bool, downloads: Downloads, engine_queue: dict) -> None:
+    page = _layout()
+    _wire_run(page, engine, chat_template, downloads, engine_queue)
+    _wire_stop_and_inspect(page)
+
+
+@dataclass
+class _Page:
+    """The tab's components (`_layout`) that its handlers read and write."""
+    state: gr.State
+    prompt: gr.Textbox
+    names: gr.Dropdown
+    settings: dict
+    pace: gr.Slider
+    start: gr.Button
+    stop: gr.Button
+    status: gr.HTML
+    columns: list
+    metrics: list
+    trajectories: list
+    inspector: gr.HTML
+    table: gr.HTML
+    figure: gr.Plot
+    report: gr.File
+    cleared: dict = None   # the last comparison's panes: cleared when another starts or is refused
+
+    def frame(self, views: list[Trajectory], rewind: bool = False) -> dict:
+        out = {}
+        for i, v in enumerate(views):
+            out[self.metrics[i]] = v.metrics()
+            out[self.trajectories[i]] = v.frame(rewind=rewind)
+        return out
+
+
+def _layout() -> _Page:
+    """The prompt, the runs and their settings, the controls; a column per run (metrics over trajectory); the
+    inspector, the table, the figure and the report."""
     state = gr.State(None)
     prompt = gr.Textbox(label="Prompt", placeholder="Type a prompt: Enter runs the comparison", lines=1, max_lines=8,
                         elem_id="cmp-prompt")
@@ -87,68 +123,74 @@ def build(engine, chat_template: bool, downloads: Downloads, engine_queue: dict)
     table = gr.HTML(elem_id="cmp-table")
     figure = gr.Plot(label="Comparison", visible=False, elem_id="cmp-figure")
     report = gr.File(label="HTML report", interactive=False, visible=False, elem_id="cmp-report")
-    # the last comparison's panes: cleared when another starts or is refused
-    cleared = {table: "", figure: gr.Plot(None, visible=False), report: gr.File(None, visible=False),
-               inspector: render.inspector_html(None, None), **{m: "" for m in metrics},
-               **{t: components.EMPTY for t in trajectories}}
+    page = _Page(state, prompt, names, settings, pace, start, stop, status, columns, metrics, trajectories, inspector,
+                 table, figure, report)
+    page.cleared = {table: "", figure: gr.Plot(None, visible=False), report: gr.File(None, visible=False),
+                    inspector: render.inspector_html(None, None), **{m: "" for m in metrics},
+                    **{t: components.EMPTY for t in trajectories}}
+    return page
+
+
+def _wire_run(p: _Page, engine, chat_template: bool, downloads: Downloads, engine_queue: dict) -> None:
+    """Run comparison (or Enter): the runs decode in the engine's queue, side by side; then the table, the figure
+    and the report."""
 
     def on_run(text, run_names, pace_ms, tab: CompareTab | None, **setting_values):
         tab = tab or CompareTab()
         measuring = measuring_first(engine, run_names, setting_values)
         if measuring:
-            yield {state: tab, status: render.note_html(measuring), **cleared}
+            yield {p.state: tab, p.status: render.note_html(measuring), **p.cleared}
         try:
             labels, runs = start_runs(engine, text, run_names, setting_values, chat_template)
         except BadInput as e:
             tab.views = []
-            yield {status: render.note_html(str(e), "error"), state: tab, **cleared}
+            yield {p.status: render.note_html(str(e), "error"), p.state: tab, **p.cleared}
             return
         tab.views = views = [Trajectory.live(run.token_text, title=label, header=run.header)
                              for label, run in zip(labels, runs)]
         tab.worker = worker = Worker(runs, step_mode=(pace_ms or 0) > 0).start()
-        shown = {col: gr.Column(visible=i < len(runs)) for i, col in enumerate(columns)}
-        yield {state: tab, status: render.note_html("running " + ", ".join(labels) + " in lock-step"), **cleared,
-               **shown, **{trajectories[i]: v.frame() for i, v in enumerate(views)}}
+        shown = {col: gr.Column(visible=i < len(runs)) for i, col in enumerate(p.columns)}
+        yield {p.state: tab, p.status: render.note_html("running " + ", ".join(labels) + " in lock-step"),
+               **p.cleared, **shown, **{p.trajectories[i]: v.frame() for i, v in enumerate(views)}}
         try:
             for finished in frames(worker, views, (pace_ms or 0) / 1000):
                 if finished:
                     break
-                yield _frame(views)
+                yield p.frame(views)
         finally:
             worker.cancel()
             worker.join()
         if worker.error is not None:
-            yield {status: render.error_html(worker.error), **_frame(views)}
+            yield {p.status: render.error_html(worker.error), **p.frame(views)}
             return
         results = {label: run.result for label, run in zip(labels, runs)}
         for traj, run in zip(views, runs):
             traj.view.footer = run.result.footer
         path = downloads.folder() / "compare-report.html"
         write_html(results, path, title=f"compare: {text[:60]}")
-        yield {**_frame(views, rewind=True), status: render.note_html("done"), table: render.comparison_html(rows(results)),
-               figure: gr.Plot(comparison_figure([as_trace(r) for r in results.values()], labels), visible=True),
-               report: gr.File(str(path), visible=True)}
+        yield {**p.frame(views, rewind=True), p.status: render.note_html("done"),
+               p.table: render.comparison_html(rows(results)),
+               p.figure: gr.Plot(comparison_figure([as_trace(r) for r in results.values()], labels), visible=True),
+               p.report: gr.File(str(path), visible=True)}
 
-    def _frame(views: list[Trajectory], rewind: bool = False) -> dict:
-        out = {}
-        for i, v in enumerate(views):
-            out[metrics[i]] = v.metrics()
-            out[trajectories[i]] = v.frame(rewind=rewind)
-        return out
+    gr.on([p.start.click, p.prompt.submit], on_run, [p.prompt, p.names, p.pace, p.state], inputs_kwargs=p.settings,
+          outputs=[p.state, p.status, p.table, p.figure, p.report, p.inspector, *p.columns, *p.metrics,
+                   *p.trajectories],
+          api_name="compare", show_progress="full", show_progress_on=[p.status], **engine_queue)
 
-    gr.on([start.click, prompt.submit], on_run, [prompt, names, pace, state], inputs_kwargs=settings,
-          outputs=[state, status, table, figure, report, inspector, *columns, *metrics, *trajectories],
-          api_name="compare", show_progress="full", show_progress_on=[status], **engine_queue)
+
+def _wire_stop_and_inspect(p: _Page) -> None:
+    """Stop (beside the engine's queue), and a cell clicked in a run's trajectory explained in the inspector."""
 
     def on_stop(tab: CompareTab | None) -> None:
         if tab is not None:
             tab.cancel()
 
-    stop.click(on_stop, state, None, api_name="stop_compare", concurrency_limit=None)
+    p.stop.click(on_stop, p.state, None, api_name="stop_compare", concurrency_limit=None)
 
-    for i, traj in enumerate(trajectories):
+    for i, traj in enumerate(p.trajectories):
         def on_cell(tab: CompareTab | None, evt: gr.EventData, i=i):
             traj = tab.views[i] if tab and i < len(tab.views) else None
             return render.inspector_html(traj.view.grid if traj else None, components.clicked_position(evt),
                                          traj.title if traj else "")
-        traj.inspect(on_cell, state, inspector, api_name=f"inspect_compare_{i}", concurrency_limit=None)
+        traj.inspect(on_cell, p.state, p.inspector, api_name=f"inspect_compare_{i}", concurrency_limit=None)

@@ -21,7 +21,7 @@ from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import make_strategy
 from studio.errors import BadInput
 from studio.run.bench import spread
-from studio.run.session import RunResult, Session, Settings, encode_prompt
+from studio.run.session import RunResult, Settings, encode_prompt, run_to_end
 from tests.support.lora import random_adapter
 from tests.support.tiny import FAMILIES, tiny_engine
 
@@ -43,7 +43,7 @@ def adapted(tmp_path, family: str, seed: int = 5):
 
 
 def alone(engine, name, params, prompt, n=N_NEW):
-    return Session(engine, make_strategy(name, params), Settings(max_new_tokens=n)).run("", prompt)
+    return run_to_end(engine, make_strategy(name, params), Settings(max_new_tokens=n), "", prompt)
 
 
 def with_eos(engine, eos: int):

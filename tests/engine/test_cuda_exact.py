@@ -13,7 +13,7 @@ from studio.engine.graphs import GraphRunner
 from studio.engine.lora import attach_adapter
 from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import make_strategy
-from studio.run.session import Session, Settings
+from studio.run.session import Settings, run_to_end
 from tests.support.dlm import block_size_one_greedy, generate
 from tests.support.lora import random_adapter
 from tests.support.tiny import tiny_dlm, tiny_engine
@@ -61,7 +61,7 @@ def counted(monkeypatch):
 
 def run(engine, name, params=None, n=N, temperature=0.0, seed=0):
     s = Settings(max_new_tokens=n, sampling=SamplingParams(temperature), seed=seed)
-    return Session(engine, make_strategy(name, params), s).run("", PROMPT)
+    return run_to_end(engine, make_strategy(name, params), s, "", PROMPT)
 
 
 @pytest.mark.parametrize("name, params", [("r-isd", {"stride": 2}), ("r-isd", {"stride": 4}), ("jacobi", None),
@@ -104,7 +104,7 @@ def test_a_gpu_batch_decodes_every_sequence_as_it_would_alone(tmp_path, name, pa
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13]]
     batched = decode_strategy_batch(engine, make_strategy(name, params), SamplingParams(), prompts, 24)
     for prompt, seq in zip(prompts, batched):
-        alone = Session(engine, make_strategy(name, params), Settings(max_new_tokens=24)).run("", prompt)
+        alone = run_to_end(engine, make_strategy(name, params), Settings(max_new_tokens=24), "", prompt)
         assert seq.token_ids == alone.token_ids
 
 

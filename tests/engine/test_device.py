@@ -16,7 +16,7 @@ from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import make_strategy
 from studio.errors import BadInput
 from studio.events import read_trace
-from studio.run.session import Run, Session, Settings
+from studio.run.session import Run, Settings, run_to_end
 from tests.support.adapters import random_mask_adapter
 from tests.support.dlm import generate
 from tests.support.tiny import tiny_dlm, tiny_engine
@@ -83,7 +83,7 @@ def test_to_device_casts_the_weights_keeps_rope_fp32_and_the_tied_head(tmp_path)
     view = engine.with_adapter(str(random_mask_adapter(tmp_path / "a", engine.model)))
     assert view.lora.modules["model.layers.0.self_attn.q_proj"][0].dtype == torch.bfloat16
     assert view.lora.rows.dtype == torch.bfloat16
-    r = Session(view, make_strategy("r-isd", {"stride": 3}), Settings(max_new_tokens=12)).run("", [1, 2, 3])
+    r = run_to_end(view, make_strategy("r-isd", {"stride": 3}), Settings(max_new_tokens=12), "", [1, 2, 3])
     assert r.footer["n_tokens"] == 12
 
 
@@ -92,7 +92,7 @@ def test_trace_header_records_device_and_dtype_of_a_greedy_ar_run(tiny_random, t
     engine = Engine.load(tiny_random, device="cpu", dtype=dtype)
     assert {p.dtype for p in engine.model.parameters()} == {getattr(torch, recorded)}
     trace = tmp_path / "t.jsonl"
-    r = Session(engine, make_strategy("ar"), Settings(max_new_tokens=10)).run("hi", engine.tokenizer.encode("hi"),
+    r = run_to_end(engine, make_strategy("ar"), Settings(max_new_tokens=10), "hi", engine.tokenizer.encode("hi"),
                                                                             trace_path=str(trace))
     model = read_trace(trace).header["model"]
     assert (model["device"], model["dtype"], model["name"]) == ("cpu", recorded, "random:tiny")
@@ -149,7 +149,7 @@ def test_random_model_runs_every_kind_of_strategy(tiny_random):
     ids = engine.tokenizer.encode("héllo")
     assert ids == list("héllo".encode()) and engine.eos_ids() == []
     for name in ("ar", "isd", "jacobi"):
-        r = Session(engine, make_strategy(name), Settings(max_new_tokens=9, sampling=SamplingParams(1.0))).run("", ids)
+        r = run_to_end(engine, make_strategy(name), Settings(max_new_tokens=9, sampling=SamplingParams(1.0)), "", ids)
         assert r.footer["n_tokens"] == 9 and all(0 <= t < 300 for t in r.token_ids)
 
 
@@ -159,8 +159,8 @@ def test_cuda_runs_keep_the_run_on_the_gpu(tiny_random, tmp_path):
     engine = Engine.load(tiny_random, device="cuda")
     assert engine.model_meta()["device"].startswith("cuda") and engine.model_meta()["dtype"] == "bfloat16"
     for name, temperature in (("ar", 1.0), ("isd", 0.0), ("isd", 1.0), ("jacobi-mr", 0.0), ("jacobi", 1.0)):
-        run = Session(engine, make_strategy(name), Settings(max_new_tokens=16, sampling=SamplingParams(temperature)))
-        assert run.run("", [1, 2, 3]).footer["n_tokens"] == 16, name
+        settings = Settings(max_new_tokens=16, sampling=SamplingParams(temperature))
+        assert run_to_end(engine, make_strategy(name), settings, "", [1, 2, 3]).footer["n_tokens"] == 16, name
 
 
 @cuda_only

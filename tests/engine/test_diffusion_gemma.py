@@ -238,7 +238,7 @@ def test_gemma_canvas_commits_what_transformers_generate_commits_with_the_same_s
 
     from studio.engine.sampling import SamplingParams
     from studio.engine.strategies import DecodeContext, Output
-    from studio.run.session import Session
+    from studio.run.session import run_to_end
     from tests.support.tiny import TinyTokenizer
     path, hf = checkpoint
     strategy = make_strategy("gemma-canvas", params)
@@ -264,5 +264,5 @@ def test_gemma_canvas_commits_what_transformers_generate_commits_with_the_same_s
     assert want.tokens_per_forward.item() == pytest.approx(len(got) / decoder_passes)
     engine = Engine.load(str(path), device="cpu")
     engine.config = engine.model.config = dataclasses.replace(engine.config, eos_ids=[1])
-    ours = Session(engine, make_strategy("gemma-canvas", params), Settings(max_new_tokens=n, seed=seed)).run("", prompt)
+    ours = run_to_end(engine, make_strategy("gemma-canvas", params), Settings(max_new_tokens=n, seed=seed), "", prompt)
     assert ours.token_ids == got

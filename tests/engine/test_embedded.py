@@ -8,7 +8,7 @@ from studio.engine.engine import Engine
 from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import make_strategy
 from studio.presets import load_strategy_preset
-from studio.run.session import Session, Settings, encode_prompt
+from studio.run.session import Settings, encode_prompt, run_to_end
 from tests.support.prompts import PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ def test_logit_parity_with_transformers_gguf_loader(default_engine, hf_gguf):
 
 def _run(engine, name, ids, params=None, n=64):
     s = Settings(max_new_tokens=n, sampling=SamplingParams(0.0))
-    return Session(engine, make_strategy(name, params), s).run("", ids)
+    return run_to_end(engine, make_strategy(name, params), s, "", ids)
 
 
 def top2_gap(engine, ids: list[int]) -> float:
@@ -103,7 +103,7 @@ def test_verified_block_strategies_with_the_shipped_block_adapter_equal_greedy_a
     accepted = 0
     for prompt, ids, ar in ar_refs[:3]:
         strategy = make_strategy(name, params)
-        got = Session(engine, strategy, Settings(max_new_tokens=N_EXACT, sampling=SamplingParams(0.0))).run("", ids)
+        got = run_to_end(engine, strategy, Settings(max_new_tokens=N_EXACT, sampling=SamplingParams(0.0)), "", ids)
         assert strategy.B == 8 and got.header["model"]["adapter"] == engine.adapter
         assert_same_or_near_tie(default_engine, ids, ar, got.token_ids, f"{name} {prompt!r}")
         accepted += sum(len(e["pos"]) for e in got.events if e["t"] == "accept")

@@ -15,7 +15,7 @@ from studio.engine.model import Transformer
 from studio.engine.strategies import make_strategy
 from studio.engine.weights import load_hf_dir
 from studio.errors import BadInput
-from studio.run.session import Session, Settings, kv_length_needed
+from studio.run.session import Settings, kv_length_needed, run_to_end
 from tests.support.hf_files import LLADA2_CONFIG, llada2_checkpoint, per_expert_tensors, write_checkpoint
 
 # -- LLaDA dense ------------------------------------------------------------------------------------
@@ -139,7 +139,7 @@ def test_a_bidirectional_forward_runs_through_the_decode_context_and_causal_stra
             kv_length_needed(engine, make_strategy(name), settings, IDS[:3])
     with pytest.raises(BadInput, match=r"position-aligned logits: it has no AR mode .* strategies that fit: blockdiff"):
         kv_length_needed(engine, make_strategy("ar"), settings, IDS[:3])
-    run = Session(engine, make_strategy("blockdiff", {"block_size": 4}), settings).run("", IDS[:3])
+    run = run_to_end(engine, make_strategy("blockdiff", {"block_size": 4}), settings, "", IDS[:3])
     assert run.footer["n_tokens"] == 4 and make_strategy("blockdiff").causal_kv(engine.config) is False
 
 
@@ -390,7 +390,7 @@ def test_blockdiff_decodes_a_tiny_llada2_end_to_end_with_block_attention(tmp_pat
     engine = Engine.load(str(tmp_path / "l2"), device="cpu")
     strategy = make_strategy("blockdiff", {"block_size": 4})
     assert strategy.causal_kv(engine.config) is False           # auto: the block cache on a block-trained model
-    result = Session(engine, strategy, Settings(max_new_tokens=8)).run("", LLADA2_IDS[:6])
+    result = run_to_end(engine, strategy, Settings(max_new_tokens=8), "", LLADA2_IDS[:6])
     assert result.footer["n_tokens"] == 8 and result.footer["forwards"] >= 2
     assert {e["role"] for e in result.events if e["t"] == "forward"} >= {"prefill", "draft", "commit"}
     with pytest.raises(BadInput, match="block attention; strategies that fit"):

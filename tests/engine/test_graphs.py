@@ -201,7 +201,7 @@ def test_runs_with_graphs_on_decode_exactly_as_eager(tmp_path, monkeypatch, name
     from studio.engine.lora import attach_adapter
     from studio.engine.sampling import SamplingParams
     from studio.engine.strategies import make_strategy
-    from studio.run.session import Session, Settings
+    from studio.run.session import Settings, run_to_end
     from tests.strategies.test_risd import random_adapter as adapter_dir
     from tests.support.tiny import tiny_engine
 
@@ -214,8 +214,7 @@ def test_runs_with_graphs_on_decode_exactly_as_eager(tmp_path, monkeypatch, name
         attach_adapter(engine, adapter_dir(tmp_path / f"ad-{graphs}", engine.model, seed=5))
         engine.graphs = graphs
         settings = Settings(max_new_tokens=40, sampling=SamplingParams(0.0))
-        session = Session(engine, make_strategy(name, params), settings)
-        runs.append(session.run("", [1, 2, 3, 4, 5]))
+        runs.append(run_to_end(engine, make_strategy(name, params), settings, "", [1, 2, 3, 4, 5]))
     eager, graphed = runs
     kinds = lambda r: [(e["t"], e.get("role"), e.get("op"), e.get("to_len")) for e in r.events if e["t"] in ("forward", "kv")]
     assert graphed.token_ids == eager.token_ids and len(set(eager.token_ids)) > 2
@@ -232,7 +231,7 @@ def test_runs_reuse_pooled_caches_and_the_graphs_captured_on_them(monkeypatch):
     between turns instead of giving it back."""
     from studio.engine.strategies import make_strategy
     from studio.run.conversation import Conversation
-    from studio.run.session import Run, Session, Settings, drive
+    from studio.run.session import Run, Settings, drive, run_to_end
     from tests.support.tiny import tiny_engine
 
     runners = []
@@ -241,14 +240,14 @@ def test_runs_reuse_pooled_caches_and_the_graphs_captured_on_them(monkeypatch):
     settings = Settings(max_new_tokens=24)
     isd = lambda: make_strategy("isd", {"drafting": "fixed"})   # shapes that do not depend on measured costs
     eager_engine = tiny_engine("llama", vocab=V, seed=5)
-    eager = [Session(eager_engine, isd(), settings).run("", p).token_ids for p in ([1, 2, 3], [3, 2, 1])]
+    eager = [run_to_end(eager_engine, isd(), settings, "", p).token_ids for p in ([1, 2, 3], [3, 2, 1])]
 
     engine = tiny_engine("llama", vocab=V, seed=5)
     engine.graphs = True
-    first = Session(engine, isd(), settings).run("", [1, 2, 3])
+    first = run_to_end(engine, isd(), settings, "", [1, 2, 3])
     (runner,) = runners
     captured, replays = len(runner.graphs), runner.replays
-    second = Session(engine, isd(), settings).run("", [3, 2, 1])
+    second = run_to_end(engine, isd(), settings, "", [3, 2, 1])
     assert [first.token_ids, second.token_ids] == eager
     assert len(runners) == 1 and len(runner.graphs) == captured and runner.replays > replays
 

@@ -15,13 +15,13 @@ from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import make_strategy
 from studio.engine.strategies.isd import expected_tpf
 from studio.errors import BadInput
-from studio.run.session import Session, Settings
+from studio.run.session import Settings, run_to_end
 from tests.support.tiny import tiny_dlm, tiny_engine
 
 
 def oracle_run(engine, name, params, p, n, temperature=0.0, seed=0):
     s = Settings(max_new_tokens=n, sampling=SamplingParams(temperature), seed=seed, oracle_accept=p)
-    return Session(engine, make_strategy(name, params), s).run("", [1, 2, 3])
+    return run_to_end(engine, make_strategy(name, params), s, "", [1, 2, 3])
 
 
 def verdicts(result) -> tuple[int, int]:

@@ -328,8 +328,8 @@ def _engine_for(name):
 
 def _run(engine, name, params, n, sampling=SamplingParams(), seed=0):
     from studio.engine.strategies import make_strategy
-    from studio.run.session import Session, Settings
-    return Session(engine, make_strategy(name, params), Settings(n, sampling=sampling, seed=seed)).run("", RUN_PROMPT)
+    from studio.run.session import Settings, run_to_end
+    return run_to_end(engine, make_strategy(name, params), Settings(n, sampling=sampling, seed=seed), "", RUN_PROMPT)
 
 
 @pytest.fixture

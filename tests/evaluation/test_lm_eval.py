@@ -14,7 +14,7 @@ from studio.cli import app  # noqa: E402
 from studio.engine.engine import Engine  # noqa: E402
 from studio.errors import BadInput  # noqa: E402
 from studio.run.config import RunConfig  # noqa: E402
-from studio.run.session import Session  # noqa: E402
+from studio.run.session import run_to_end# noqa: E402
 from tests.support.tiny import hf_pair, tiny_engine  # noqa: E402
 
 V = 128   # ASCII
@@ -85,7 +85,7 @@ def test_lm_eval_scores_our_runs_and_transformers_log_probs(engine, tmp_path):
                                "dlm_tiny_gen,dlm_tiny_choice")
 
     strategy, settings = RunConfig("r-isd", params={"stride": 3}, max_new_tokens=3, stop=("\n",)).build()
-    answers = [Session(engine, strategy, settings).run(q["q"], engine.tokenizer.encode(q["q"])).footer["text"]
+    answers = [run_to_end(engine, strategy, settings, q["q"], engine.tokenizer.encode(q["q"])).footer["text"]
                for q in QUESTIONS]
     assert samples["dlm_tiny_gen"] == [[[a]] for a in answers]      # what the harness got from us
     want = sum(a.strip() == q["a"] for a, q in zip(answers, QUESTIONS)) / len(QUESTIONS)

@@ -17,7 +17,7 @@ import torch
 from studio.engine.kv_cache import KVCache
 from studio.engine.sampling import SamplingParams, process_logits
 from studio.engine.strategies import make_strategy
-from studio.run.session import Session, Settings, decoded_model, encode_prompt
+from studio.run.session import Settings, decoded_model, encode_prompt, run_to_end
 from tests.support.exact import PositionLaws
 
 pytestmark = [pytest.mark.slow, pytest.mark.exact]
@@ -55,7 +55,7 @@ def sample_runs(engine, name, params):
     settings = lambda seed: Settings(max_new_tokens=LENGTH, sampling=SAMPLING, seed=seed)
     runs = []
     for seed in range(SAMPLES):
-        r = Session(engine, make_strategy(name, params), settings(seed)).run("", ids)
+        r = run_to_end(engine, make_strategy(name, params), settings(seed), "", ids)
         runs.append((r.token_ids, [e["drafts"] for e in r.events if e["t"] == "plan"]))
     return ids, runs
 

@@ -134,11 +134,11 @@ def test_a_malicious_run_label_writes_its_trace_inside_the_trace_dir(tmp_path):
 def test_web_downloads_use_safe_names(tmp_path):
     from studio.run.compare import as_trace
     from studio.run.config import RunConfig
-    from studio.run.session import Session, encode_prompt
+    from studio.run.session import encode_prompt, run_to_end
     from studio.web.files import Downloads
     engine = tiny_engine("llama", vocab=16)
     strat, settings = RunConfig("ar", max_new_tokens=4, temperature=0.0).build()
-    trace = as_trace(Session(engine, strat, settings).run("abc", encode_prompt(engine, "abc")))
+    trace = as_trace(run_to_end(engine, strat, settings, "abc", encode_prompt(engine, "abc")))
     dl = Downloads()
     for fmt in ("jsonl", "perfetto"):
         out = dl.write(trace, fmt, "../../../escape")

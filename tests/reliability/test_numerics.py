@@ -13,7 +13,7 @@ from studio.engine.sampling import SamplingParams, process_logits
 from studio.engine.strategies import STRATEGIES as REGISTERED
 from studio.errors import BadInput
 from studio.run.config import RunConfig
-from studio.run.session import Session
+from studio.run.session import run_to_end
 from tests.support.lora import random_adapter
 from tests.support.tiny import tiny_engine
 
@@ -31,7 +31,7 @@ def engine():
 
 def token_ids(eng, strategy: str, temperature=None, top_k=None, top_p=None, seed: int = 0) -> list[int]:
     strat, settings = RunConfig(strategy, max_new_tokens=16, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed).build()
-    return Session(eng, strat, settings).run("hi", [1, 2, 3]).token_ids
+    return run_to_end(eng, strat, settings, "hi", [1, 2, 3]).token_ids
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from studio.engine.kv_cache import KVCache
 from studio.engine.strategies import STRATEGIES, make_strategy
 from studio.errors import BadInput
 from studio.run.config import RunConfig
-from studio.run.session import Run, Session
+from studio.run.session import Run, run_to_end
 from studio.web.paramspec import param_fields
 from tests.support.tiny import tiny_engine
 
@@ -60,7 +60,7 @@ def one_generation(engine, rng: random.Random, max_tokens: int, prompt: list[int
     top_p = rng.choice([None, 1.0, rng.uniform(0.5, 1.0)])
     stop = rng.choice([[], [engine.tokenizer.decode([rng.randrange(20)])]])
     strat, settings = RunConfig(strategy, params=random_params(strategy, rng, engine.config), max_new_tokens=rng.randint(1, max_tokens), temperature=temperature, top_k=top_k, top_p=top_p, seed=rng.randrange(10**6), stop=tuple(stop)).build()
-    result = Session(engine, strat, settings).run("soak", prompt)
+    result = run_to_end(engine, strat, settings, "soak", prompt)
     assert result.footer["n_tokens"] == len(result.token_ids) <= settings.max_new_tokens
     return result.footer["stop_reason"]
 

@@ -9,7 +9,7 @@ import torch
 
 from studio.presets import shipped as adapters
 from studio.engine.strategies import make_strategy
-from studio.run.session import Run, Session, Settings, drive
+from studio.run.session import Run, Settings, drive, run_to_end
 from tests.support.adapters import random_mask_adapter
 from tests.support.tiny import tiny_engine
 
@@ -23,7 +23,7 @@ def _engine(seed=7):
 
 
 def _alone(engine, name, params=None, n=30):
-    return Session(engine, make_strategy(name, params), Settings(max_new_tokens=n)).run("", PROMPT).token_ids
+    return run_to_end(engine, make_strategy(name, params), Settings(max_new_tokens=n), "", PROMPT).token_ids
 
 
 @pytest.fixture
@@ -67,15 +67,15 @@ def shipped_dir(tmp_path, monkeypatch, two_adapters):
 
 def test_a_shipped_adapter_is_used_for_its_strategies_only(shipped_dir):
     engine = _engine()
-    isd = Session(engine, make_strategy("isd", {"stride": 3}), Settings(max_new_tokens=20)).run("", PROMPT)
-    ar = Session(engine, make_strategy("ar"), Settings(max_new_tokens=20)).run("", PROMPT)
+    isd = run_to_end(engine, make_strategy("isd", {"stride": 3}), Settings(max_new_tokens=20), "", PROMPT)
+    ar = run_to_end(engine, make_strategy("ar"), Settings(max_new_tokens=20), "", PROMPT)
     assert isd.header["model"]["adapter"] == str(shipped_dir) and ar.header["model"]["adapter"] is None
     assert any(e["lora_rows"] for e in isd.events if e["t"] == "forward")
     assert adapters.adapter_path("a") == str(shipped_dir)
     # a fixed choice applies to every strategy: "none" = the plain model everywhere
     plain = dataclasses.replace(_engine(), adapter_choice="none")
     with pytest.raises(Exception, match="needs a MASK token"):
-        Session(plain, make_strategy("isd"), Settings(max_new_tokens=5)).run("", PROMPT)
+        run_to_end(plain, make_strategy("isd"), Settings(max_new_tokens=5), "", PROMPT)
 
 
 def test_conversation_does_not_reuse_kv_across_adapters(shipped_dir):
@@ -106,7 +106,7 @@ def test_a_chat_turn_on_an_adapter_reuses_the_kv_of_the_model_it_makes(tmp_path,
     prefill = next(e for e in run.result.events if e["t"] == "forward")
     assert prefill["n_tokens"] < len(run.prompt_ids)                      # the history's KV was reused
     assert prefill["lora_rows"] == (prefill["n_tokens"] if rows == "all" else 0)
-    fresh = Session(engine, make_strategy("ar"), Settings(max_new_tokens=6)).run("", run.prompt_ids)
+    fresh = run_to_end(engine, make_strategy("ar"), Settings(max_new_tokens=6), "", run.prompt_ids)
     assert run.result.token_ids == fresh.token_ids
 
 

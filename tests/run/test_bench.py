@@ -15,7 +15,7 @@ from studio.cli import app
 from studio.run.config import RunConfig
 from studio.engine.engine import Engine
 from studio.errors import BadInput
-from studio.run.session import Session, encode_prompt
+from studio.run.session import encode_prompt, run_to_end
 from tests.support.tiny import tiny_engine
 
 PROMPTS = ["abc", "pon", "hello"]   # TinyTokenizer: letters a..p are the vocabulary
@@ -43,7 +43,7 @@ def bench(engine, monkeypatch, tmp_path):
 
 def _tokens(engine, name, preset, prompt, n=10, temperature=0.0, seed=0):
     strat, settings = RunConfig(name, preset=preset, max_new_tokens=n, temperature=temperature, seed=seed).build()
-    return Session(engine, strat, settings).run(prompt, encode_prompt(engine, prompt)).token_ids
+    return run_to_end(engine, strat, settings, prompt, encode_prompt(engine, prompt)).token_ids
 
 
 def test_bench_json_speedups_repeats_spread(bench):

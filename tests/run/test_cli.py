@@ -86,6 +86,9 @@ def test_bad_sampling_and_params_are_exit_2():
     assert_one_line_error(cli("run", "hi", "-s", "isd", "--param", "stride=1"), "stride")
     assert_one_line_error(cli("run", "hi", "-s", "ar", "--top-p", "1.5"), "top_p")
     assert_one_line_error(cli("run", "hi", "--preset", "no-such-preset"), "unknown strategy preset")
+    # an explicit 0 is a value, not "unset": bench refuses it as run does rather than measuring 64 tokens
+    assert_one_line_error(cli("bench", "-s", "ar", "--max-new-tokens", "0", "--prompts", "bench/ordinary-prompts.txt"),
+                          "--max-new-tokens must be >= 1")
 
 
 @pytest.mark.slow

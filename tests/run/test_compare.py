@@ -18,7 +18,7 @@ from studio.engine.strategies import STRATEGIES
 from studio.errors import BadInput
 from studio.events import read_trace
 from studio.presets import shipped
-from studio.run.session import CANCELLED, Session, drive, encode_prompt
+from studio.run.session import CANCELLED, drive, encode_prompt, run_to_end
 from tests.support.lora import random_adapter
 from tests.support.tiny import tiny_engine
 
@@ -53,7 +53,7 @@ def cli(engine, monkeypatch):
 
 def _ar_tokens(engine, n, prompt=PROMPT, temperature=0.0, seed=0):
     strat, settings = RunConfig("ar", max_new_tokens=n, temperature=temperature, seed=seed).build()
-    return Session(engine, strat, settings).run(prompt, encode_prompt(engine, prompt)).token_ids
+    return run_to_end(engine, strat, settings, prompt, encode_prompt(engine, prompt)).token_ids
 
 
 def _compare_json(cli, *args):

@@ -7,7 +7,7 @@ from studio.engine.strategies import make_strategy
 from studio.events import read_trace
 from studio.events.metrics import prefill_tokens
 from studio.run.conversation import Conversation
-from studio.run.session import CANCELLED, Run, Session, Settings, drive
+from studio.run.session import CANCELLED, Run, Settings, drive, run_to_end
 from studio.viz.text import run_summary_line
 from tests.support.dlm import full_forward_row
 from tests.support.tiny import tiny_dlm, tiny_engine
@@ -22,7 +22,7 @@ def settings(n=24, temperature=0.0, seed=0):
 @pytest.mark.parametrize("name", ["ar", "isd", "jacobi"])
 def test_advancing_by_hand_equals_session_run(name):
     engine = tiny_engine("llama", vocab=24, seed=3)
-    whole = Session(engine, make_strategy(name), settings(temperature=1.0, seed=4)).run("", PROMPT)
+    whole = run_to_end(engine, make_strategy(name), settings(temperature=1.0, seed=4), "", PROMPT)
     run = Run(engine, make_strategy(name), settings(temperature=1.0, seed=4), "", PROMPT)
     batches = []
     while not run.done:
@@ -49,7 +49,7 @@ def test_a_run_of_wide_forwards_packs_the_weights_before_its_clock_starts(name, 
 
 def test_cancel_between_steps_writes_a_readable_trace_and_leaves_the_engine_reusable(tmp_path):
     engine = tiny_engine("qwen2", vocab=24, seed=1)
-    fresh = Session(engine, make_strategy("isd"), settings(n=30)).run("", PROMPT)
+    fresh = run_to_end(engine, make_strategy("isd"), settings(n=30), "", PROMPT)
     run = Run(engine, make_strategy("isd"), settings(n=30), "", PROMPT, trace_path=str(tmp_path / "t.jsonl"))
     for _ in range(3):
         run.advance()
@@ -60,7 +60,7 @@ def test_cancel_between_steps_writes_a_readable_trace_and_leaves_the_engine_reus
     assert 0 < r.footer["n_tokens"] < 30 and r.token_ids == fresh.token_ids[:len(r.token_ids)]
     trace = read_trace(tmp_path / "t.jsonl")
     assert trace.footer["stop_reason"] == CANCELLED and len(trace.events) == len(r.events)
-    again = Session(engine, make_strategy("isd"), settings(n=30)).run("", PROMPT)
+    again = run_to_end(engine, make_strategy("isd"), settings(n=30), "", PROMPT)
     assert again.token_ids == fresh.token_ids
 
 
@@ -78,7 +78,7 @@ def test_drive_keeps_runs_in_lock_step_by_forward_count():
     assert all(r.done for r in runs) and len({i for i, _, _ in log}) == 3
     for i, counts, done in log:   # the advanced run had the fewest forwards of those still running
         assert counts[i] == min(c for c, d in zip(counts, done) if not d)
-    solo = [Session(engine, make_strategy(n), settings(n=30)).run("", PROMPT).token_ids for n in names]
+    solo = [run_to_end(engine, make_strategy(n), settings(n=30), "", PROMPT).token_ids for n in names]
     assert [r.result.token_ids for r in runs] == solo
 
 
@@ -108,7 +108,7 @@ def chunked(chunk, n=8, temperature=1.0):
 @pytest.mark.parametrize("name,params", CAUSAL, ids=[n for n, _ in CAUSAL])
 def test_a_long_prompt_prefills_in_chunks_one_per_advance_and_decodes_the_same(name, params):
     engine = _engine_for(name)
-    whole = Session(engine, make_strategy(name, params), chunked(1000)).run("", LONG)
+    whole = run_to_end(engine, make_strategy(name, params), chunked(1000), "", LONG)
     run = Run(engine, make_strategy(name, params), chunked(8), "", LONG)
     progress, batches = [], []
     while not run.done:
@@ -157,7 +157,7 @@ def test_a_turn_cancelled_in_its_prefill_is_not_in_the_history_and_a_resend_reus
     assert conv.messages == [] and conv.turns == []
     again = _finish(conv.start_turn(text, make_strategy("ar"), chunked(8, temperature=0.0)))
     assert prefill_tokens(again.events) == (len(again.header["prompt"]["token_ids"]) - 16, 16)
-    assert again.token_ids == Session(engine, make_strategy("ar"), settings(n=8)).run("", PROMPT_OF(again)).token_ids
+    assert again.token_ids == run_to_end(engine, make_strategy("ar"), settings(n=8), "", PROMPT_OF(again)).token_ids
 
 
 def _finish(run):
@@ -178,9 +178,9 @@ def test_second_turn_prefills_only_new_tokens_and_matches_a_full_prefill(name, p
     turn1_kv = [e for e in first.events if e["t"] == "kv"][-1]["to_len"]
     assert len(PROMPT_OF(first)) < kv["from_len"] <= turn1_kv   # turn 1's answer is reused, not just its prompt
     new_rows = _prefills(second)[0]["n_tokens"]
-    full_rows = _prefills(Session(engine, make_strategy(name, params), settings(n=12)).run("", history))[0]["n_tokens"]
+    full_rows = _prefills(run_to_end(engine, make_strategy(name, params), settings(n=12), "", history))[0]["n_tokens"]
     assert new_rows == full_rows - kv["from_len"]
-    alone = Session(engine, make_strategy(name, params), settings(n=12)).run("", history)
+    alone = run_to_end(engine, make_strategy(name, params), settings(n=12), "", history)
     assert second.token_ids == alone.token_ids
     assert [m["role"] for m in conv.messages] == ["user", "assistant", "user", "assistant"]
 
@@ -235,7 +235,7 @@ def test_an_edited_history_reuses_only_the_prefix_before_the_edit():
     run = conv.start_turn("lm", make_strategy("ar"), settings(n=6))
     result = _finish(run)
     assert [e for e in result.events if e["t"] == "kv"][0]["from_len"] == 3
-    assert result.token_ids == Session(engine, make_strategy("ar"), settings(n=6)).run("", run.prompt_ids).token_ids
+    assert result.token_ids == run_to_end(engine, make_strategy("ar"), settings(n=6), "", run.prompt_ids).token_ids
 
 
 def test_a_cancelled_turn_stays_in_the_history_and_the_next_turn_is_still_exact():
@@ -250,7 +250,7 @@ def test_a_cancelled_turn_stays_in_the_history_and_the_next_turn_is_still_exact(
     nxt = conv.start_turn("gh", make_strategy("isd"), settings(n=10))
     result = _finish(nxt)
     assert _prefills(result)[0]["n_tokens"] < len(nxt.prompt_ids)
-    assert result.token_ids == Session(engine, make_strategy("isd"), settings(n=10)).run("", nxt.prompt_ids).token_ids
+    assert result.token_ids == run_to_end(engine, make_strategy("isd"), settings(n=10), "", nxt.prompt_ids).token_ids
 
 
 def test_reset_forgets_messages_and_cache():

@@ -10,7 +10,7 @@ import pytest
 from studio.events import read_trace
 from studio.events.schema import footer_problem, header_problem, validate_event
 from studio.run.config import RunConfig
-from studio.run.session import Session, encode_messages
+from studio.run.session import encode_messages, run_to_end
 from studio.serve.app import build_app
 from studio.serve.app import serving_in_thread as serving
 from studio.serve.protocol import Limits
@@ -40,7 +40,7 @@ def solo(engine, strategy: str, text: str, n: int, chat: bool = False) -> str:
     """The text a batch-1 run of `strategy` gives (greedy), outside the server."""
     ids = encode_messages(engine, [{"role": "user", "content": text}]) if chat else engine.tokenizer.encode(text)
     s, settings = RunConfig(strategy, max_new_tokens=n).build()
-    return Session(engine, s, settings).run(text, ids).footer["text"]
+    return run_to_end(engine, s, settings, text, ids).footer["text"]
 
 
 def test_chat_and_completions_through_the_openai_client_are_the_solo_runs(engine, url):

@@ -10,7 +10,7 @@ import torch
 from studio.engine.lora import attach_adapter
 from studio.engine.sampling import SamplingParams, process_logits
 from studio.engine.strategies import make_strategy
-from studio.run.session import Session, Settings
+from studio.run.session import Settings, run_to_end
 
 from tests.support.exact import PositionLaws
 from tests.support.lora import merged_model, random_adapter
@@ -54,7 +54,7 @@ RUNS = 1500
 
 def run(engine, name, params, seed):
     settings = Settings(max_new_tokens=LENGTH, sampling=SAMPLING, seed=seed)
-    return Session(engine, make_strategy(name, params), settings).run("", PROMPT)
+    return run_to_end(engine, make_strategy(name, params), settings, "", PROMPT)
 
 
 def conditionals(model, prompt, tokens, mask_id=None) -> torch.Tensor:

@@ -10,7 +10,7 @@ from studio.engine.strategies import make_strategy
 from studio.engine.strategies.drafting import (MARGIN, REGRET_SHARE, RISK_SHARE, BlockPlanner, DraftPlanner, Regret,
                                                SlotAcceptance, chain_rate, isd_rate)
 from studio.engine.strategies.isd import expected_tpf
-from studio.run.session import Run, Session, Settings, drive
+from studio.run.session import Run, Settings, drive, run_to_end
 from tests.support.dlm import generate
 from tests.support.plans import plan_with, planned
 from tests.support.tiny import tiny_dlm, tiny_engine
@@ -248,7 +248,7 @@ def test_a_block_cycle_waits_until_the_answer_can_absorb_its_refusal(monkeypatch
 
 def _run(engine, params, n=40):
     s = Settings(max_new_tokens=n, sampling=SamplingParams(0.0), seed=0)
-    return Session(engine, make_strategy("isd", params), s).run("", [1, 2, 3, 4])
+    return run_to_end(engine, make_strategy("isd", params), s, "", [1, 2, 3, 4])
 
 
 @pytest.mark.parametrize("costs", [(1.0,) + (50.0,) * 15, (1.0,) * 16])
@@ -338,7 +338,7 @@ def test_a_seeded_sampled_run_decodes_the_same_twice():
     """Plans follow the cost table and the verdicts, never a clock: a seed reproduces an auto run."""
     engine = tiny_engine("qwen2", seed=4, vocab=24)
     s = Settings(max_new_tokens=40, sampling=SamplingParams(1.0), seed=7)
-    runs = [Session(engine, make_strategy(name, params), s).run("", [1, 2, 3, 4])
+    runs = [run_to_end(engine, make_strategy(name, params), s, "", [1, 2, 3, 4])
             for name, params in (("isd", None), ("jacobi-mr", {"block_size": 8})) for _ in range(2)]
     for a, b in (runs[:2], runs[2:]):
         assert a.token_ids == b.token_ids

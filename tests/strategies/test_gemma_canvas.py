@@ -18,7 +18,7 @@ from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import DecodeContext, Output, make_strategy
 from studio.errors import BadInput
 from studio.events import read_trace
-from studio.run.session import Session, Settings, kv_length_needed
+from studio.run.session import Settings, kv_length_needed, run_to_end
 from tests.support.tiny import TinyTokenizer, tiny_engine, tiny_mdm
 
 PROMPT = [1, 2, 3, 4, 5, 6]   # longer than the sliding window of 4
@@ -114,8 +114,7 @@ def test_a_run_s_trace_counts_encoder_passes_as_forwards_and_replays(tmp_path):
 
     from studio.cli import app
     path = tmp_path / "gemma.jsonl"
-    run = Session(tiny_gemma(), make_strategy("gemma-canvas", PARAMS), Settings(max_new_tokens=3 * C - 1)).run(
-        "", PROMPT, trace_path=str(path))
+    run = run_to_end(tiny_gemma(), make_strategy("gemma-canvas", PARAMS), Settings(max_new_tokens=3 * C - 1), "", PROMPT, trace_path=str(path))
     events, footer = read_trace(path).events, run.footer
     assert events == run.events
     forwards = [e for e in events if e["t"] == "forward"]
@@ -139,12 +138,11 @@ def test_a_run_s_trace_counts_encoder_passes_as_forwards_and_replays(tmp_path):
 
 
 def test_an_eos_ends_the_run_and_the_cells_after_it_are_filled_never_emitted():
-    free = Session(tiny_gemma(), make_strategy("gemma-canvas", PARAMS), Settings(max_new_tokens=3 * C)).run("", PROMPT)
+    free = run_to_end(tiny_gemma(), make_strategy("gemma-canvas", PARAMS), Settings(max_new_tokens=3 * C), "", PROMPT)
     # an EOS inside the second canvas, not its last cell, that the output holds nowhere before
     end = next(i for i in range(C, 2 * C - 1) if free.token_ids[i] not in free.token_ids[:i]) + 1
     eos = free.token_ids[end - 1]
-    run = Session(tiny_gemma(eos_ids=[eos]), make_strategy("gemma-canvas", PARAMS), Settings(max_new_tokens=3 * C)
-                  ).run("", PROMPT)
+    run = run_to_end(tiny_gemma(eos_ids=[eos]), make_strategy("gemma-canvas", PARAMS), Settings(max_new_tokens=3 * C), "", PROMPT)
     assert run.token_ids == free.token_ids[:end] and run.footer["stop_reason"] == "eos"
     last = [e for e in run.events if e["t"] == "unmask"][-1]
     canvas = end - 1 - (end - 1) % C
@@ -182,5 +180,5 @@ def test_a_model_producing_nan_is_a_one_line_error_in_either_pass():
         with torch.no_grad():
             engine.model.model.get_submodule(module).weight[0, 0] = float("nan")
         with pytest.raises(BadInput, match=re.escape(f"NaN logits at {where}")) as e:
-            Session(engine, make_strategy("gemma-canvas", PARAMS), Settings(max_new_tokens=C)).run("", PROMPT)
+            run_to_end(engine, make_strategy("gemma-canvas", PARAMS), Settings(max_new_tokens=C), "", PROMPT)
         assert "\n" not in str(e.value)

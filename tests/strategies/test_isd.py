@@ -6,7 +6,7 @@ from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import DecodeContext, Output, make_strategy
 from studio.engine.strategies.isd import expected_tpf
 from studio.errors import BadInput
-from studio.run.session import Session, Settings
+from studio.run.session import Settings, run_to_end
 from tests.support.exact import chi_square_pvalue, exact_sequence_law
 from tests.support.plans import ISD_MIXED, plan_with, planned
 from tests.support.tiny import FAMILIES, tiny_engine
@@ -16,7 +16,7 @@ PROMPT = [1, 2, 3, 4]
 
 def generate(engine, name, params=None, n=40, temperature=0.0, seed=0, top_k=0, top_p=1.0):
     s = Settings(max_new_tokens=n, sampling=SamplingParams(temperature, top_k, top_p), seed=seed)
-    return Session(engine, make_strategy(name, params), s).run("", PROMPT)
+    return run_to_end(engine, make_strategy(name, params), s, "", PROMPT)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -145,7 +145,7 @@ def test_stop_on_eos_and_stop_string():
     assert r.token_ids == ref.token_ids[:first + 1] and r.footer["stop_reason"] == "eos"
     stop = ref.footer["text"][3:5]
     s = Settings(max_new_tokens=30, stop=(stop,))
-    r2 = Session(engine, make_strategy("isd", {"stride": 3}), s).run("", PROMPT)
+    r2 = run_to_end(engine, make_strategy("isd", {"stride": 3}), s, "", PROMPT)
     assert r2.footer["stop_reason"] == "stop_string"
     assert r2.footer["text"] == ref.footer["text"][:ref.footer["text"].index(stop)]
 

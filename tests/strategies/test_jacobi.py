@@ -11,7 +11,7 @@ from studio.engine.strategies import STRATEGIES, DecodeContext, Output, make_str
 from studio.engine.strategies.jacobi import Jacobi, JacobiMR
 from studio.errors import BadInput
 from studio.presets import load_strategy_preset
-from studio.run.session import Session, Settings
+from studio.run.session import Settings, run_to_end
 from tests.support.exact import chi_square_pvalue, exact_sequence_law
 from tests.support.plans import CHAIN_MIXED, plan_with, planned
 from tests.support.tiny import FAMILIES, tiny_engine
@@ -44,7 +44,7 @@ def roomy(engine):
 
 def generate(engine, name, params=None, n=80, temperature=0.0, seed=0, prompt=PROMPT):
     s = Settings(max_new_tokens=n, sampling=SamplingParams(temperature), seed=seed)
-    return Session(engine, make_strategy(name, params), s).run("", list(prompt))
+    return run_to_end(engine, make_strategy(name, params), s, "", list(prompt))
 
 
 def cycling_engine(family="llama", vocab=16, seed=0, dim=32):

@@ -11,7 +11,7 @@ from studio.engine.lora import attach_adapter, merge_adapter_weights
 from studio.engine.model import Transformer
 from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import DecodeContext, Output, make_strategy
-from studio.run.session import Session, Settings
+from studio.run.session import Settings, run_to_end
 from tests.support.exact import chi_square_pvalue, exact_sequence_law
 from tests.support.lora import merged_model, random_adapter
 from tests.support.plans import ISD_MIXED, plan_with, planned
@@ -22,7 +22,7 @@ PROMPT = [1, 2, 3, 4]
 
 def generate(engine, name, params=None, n=40, temperature=0.0, seed=0):
     s = Settings(max_new_tokens=n, sampling=SamplingParams(temperature), seed=seed)
-    return Session(engine, make_strategy(name, params), s).run("", PROMPT)
+    return run_to_end(engine, make_strategy(name, params), s, "", PROMPT)
 
 
 def adapted_and_base(tmp_path, family="llama", seed=5, **kw):
@@ -131,9 +131,9 @@ def test_embedded_isd_equals_greedy_ar_on_its_shipped_adapter(default_engine):
     assert engine.adapter.endswith("smollm2-isd") and engine.lora.adapted_rows == "all"
     ids = encode_prompt(engine, DEMO_PROMPT)
     settings = Settings(max_new_tokens=64, sampling=SamplingParams(0.0))
-    isd = Session(engine, make_strategy("isd"), settings).run("", ids).token_ids
-    assert isd == Session(engine, make_strategy("ar"), settings).run("", ids).token_ids
-    assert isd != Session(default_engine, make_strategy("ar"), settings).run("", ids).token_ids
+    isd = run_to_end(engine, make_strategy("isd"), settings, "", ids).token_ids
+    assert isd == run_to_end(engine, make_strategy("ar"), settings, "", ids).token_ids
+    assert isd != run_to_end(default_engine, make_strategy("ar"), settings, "", ids).token_ids
 
 
 # -------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import torch
 from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import make_strategy
 from studio.errors import BadInput
-from studio.run.session import Session, Settings
+from studio.run.session import Settings, run_to_end
 from tests.support.dlm import block_size_one_law, generate, opened
 from tests.support.exact import chi_square_pvalue
 from tests.support.plans import planned
@@ -91,7 +91,7 @@ def test_separate_draft_model_keeps_its_own_cache():
     strat = make_strategy("simsd", {})
     strat.use_draft(draft, target.config)
     s = Settings(max_new_tokens=20, sampling=SamplingParams(0.0))
-    r = Session(target, strat, s).run("", [1, 2, 3, 4, 5])
+    r = run_to_end(target, strat, s, "", [1, 2, 3, 4, 5])
     assert len(r.token_ids) == 20
     assert strat.dkv.length == strat.block.start == ctx_len(r)
     draft_fwd = [e for e in r.events if e["t"] == "forward" and e["role"] == "draft"]

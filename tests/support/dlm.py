@@ -5,12 +5,12 @@ import torch
 
 from studio.engine.sampling import SamplingParams, process_logits
 from studio.engine.strategies import DecodeContext, Output, make_strategy
-from studio.run.session import Session, Settings
+from studio.run.session import Settings, run_to_end
 
 
 def generate(engine, name, params=None, prompt=(1, 2, 3, 4, 5), n=20, temperature=0.0, seed=0, trace=None):
     s = Settings(max_new_tokens=n, sampling=SamplingParams(temperature), seed=seed)
-    return Session(engine, make_strategy(name, params), s).run("", list(prompt), trace_path=trace)
+    return run_to_end(engine, make_strategy(name, params), s, "", list(prompt), trace_path=trace)
 
 
 def opened(engine, strategy, prompt, temperature=0.0, seed=0) -> DecodeContext:

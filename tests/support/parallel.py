@@ -65,12 +65,12 @@ def decode(engine, adapter: str | None, runs=RUNS, n: int = 24) -> dict:
     """label -> {"tokens", "events" (without their timings)} of each run, through `Run` as every command drives it."""
     from studio.engine.sampling import SamplingParams
     from studio.engine.strategies import make_strategy
-    from studio.run.session import Session, Settings
+    from studio.run.session import Settings, run_to_end
     out = {}
     for name, params, temperature, adapted in runs:
         view = engine.with_adapter(adapter) if adapted else engine
         settings = Settings(max_new_tokens=n, sampling=SamplingParams(temperature), seed=7)
-        result = Session(view, make_strategy(name, params), settings).run("", PROMPT)
+        result = run_to_end(view, make_strategy(name, params), settings, "", PROMPT)
         label = f"{name} {params} t={temperature}{' adapted' if adapted else ''}"
         out[label] = {"tokens": result.token_ids,
                       "events": [{k: v for k, v in e.items() if k not in TIMING} for e in result.events]}

@@ -356,7 +356,7 @@ def _strategy_names():
 
 @pytest.fixture(scope="module")
 def strategy_traces(tmp_path_factory):
-    """One real trace per registered strategy: greedy on a tiny engine, written by the Session."""
+    """One real trace per registered strategy: greedy on a tiny engine, written by `run_to_end`."""
     import torch
 
     from studio.run.config import RunConfig
@@ -426,14 +426,14 @@ def test_an_html_report_is_light(tmp_path):
     """A report of a ~128-token run weighs well under a megabyte (plotly.js inlined made it ~6 MB) and its
     trajectory keeps a hover text per cell."""
     from studio.run.config import RunConfig
-    from studio.run.session import Session, encode_prompt
+    from studio.run.session import encode_prompt, run_to_end
     from tests.support.tiny import tiny_engine
 
     engine = tiny_engine("llama", vocab=16)
     for name, n in (("ar", 124), ("isd", 100)):
         strategy, settings = RunConfig(name, max_new_tokens=n, temperature=0.0).build()
         trace = tmp_path / f"{name}.jsonl"
-        Session(engine, strategy, settings).run("abc", encode_prompt(engine, "abc"), trace_path=str(trace))
+        run_to_end(engine, strategy, settings, "abc", encode_prompt(engine, "abc"), trace_path=str(trace))
         doc = export(trace, "html", tmp_path / f"{name}.html").read_text(encoding="utf-8")
         assert len(doc.encode()) < 1_000_000, (name, len(doc))
         cells = re.findall(r"<title>step \d+ · position \d+", doc)

@@ -13,7 +13,7 @@ from studio.engine.masks import bidirectional, causal
 from studio.engine.strategies import make_strategy
 from studio.errors import BadInput
 from studio.presets.shipped import shipped, shipped_for
-from studio.run.session import Session, Settings
+from studio.run.session import Settings, run_to_end
 from studio.train.data import Sequence
 from studio.train.objectives import IGNORE, MDM
 from studio.train.trainable import Trainable
@@ -106,13 +106,13 @@ def test_train_mdm_writes_an_adapter_that_makes_the_model_bidirectional_for_canv
     attach_adapter(attached, tmp_path / "mdm")                        # and so it is after an attach (train eval)
     assert attached.config.attention == "bidirectional" and attached.with_adapter(None).config.attention == "causal"
     canvas = make_strategy("canvas", {"block_size": 4, "threshold": 0.5})
-    out = Session(view, canvas, Settings(max_new_tokens=8)).run("", seqs[0].tokens[:4])
+    out = run_to_end(view, canvas, Settings(max_new_tokens=8), "", seqs[0].tokens[:4])
     assert out.token_ids and canvas.mode == "bidirectional" and canvas.shift
     assert any(e["t"] == "unmask" for e in out.events)
-    assert Session(view, make_strategy("ar"), Settings(max_new_tokens=4)).run("", [4, 5, 6]).token_ids  # its AR mode
+    assert run_to_end(view, make_strategy("ar"), Settings(max_new_tokens=4), "", [4, 5, 6]).token_ids  # its AR mode
     for name in ("isd", "jacobi"):                                    # the causal strategies refuse it, in one line
         with pytest.raises(BadInput, match=f"strategy '{name}' needs a causal model .* bidirectional attention"):
-            Session(view, make_strategy(name), Settings(max_new_tokens=8)).run("", [4, 5, 6])
+            run_to_end(view, make_strategy(name), Settings(max_new_tokens=8), "", [4, 5, 6])
 
 
 def test_an_adapter_declares_only_an_attention_it_can_mean(tmp_path):

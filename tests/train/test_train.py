@@ -16,7 +16,7 @@ from studio.engine.kv_cache import KVCache
 from studio.engine.lora import attach_adapter, read_adapter
 from studio.engine.strategies import make_strategy
 from studio.errors import BadInput
-from studio.run.session import Session, Settings
+from studio.run.session import Settings, run_to_end
 from studio.train import data as train_data
 from studio.train.layout import app_e_mask, block_positions, noisy_rows_mask
 from studio.train.objectives import IGNORE, IDLM, Batch, Block
@@ -138,7 +138,7 @@ def _acceptance(engine, prompts, strategy, params):
     acc = prop = 0
     outs = []
     for p in prompts:
-        r = Session(engine, make_strategy(strategy, params), Settings(max_new_tokens=20)).run("", p)
+        r = run_to_end(engine, make_strategy(strategy, params), Settings(max_new_tokens=20), "", p)
         outs.append(r.token_ids)
         acc += sum(len(e["pos"]) for e in r.events if e["t"] == "accept")
         prop += sum(len(e["pos"]) for e in r.events if e["t"] == "accept") + sum(e["t"] == "reject" for e in r.events)
@@ -161,7 +161,7 @@ def test_idlm_training_lowers_the_loss_and_raises_r_isd_acceptance_losslessly(tm
     assert last < 0.8 * first
     assert [r.width for r in (log[0], log[50], log[-1])] == [1, 2, 3]          # curriculum N = 2 -> 3 -> 4
     prompts = [s.tokens[:s.prompt_len] for s in seqs[:8]]
-    ar = [Session(_ar_engine(seed=3), make_strategy("ar"), Settings(max_new_tokens=20)).run("", p).token_ids
+    ar = [run_to_end(_ar_engine(seed=3), make_strategy("ar"), Settings(max_new_tokens=20), "", p).token_ids
           for p in prompts]
     rates = {}
     for name, path in (("untrained", untrained), ("trained", tmp_path / "trained")):
@@ -205,10 +205,10 @@ def test_a_block_adapter_brings_its_block_size_to_the_block_strategies(tmp_path)
     assert e.config.adapter_block_size == 6 and engine.config.adapter_block_size is None
     for name, params, block in [("blockdiff", {}, 6), ("s2d2", {}, 6), ("simsd", {}, 6), ("blockdiff", {"block_size": 3}, 3)]:
         strategy = make_strategy(name, params)
-        Session(e, strategy, Settings(8)).run("", [1, 2, 3])
+        run_to_end(e, strategy, Settings(8), "", [1, 2, 3])
         assert strategy.B == block, (name, params)
     strategy = make_strategy("blockdiff")
-    Session(engine.with_adapter(str(tmp_path / "isd")), strategy, Settings(8)).run("", [1, 2, 3])
+    run_to_end(engine.with_adapter(str(tmp_path / "isd")), strategy, Settings(8), "", [1, 2, 3])
     assert strategy.B == 4
 
 

@@ -14,7 +14,7 @@ import pytest
 from studio.run.chat import ChatSession
 from studio.run.config import RunConfig
 from studio.engine.strategies import STRATEGIES
-from studio.run.session import CANCELLED, Session, Settings
+from studio.run.session import CANCELLED, Settings, run_to_end
 from tests.support.tiny import tiny_dlm, tiny_engine
 
 pytest.importorskip("textual")
@@ -148,7 +148,7 @@ def test_every_strategy_runs_in_the_chat():
                 result = await turn(pilot, "bcdef")
                 assert result.header["strategy"] == name and result.footer["n_tokens"] > 0
                 assert len(app.screen.query_one(TokenGrid).grid.final) == result.footer["n_tokens"], name
-                alone = Session(engine, *app.session.choice.build()).run("", result.header["prompt"]["token_ids"])
+                alone = run_to_end(engine, *app.session.choice.build(), "", result.header["prompt"]["token_ids"])
                 assert result.token_ids == alone.token_ids, name
     asyncio.run(go())
 
@@ -235,7 +235,7 @@ def test_replay_a_trace_scrub_and_play(tmp_path):
     engine = tiny_engine("llama", vocab=20, seed=2)
     path = tmp_path / "isd.jsonl"
     from studio.engine.strategies import make_strategy
-    Session(engine, make_strategy("isd"), Settings(16)).run("bcd", [1, 2, 3], trace_path=str(path))
+    run_to_end(engine, make_strategy("isd"), Settings(16), "bcd", [1, 2, 3], trace_path=str(path))
 
     async def go():
         app = StudioApp(session())
@@ -395,7 +395,7 @@ def test_metrics_panel_widget_counts_from_the_runs_tally():
     from studio.viz.view import RunView
     engine = tiny_engine("llama", vocab=20, seed=2)
     from studio.engine.strategies import make_strategy
-    r = Session(engine, make_strategy("isd"), Settings(12)).run("", [1, 2, 3])
+    r = run_to_end(engine, make_strategy("isd"), Settings(12), "", [1, 2, 3])
     view = RunView()
     view.feed(r.events)
     accept = view.tally.acceptance

@@ -24,7 +24,7 @@ from studio.engine.strategies import STRATEGIES, make_strategy  # noqa: E402
 from studio.engine.strategies.params import N, TAU  # noqa: E402
 from studio.errors import BadInput  # noqa: E402
 from studio.events import read_trace  # noqa: E402
-from studio.run.session import Session, drive, encode_prompt  # noqa: E402
+from studio.run.session import drive, encode_prompt, run_to_end  # noqa: E402
 from studio.web import render  # noqa: E402
 from studio.web.app import build_app, serve  # noqa: E402
 from studio.web.files import read_upload  # noqa: E402
@@ -133,7 +133,7 @@ def chat_text(messages) -> list[str]:
 def solo(engine, prompt: str, strategy: str, n: int, **params):
     """The same request run directly, without the web app."""
     strat, settings = RunConfig(strategy, params=params, max_new_tokens=n).build()
-    return Session(engine, strat, settings).run(prompt, encode_prompt(engine, prompt))
+    return run_to_end(engine, strat, settings, prompt, encode_prompt(engine, prompt))
 
 
 # -- forms ------------------------------------------------------------------------------------------
@@ -397,7 +397,7 @@ def test_an_uploaded_trace_replays_and_downloads_in_every_format(server, engine,
     app, url, _ = server
     src = tmp_path / "run.jsonl"
     strat, settings = RunConfig("isd", max_new_tokens=20).build()
-    result = Session(engine, strat, settings).run(XSS, encode_prompt(engine, XSS), trace_path=str(src))
+    result = run_to_end(engine, strat, settings, XSS, encode_prompt(engine, XSS), trace_path=str(src))
     n_steps = len({e["step"] for e in result.events})
     c = client(url)
     loaded = named(app, "load_traces", c.predict(paths=[handle_file(str(src))], api_name="/load_traces"))

@@ -18,7 +18,7 @@ if not CHROMIUM.exists():
 sync_api = pytest.importorskip("playwright.sync_api")
 
 from studio.run.config import RunConfig  # noqa: E402
-from studio.run.session import Session, encode_prompt  # noqa: E402
+from studio.run.session import encode_prompt, run_to_end  # noqa: E402
 from tests.ui.test_web import XSS, served, web_engine  # noqa: E402
 from tests.ui.test_web import pytestmark as _same_warning_filters  # noqa: E402
 
@@ -137,7 +137,7 @@ def test_an_uploaded_trace_replays_with_play_and_pause(page, site, shots, tmp_pa
     pg = page
     trace = tmp_path / "isd-run.jsonl"
     strat, settings = RunConfig("isd", max_new_tokens=60).build()
-    result = Session(engine, strat, settings).run("bcdefg", encode_prompt(engine, "bcdefg"), trace_path=str(trace))
+    result = run_to_end(engine, strat, settings, "bcdefg", encode_prompt(engine, "bcdefg"), trace_path=str(trace))
     n_steps = len({e["step"] for e in result.events})
     pg.click("#tab-traces-button")
     bad = tmp_path / "broken.jsonl"
