@@ -33,7 +33,7 @@ def bad_input(reader: str, data, call, names=()) -> str:
 
 
 # -------------------------------------------------------------------------------------------------
-# GGUF (studio.engine.weights.read_gguf)
+# GGUF (studio.engine.gguf_file.read_gguf)
 # -------------------------------------------------------------------------------------------------
 def gguf_error(data: bytes) -> str:
     p = write_case("regression.gguf", data)

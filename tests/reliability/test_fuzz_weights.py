@@ -1,4 +1,4 @@
-"""Fuzzing the weight readers of studio.engine.weights: `read_gguf` (header, metadata, tensor table, data,
+"""Fuzzing the weight readers: `studio.engine.gguf_file.read_gguf` (header, metadata, tensor table, data,
 the tokenizer built from it) and `read_safetensors` (the reader of every *.safetensors file).
 
 Each mutation family is one test; see tests/support/fuzzing.py for the property and the profiles."""
