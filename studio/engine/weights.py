@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from studio.engine.architectures import check_shapes
 from studio.engine.config import ModelConfig
 from studio.engine.families import family_of, read_config
-from studio.engine.gguf_file import read_gguf
+from studio.engine.gguf_file import Progress, read_gguf
 from studio.engine.lazy_tensors import open_safetensors, read
 from studio.engine.model_cache import cache_dir
 from studio.engine.tokenizer import Tokenizer
@@ -42,7 +42,6 @@ from studio.presets.default_model import DEFAULT_GGUF_NAME, DEFAULT_MODEL, DEFAU
 
 CACHE_FORMAT = 1  # bump to invalidate every cache entry (layout or conversion changed)
 
-Progress = Callable[[str], None]
 
 
 @dataclass
