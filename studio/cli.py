@@ -290,7 +290,7 @@ def compare(
     totals = {label: c.build()[1].max_new_tokens for label, c in configs.items()}
     with progress_display(totals, enabled=not as_json) as progress:
         results = run_compare(engine, prompt, ids, configs, trace_dir=trace_dir, progress=progress, force=force,
-                              prepare=lambda strategies: model.attach_draft(strategies, engine))
+                              on_built=lambda strategies: model.attach_draft(strategies, engine))
     table = rows(results)
     sampled = any(r.header["params"]["temperature"] > 0 for r in results.values())
     if html:

@@ -26,7 +26,7 @@ from studio.errors import BadInput
 from studio.files import read_user_text
 from studio.run.compare import first_difference
 from studio.run.config import RunConfig
-from studio.run.session import Run, drive, encode_prompt, kv_length_needed, run_to_end
+from studio.run.session import Run, drive, encode_prompt, kv_length_needed, prepare, run_to_end
 
 BUILTIN_PROMPTS = [
     "What is the capital of France?",                                      # chat
@@ -202,6 +202,7 @@ def run_bench(engine, prompts: list[str], configs: Mapping[str, RunConfig], repe
         report["ar_speedup_vs_batch1"] = spread([b / statistics.median(s) for b, s in zip(batched, solo)])
         return report
     n_new = max(settings.max_new_tokens for _, settings in runs.values())
+    ready = {label: prepare(engine, strategy) for label, (strategy, _) in runs.items()}   # off every clock
     samples = {label: [Samples() for _ in prompts] for label in runs}
     hf = [[] for _ in prompts]
     for w in range(warmup):
@@ -216,8 +217,7 @@ def run_bench(engine, prompts: list[str], configs: Mapping[str, RunConfig], repe
             # every strategy's run of this prompt in lock-step, one forward at a time (each timed by its own clock):
             # the machine's drift, which swings a run's speed by 10-20 % from one second to the next here, then hits
             # every strategy alike instead of whichever ran during it
-            prompt_runs = {label: Run(engine, strategy, settings, prompt, ids[i])
-                           for label, (strategy, settings) in runs.items()}
+            prompt_runs = {label: Run(ready[label], settings, prompt, ids[i]) for label, (_, settings) in runs.items()}
             drive(list(prompt_runs.values()))
             ar_ids = None
             for label, run in prompt_runs.items():

@@ -60,11 +60,10 @@ class ChatSession:
         return costs_pending(self.engine, self.choice.build()[0])
 
     def measure_costs(self) -> None:
-        """Measure (and cache) the table the next turn plans with: a front end runs this off its UI thread and starts
-        the turn after it."""
-        from studio.run.session import planning_costs
-        strategy, _ = self.choice.build()
-        planning_costs(self.engine.for_strategy(strategy.name))
+        """Prepare the next turn's strategy (`session.prepare`: it measures and stores the forward costs it plans
+        with): a front end runs this off its UI thread and starts the turn after it."""
+        from studio.run.session import prepare
+        prepare(self.engine, self.choice.build()[0])
 
     def command(self, line: str) -> Reply:
         """Run one slash command; bad input comes back as the reply's message (BadInput is not raised)."""

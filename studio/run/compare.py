@@ -22,6 +22,7 @@ from studio.run.session import (
     CANCELLED,
     Run,
     RunResult,
+    prepare,
     decoded_model,
     drive,
     kv_length_needed,
@@ -210,11 +211,11 @@ def render_table(table_rows: list[dict], sampled: bool):
 
 
 def make_runs(engine, prompt: str, prompt_ids: list[int], configs: Mapping[str, RunConfig], *, trace_dir=None,
-              trace_prefix: str = "", prepare: Callable[[list], None] | None = None, most: int | None = None,
+              trace_prefix: str = "", on_built: Callable[[list], None] | None = None, most: int | None = None,
               force: bool = True) -> dict[str, Run]:
     """The runs of a comparison, in lock-step order: every config (the first is the `ar` baseline, or the model's own
     `fit_baseline`), each run's exact reference after it (`with_references`) and, before the first run that needs
-    it, each `ar` reference run (see the module doc). `prepare(strategies)` sees the built strategies first (SimSD's
+    it, each `ar` reference run (see the module doc). `on_built(strategies)` sees the built strategies first (SimSD's
     drafter). BadInput, before any trace file is opened, for more than `most` runs (references included), a run that
     does not fit the model, or (without `force`) a trace file that exists. Traces go to
     `trace_dir/{trace_prefix}{label}.jsonl`."""
@@ -222,8 +223,8 @@ def make_runs(engine, prompt: str, prompt_ids: list[int], configs: Mapping[str, 
     ar_mode = next(iter(configs)) == "ar"
     configs, exact = with_references(configs)
     built = {label: config.build() for label, config in configs.items()}
-    if prepare:
-        prepare([strategy for strategy, _ in built.values()])
+    if on_built:
+        on_built([strategy for strategy, _ in built.values()])
 
     def view(config: RunConfig, strategy):
         """The engine a run decodes with: the config's own adapter, else the engine's choice for the strategy."""
@@ -252,19 +253,19 @@ def make_runs(engine, prompt: str, prompt_ids: list[int], configs: Mapping[str, 
         from studio.files import check_writable
         for path in trace_paths(trace_dir, planned, trace_prefix).values():
             check_writable(path, force)
-    return {label: Run(view(config, strategy), strategy, settings, prompt, prompt_ids,
+    return {label: Run(prepare(engine, strategy, view=view(config, strategy)), settings, prompt, prompt_ids,
                        trace_path=str(trace_path(trace_dir, label, trace_prefix)) if trace_dir else None,
                        reference=exact.get(label))
             for label, (config, (strategy, settings)) in planned.items()}
 
 
 def run_compare(engine, prompt: str, prompt_ids: list[int], configs: Mapping[str, RunConfig], *, trace_dir=None,
-                progress=None, trace_prefix: str = "", on_done=None, prepare=None, force: bool = True
+                progress=None, trace_prefix: str = "", on_done=None, on_built=None, force: bool = True
                 ) -> dict[str, RunResult]:
     """`make_runs`, driven to the end in lock-step by forward count (`session.drive`). `progress(label, event)`
     for every event; `on_done(label, result)` as each run ends."""
     runs = make_runs(engine, prompt, prompt_ids, configs, trace_dir=trace_dir, trace_prefix=trace_prefix,
-                     prepare=prepare, force=force)
+                     on_built=on_built, force=force)
     labels = list(runs)
 
     def publish(i: int, events: list[dict]) -> None:

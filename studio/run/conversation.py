@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from studio.engine.engine import Engine
 from studio.engine.strategies import Strategy
-from studio.run.session import CANCELLED, Run, RunResult, Settings, encode_messages
+from studio.run.session import CANCELLED, Run, RunResult, Settings, encode_messages, prepare
 
 
 class Conversation:
@@ -57,4 +57,5 @@ class Conversation:
             valid = min(cache.length, len(ids) + len(run.out.token_ids))
             cache.rollback(valid)
             self._kv, self._kv_ids, self._kv_key = cache, (ids + run.out.token_ids)[:valid], key
-        return Run(self.engine, strategy, settings, user_text, ids, trace_path=trace_path, kv=kv, on_finish=finished)
+        return Run(prepare(self.engine, strategy), settings, user_text, ids, trace_path=trace_path, kv=kv,
+                   on_finish=finished)

@@ -23,7 +23,7 @@ from studio.errors import BadInput, RankLost
 from studio.presets.shipped import adapter_path
 from studio.run import group as groups
 from studio.run import mirror
-from studio.run.session import Run
+from studio.run.session import Run, prepare
 
 _workers: list = []
 
@@ -154,7 +154,6 @@ def _build(engine, spec: mirror.RunSpec, caches: dict):
     kv = caches[spec.kv_from] if spec.kv_from is not None else None
     if kv is not None:   # as rank 0 left it: its run's commits past the answer and the unshared turns dropped
         kv.rollback(spec.kv_length)
-    run = Run(_view(engine, spec.adapter), make_strategy(spec.strategy, spec.params), spec.settings,
-              spec.prompt_text, list(spec.prompt_ids), kv=kv)
-    run.ctx.costs = spec.costs or run.ctx.costs
-    return run
+    strategy = make_strategy(spec.strategy, spec.params)
+    prepared = dataclasses.replace(prepare(engine, strategy, view=_view(engine, spec.adapter)), costs=spec.costs)
+    return Run(prepared, spec.settings, spec.prompt_text, list(spec.prompt_ids), kv=kv)

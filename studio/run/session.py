@@ -1,5 +1,6 @@
 """Runs: one strategy on one prompt, driven one forward at a time, and the loops built on it.
 
+`prepare(engine, strategy)` readies a strategy (adapter, forward costs, packed weights) before any clock starts;
 `Run` is the steppable object every front end drives (docs/architecture.md): `advance()` does the prefill, then
 one strategy step per call, and hands back that step's events; `cancel()` (from any thread) ends the
 run at the next step boundary with `stop_reason = "cancelled"`. `drive` is the one loop: a single run
@@ -15,7 +16,7 @@ from typing import Callable, Sequence
 
 from studio import events as ev
 from studio.engine.cost_model import cost_table
-from studio.engine.cost_table import stored_table
+from studio.engine.cost_table import CostTable, stored_table
 from studio.engine.device import synchronize
 from studio.engine.engine import Engine
 from studio.engine.model import pack_weights
@@ -138,9 +139,32 @@ def planning_costs(engine: Engine):
 
 
 def costs_pending(engine: Engine, strategy: Strategy) -> bool:
-    """Whether a run of `strategy` would measure the machine's cost table first (a cost-aware strategy on a model,
-    device and dtype without a stored one): seconds that a front end says, off its UI thread (`planning_costs`)."""
+    """Whether `prepare(engine, strategy)` would measure the machine's cost table (a cost-aware strategy on a model,
+    device and dtype without a stored one): seconds that a front end says, then spends off its UI thread."""
     return strategy.plans_drafts and not mirror.following() and stored_table(engine.for_strategy(strategy.name)) is None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A strategy ready to run on an engine: `engine` is the adapter view the strategy decodes with, `costs` the
+    forward-cost table a cost-aware strategy plans with (else None). Made by `prepare`; a `Run` built from it
+    reads, loads and measures nothing. Its runs go one after another: the strategy object holds its run's state."""
+    engine: Engine
+    strategy: Strategy
+    costs: CostTable | None = None
+
+
+def prepare(engine: Engine, strategy: Strategy, *, view: Engine | None = None) -> Prepared:
+    """Everything a run of `strategy` on `engine` needs before its clock starts: the strategy's adapter (`view`, the
+    adapter view a caller chose, else the one shipped for the strategy unless the engine has a fixed choice), the
+    machine's forward costs for a cost-aware strategy (measured here when none are stored: `costs_pending` says so
+    first), and packed weights for a strategy whose forwards score many rows. Cheap after the first call for the
+    same engine and strategy."""
+    view = view or engine.for_strategy(strategy.name)
+    costs = planning_costs(view) if strategy.plans_drafts else None
+    if strategy.wide_forwards:
+        pack_weights(view.model)
+    return Prepared(view, strategy, costs)
 
 
 def run_header(engine: Engine, strategy: Strategy, settings: Settings, prompt_text: str, prompt_ids: list[int]) -> dict:
@@ -156,7 +180,9 @@ def run_header(engine: Engine, strategy: Strategy, settings: Settings, prompt_te
 
 
 class Run:
-    """One generation, advanced one strategy step at a time.
+    """One generation, advanced one strategy step at a time, of a strategy `prepare` readied (building a run
+    checks the prompt against the model's context, lends a KV cache from the pool and opens the trace: nothing
+    that takes seconds).
 
     `kv`: a cache whose committed slots hold a prefix of `prompt_ids` (a chat's earlier turns); the
     prefill then computes only the tokens after it. `on_finish(run)` is called once, when the result
@@ -169,10 +195,10 @@ class Run:
     step for every reader.
     """
 
-    def __init__(self, engine: Engine, strategy: Strategy, settings: Settings, prompt_text: str,
-                 prompt_ids: list[int], *, trace_path: str | None = None, kv=None,
-                 on_finish: Callable[["Run"], None] | None = None, reference: str | None = None):
-        engine = engine.for_strategy(strategy.name)      # the adapter this strategy runs with
+    def __init__(self, prepared: Prepared, settings: Settings, prompt_text: str, prompt_ids: list[int], *,
+                 trace_path: str | None = None, kv=None, on_finish: Callable[["Run"], None] | None = None,
+                 reference: str | None = None):
+        engine, strategy = prepared.engine, prepared.strategy
         kv_len = kv_length_needed(engine, strategy, settings, prompt_ids)
         continues = getattr(kv, "mirror_id", None)   # under tensor parallelism, the announced run whose cache this is
         if kv is not None and kv.max_len < kv_len:
@@ -187,13 +213,10 @@ class Run:
         self.prompt_ids = list(prompt_ids)
         self.header = run_header(engine, strategy, settings, prompt_text, self.prompt_ids)
         self.out = Output(engine.tokenizer, settings.max_new_tokens, frozenset(engine.eos_ids()), tuple(settings.stop))
-        # a cost-aware strategy plans with the machine's forward costs: measured here on first use, off the run's clock
-        costs = planning_costs(engine) if strategy.plans_drafts else None
-        if strategy.wide_forwards:
-            pack_weights(engine.model)
         self.ctx = DecodeContext(engine.model, engine.tokenizer, settings.sampling, settings.seed, self.out,
                                  engine.config.mask_token_id, kv_len, kv=kv, oracle_accept=settings.oracle_accept,
-                                 graphs=engine.graphs, clean_gate=strategy.clean_gate(engine.lora), costs=costs)
+                                 graphs=engine.graphs, clean_gate=strategy.clean_gate(engine.lora),
+                                 costs=prepared.costs)
         self._writer = ev.TraceWriter(trace_path, self.header) if trace_path else None
         self._on_finish = on_finish
         self._cancel = threading.Event()
@@ -207,7 +230,7 @@ class Run:
         self.result: RunResult | None = None
         # under tensor parallelism rank 0 announces the run to the other ranks, which build it alike
         leader = mirror.leader()
-        self.mirror_id = leader.announce(self, prompt_text, continues, costs) if leader else None
+        self.mirror_id = leader.announce(self, prompt_text, continues, prepared.costs) if leader else None
 
     def _plan_chunks(self) -> list[int]:
         """Prompt lengths after each chunk forward: chunks from the committed KV on, leaving the strategy's prefill
@@ -347,7 +370,7 @@ def drive(runs: Sequence[Run], on_events: Callable[[int, list[dict]], None] | No
 def run_to_end(engine: Engine, strategy: Strategy, settings: Settings, prompt_text: str, prompt_ids: list[int],
              sinks: Sequence[Callable[[dict], None]] = (), trace_path: str | None = None) -> RunResult:
     """One run to its end (`drive` on it); every event goes to each sink (between steps, never inside timed work)."""
-    run = Run(engine, strategy, settings, prompt_text, prompt_ids, trace_path=trace_path)
+    run = Run(prepare(engine, strategy), settings, prompt_text, prompt_ids, trace_path=trace_path)
 
     def publish(_, events: list[dict]) -> None:
         for e in events:

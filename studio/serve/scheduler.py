@@ -201,7 +201,7 @@ class Scheduler:
         """Start a job: join its batch, or build its run; the jobs that finished at once."""
         from studio import events as ev
         from studio.engine.batch import ContinuousBatch, unbatchable
-        from studio.run.session import Run, kv_length_needed, run_header
+        from studio.run.session import Run, kv_length_needed, prepare, run_header
         if job.cancelled.is_set():
             return []
         strategy, settings = job.request.config.build()
@@ -219,7 +219,7 @@ class Scheduler:
                 with self._wake:
                     self._units.append(self._batches[key])
             return self._batches[key].join(job, settings)
-        run = Run(self.engine, strategy, settings, job.request.prompt_text, job.prompt_ids)
+        run = Run(prepare(self.engine, strategy), settings, job.request.prompt_text, job.prompt_ids)
         job.header = ev.full_header(run.header)
         job.post(("start", job.header))
         with self._wake:

@@ -16,7 +16,7 @@ from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import make_strategy
 from studio.errors import BadInput
 from studio.events import read_trace
-from studio.run.session import Run, Settings, run_to_end
+from studio.run.session import Run, Settings, prepare, run_to_end
 from tests.support.adapters import random_mask_adapter
 from tests.support.dlm import generate
 from tests.support.tiny import tiny_dlm, tiny_engine
@@ -176,7 +176,7 @@ def test_cuda_block_strategies_build_masks_and_gates_on_the_gpu(name, params, te
 @cuda_only
 def test_cuda_sampler_generator_lives_on_the_gpu(tiny_random):
     engine = Engine.load(tiny_random, device="cuda")
-    run = Run(engine, make_strategy("ar"), Settings(max_new_tokens=4), "", [1, 2, 3])
+    run = Run(prepare(engine, make_strategy("ar")), Settings(max_new_tokens=4), "", [1, 2, 3])
     assert run.ctx.gen.device.type == "cuda" and run.ctx.kv.k.device.type == "cuda"
 
 

@@ -231,7 +231,7 @@ def test_runs_reuse_pooled_caches_and_the_graphs_captured_on_them(monkeypatch):
     between turns instead of giving it back."""
     from studio.engine.strategies import make_strategy
     from studio.run.conversation import Conversation
-    from studio.run.session import Run, Settings, drive, run_to_end
+    from studio.run.session import Run, Settings, drive, prepare, run_to_end
     from tests.support.tiny import tiny_engine
 
     runners = []
@@ -251,7 +251,7 @@ def test_runs_reuse_pooled_caches_and_the_graphs_captured_on_them(monkeypatch):
     assert [first.token_ids, second.token_ids] == eager
     assert len(runners) == 1 and len(runner.graphs) == captured and runner.replays > replays
 
-    a, b = (Run(engine, isd(), settings, "", [1, 2, 3]) for _ in range(2))
+    a, b = (Run(prepare(engine, isd()), settings, "", [1, 2, 3]) for _ in range(2))
     assert a.ctx.kv is not b.ctx.kv and runner.kv in (a.ctx.kv, b.ctx.kv)
     drive([a, b])
     assert a.result.token_ids == b.result.token_ids

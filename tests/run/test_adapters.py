@@ -9,7 +9,7 @@ import torch
 
 from studio.presets import shipped as adapters
 from studio.engine.strategies import make_strategy
-from studio.run.session import Run, Settings, drive, run_to_end
+from studio.run.session import Run, Settings, drive, prepare, run_to_end
 from tests.support.adapters import random_mask_adapter
 from tests.support.tiny import tiny_engine
 
@@ -40,7 +40,8 @@ def test_runs_with_different_adapters_interleave_on_one_model(two_adapters):
     views = [base, base.with_adapter(str(a)), base.with_adapter(str(b))]
     assert views[1].model is views[2].model is base.model and views[1].config.mask_token_id == 24
     names = [("ar", None), ("isd", {"stride": 3}), ("isd", {"stride": 3})]
-    runs = [Run(v, make_strategy(n, p), Settings(max_new_tokens=30), "", PROMPT) for v, (n, p) in zip(views, names)]
+    runs = [Run(prepare(v, make_strategy(n, p)), Settings(max_new_tokens=30), "", PROMPT)
+            for v, (n, p) in zip(views, names)]
     drive(runs)
     alone = []
     for path, (n, p) in zip([None, a, b], names):

@@ -7,7 +7,7 @@ from studio.engine.strategies import make_strategy
 from studio.events import read_trace
 from studio.events.metrics import prefill_tokens
 from studio.run.conversation import Conversation
-from studio.run.session import CANCELLED, Run, Settings, drive, run_to_end
+from studio.run.session import CANCELLED, Run, Settings, drive, prepare, run_to_end
 from studio.viz.text import run_summary_line
 from tests.support.dlm import full_forward_row
 from tests.support.tiny import tiny_dlm, tiny_engine
@@ -23,7 +23,7 @@ def settings(n=24, temperature=0.0, seed=0):
 def test_advancing_by_hand_equals_session_run(name):
     engine = tiny_engine("llama", vocab=24, seed=3)
     whole = run_to_end(engine, make_strategy(name), settings(temperature=1.0, seed=4), "", PROMPT)
-    run = Run(engine, make_strategy(name), settings(temperature=1.0, seed=4), "", PROMPT)
+    run = Run(prepare(engine, make_strategy(name)), settings(temperature=1.0, seed=4), "", PROMPT)
     batches = []
     while not run.done:
         batches.append(run.advance())
@@ -39,18 +39,42 @@ def test_advancing_by_hand_equals_session_run(name):
 
 @pytest.mark.parametrize("name, packed", [("ar", False), ("isd", True)])
 def test_a_run_of_wide_forwards_packs_the_weights_before_its_clock_starts(name, packed):
-    """The CPU's packed weight copies are made when the run is built, not inside its timed forwards; an ar run, whose
+    """The CPU's packed weight copies are made by `prepare`, not inside a run's timed forwards; an ar run, whose
     forwards are one row wide, never uses them and makes none."""
     engine = tiny_engine("llama", vocab=24, seed=3)
-    Run(engine, make_strategy(name), settings(), "", PROMPT)
+    prepare(engine, make_strategy(name))
     weights = [m.weight for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
     assert all(isinstance(getattr(w, "_onednn", None), tuple) == packed for w in weights)
+
+
+def test_prepare_measures_the_forward_costs_and_building_a_run_measures_nothing(monkeypatch, tmp_path):
+    """A cost-aware strategy's table is measured (and stored) once, by `prepare`, on an engine without one; the runs
+    built from it plan with that table and touch neither the measuring code nor the weights."""
+    from studio.engine import cost_model, cost_table
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr("studio.run.session.cost_table", cost_model.cost_table)   # not the tests' fixed table
+    monkeypatch.setattr("studio.run.session.stored_table", cost_table.stored_table)
+    measured = []
+    real = cost_model.calibrate
+    monkeypatch.setattr(cost_model, "calibrate", lambda *a, **k: measured.append(1) or real(*a, **k))
+    engine = tiny_engine("llama", vocab=24, seed=3)
+    ready = prepare(engine, make_strategy("jacobi"))
+    assert measured == [1] and ready.costs is not None
+    monkeypatch.setattr("studio.run.session.planning_costs", lambda engine: pytest.fail("a run measured costs"))
+    monkeypatch.setattr("studio.run.session.pack_weights", lambda model: pytest.fail("a run packed weights"))
+    ar = run_to_end(engine, make_strategy("ar"), settings(n=8), "", PROMPT).token_ids
+    for _ in range(2):   # one after another, as bench's repeats: the strategy object holds its run's state
+        run = Run(ready, settings(n=8), "", PROMPT)
+        assert run.ctx.costs is ready.costs
+        drive([run])
+        assert run.result.token_ids == ar
+    assert measured == [1]
 
 
 def test_cancel_between_steps_writes_a_readable_trace_and_leaves_the_engine_reusable(tmp_path):
     engine = tiny_engine("qwen2", vocab=24, seed=1)
     fresh = run_to_end(engine, make_strategy("isd"), settings(n=30), "", PROMPT)
-    run = Run(engine, make_strategy("isd"), settings(n=30), "", PROMPT, trace_path=str(tmp_path / "t.jsonl"))
+    run = Run(prepare(engine, make_strategy("isd")), settings(n=30), "", PROMPT, trace_path=str(tmp_path / "t.jsonl"))
     for _ in range(3):
         run.advance()
     run.cancel()
@@ -67,7 +91,7 @@ def test_cancel_between_steps_writes_a_readable_trace_and_leaves_the_engine_reus
 def test_drive_keeps_runs_in_lock_step_by_forward_count():
     engine = tiny_engine("llama", vocab=24, seed=3)
     names = ("ar", "isd", "jacobi")
-    runs = [Run(engine, make_strategy(name), settings(n=30), "", PROMPT) for name in names]
+    runs = [Run(prepare(engine, make_strategy(name)), settings(n=30), "", PROMPT) for name in names]
     log = []
     for i, r in enumerate(runs):
         def logged(i=i, advance=r.advance):
@@ -109,7 +133,7 @@ def chunked(chunk, n=8, temperature=1.0):
 def test_a_long_prompt_prefills_in_chunks_one_per_advance_and_decodes_the_same(name, params):
     engine = _engine_for(name)
     whole = run_to_end(engine, make_strategy(name, params), chunked(1000), "", LONG)
-    run = Run(engine, make_strategy(name, params), chunked(8), "", LONG)
+    run = Run(prepare(engine, make_strategy(name, params)), chunked(8), "", LONG)
     progress, batches = [], []
     while not run.done:
         progress.append(run.prefill_progress)
@@ -125,7 +149,7 @@ def test_a_long_prompt_prefills_in_chunks_one_per_advance_and_decodes_the_same(n
 
 def test_step_mode_waits_before_the_strategys_prefill_not_before_each_chunk():
     engine = tiny_engine("llama", vocab=20, seed=2)
-    run = Run(engine, make_strategy("ar"), chunked(8, n=3), "", LONG)
+    run = Run(prepare(engine, make_strategy("ar")), chunked(8, n=3), "", LONG)
     waits = []
     drive([run], before_advance=lambda: waits.append(run.prefill_progress))
     assert waits[0] == (32, 40) and waits[1] is None and len(waits) == 3   # the prefill, then one per token
@@ -133,7 +157,7 @@ def test_step_mode_waits_before_the_strategys_prefill_not_before_each_chunk():
 
 def test_cancel_during_a_chunked_prefill_stops_at_the_next_chunk_and_says_so(tmp_path):
     engine = tiny_engine("llama", vocab=20, seed=2)
-    run = Run(engine, make_strategy("isd"), chunked(8), "", LONG, trace_path=str(tmp_path / "t.jsonl"))
+    run = Run(prepare(engine, make_strategy("isd")), chunked(8), "", LONG, trace_path=str(tmp_path / "t.jsonl"))
     run.advance()
     run.advance()
     run.cancel()

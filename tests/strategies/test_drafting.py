@@ -10,7 +10,7 @@ from studio.engine.strategies import make_strategy
 from studio.engine.strategies.drafting import (MARGIN, REGRET_SHARE, RISK_SHARE, BlockPlanner, DraftPlanner, Regret,
                                                SlotAcceptance, chain_rate, isd_rate)
 from studio.engine.strategies.isd import expected_tpf
-from studio.run.session import Run, Settings, drive, run_to_end
+from studio.run.session import Run, Settings, drive, prepare, run_to_end
 from tests.support.dlm import generate
 from tests.support.plans import plan_with, planned
 from tests.support.tiny import tiny_dlm, tiny_engine
@@ -409,7 +409,7 @@ def test_a_planner_reads_no_token_of_its_run(monkeypatch):
     the planners of a real run hold a view without the output, the cache or the model."""
     engine = tiny_engine(vocab=12)
     s = Settings(max_new_tokens=6, sampling=SamplingParams(1.0), seed=0)
-    run = Run(engine, make_strategy("jacobi"), s, "", [1, 2, 3])
+    run = Run(prepare(engine, make_strategy("jacobi")), s, "", [1, 2, 3])
     drive([run])
     planner = run.strategy.planners["jacobi"]
     assert planner.ctx.n_out == len(run.result.token_ids)

@@ -148,8 +148,8 @@ def main() -> None:
     if args.get("kill_after"):   # a rank dies mid-run: rank 0 must end with one line, not hang
         from studio.engine.strategies import make_strategy
         from studio.errors import RankLost
-        from studio.run.session import Run, Settings
-        run = Run(engine, make_strategy("ar"), Settings(max_new_tokens=60), "", PROMPT)
+        from studio.run.session import Run, Settings, prepare
+        run = Run(prepare(engine, make_strategy("ar")), Settings(max_new_tokens=60), "", PROMPT)
         for i in range(60):
             if i == args["kill_after"]:
                 os.kill(_workers[0].pid, signal.SIGKILL)

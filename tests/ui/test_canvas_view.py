@@ -137,11 +137,11 @@ def test_the_web_rows_draw_the_whole_canvas_and_escape_its_tokens(trace):
 
 def test_a_real_canvas_run_fed_live_shows_its_canvas_from_the_first_step_as_its_trace_does():
     from studio.engine.strategies import make_strategy
-    from studio.run.session import Run, Settings
+    from studio.run.session import Run, Settings, prepare
     from tests.support.tiny import tiny_mdm
 
     engine = tiny_mdm()
-    run = Run(engine, make_strategy("canvas", {"block_size": 4}), Settings(8), "", [1, 2, 3])
+    run = Run(prepare(engine, make_strategy("canvas", {"block_size": 4})), Settings(8), "", [1, 2, 3])
     live = RunView(run.token_text, run.header)
     first = run.advance()
     live.feed(first)

@@ -299,12 +299,13 @@ def numbers_of(n):
 def test_a_run_view_fed_live_equals_the_view_of_its_trace(name):
     from studio.engine.sampling import SamplingParams
     from studio.engine.strategies import make_strategy
-    from studio.run.session import Run, Settings
+    from studio.run.session import Run, Settings, prepare
     from tests.support.tiny import tiny_dlm, tiny_engine
 
     engine = tiny_dlm("llama", shift=False, block=4, vocab=20) if name == "s2d2" else tiny_engine(vocab=20, seed=4)
     params = {"block_size": 4} if name == "jacobi-mr" else {}
-    run = Run(engine, make_strategy(name, params), Settings(24, SamplingParams(1.0), seed=3), "", [1, 2, 3, 4, 5])
+    run = Run(prepare(engine, make_strategy(name, params)), Settings(24, SamplingParams(1.0), seed=3), "",
+              [1, 2, 3, 4, 5])
     live = RunView(run.token_text, run.header)
     while not run.done:
         live.feed(run.advance())
