@@ -46,10 +46,11 @@ if wants ar; then
   step ar-isd-oracle-0.85 "${bench[@]}" -s ar,isd --oracle-accept 0.85 --max-new-tokens 256 --repeats "$REPEATS"
   step ar-eager "${bench[@]}" -s ar --max-new-tokens "$EAGER_TOKENS" --repeats "$REPEATS" --no-graphs --no-transformers
 fi
-wants forwards && step forwards "${bench[@]}" --forwards --repeats "$REPEATS"
+wants forwards && step forwards "$PYTHON" -m studio bench forwards --model "$MODEL" --device "$DEVICE" --json \
+  --repeats "$REPEATS"
 if wants moe; then
   for m in $MOE_MODELS; do
-    step "forwards-${m%@*}" "$PYTHON" -m studio bench --model "random:$m" --device "$DEVICE" --json --forwards \
+    step "forwards-${m%@*}" "$PYTHON" -m studio bench forwards --model "random:$m" --device "$DEVICE" --json \
       --repeats "$REPEATS"
   done
 fi

@@ -43,7 +43,7 @@ try:   # Ctrl+C while the CLI is still importing: the same one line and exit 130
 
     import typer
 
-    from studio.commands.bench import bench
+    from studio.commands.bench import bench_app
     from studio.commands.models import models_app
     from studio.errors import BadInput, RankLost
     from studio.files import Interrupted, check_writable
@@ -307,7 +307,7 @@ def compare(
         typer.echo(f"report: {html}", err=True)
 
 
-app.command()(bench)   # studio/commands/bench.py
+app.add_typer(bench_app, name="bench")   # studio/commands/bench.py
 
 
 @app.command()

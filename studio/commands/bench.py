@@ -1,6 +1,7 @@
-"""`dlm-studio bench`: its options and checks, the progress it shows, and its tables in the terminal (registered by
-studio.cli). The measurements and their reports are studio.run.bench's (`run_bench`, `measure_forward_costs`) and
-studio.serve.load's (`--clients`); heavy imports wait inside the functions."""
+"""`dlm-studio bench` (strategies decoding), `bench forwards` and `bench clients N`: their options and checks, the
+progress they show, and their tables in the terminal (registered by studio.cli). The measurements and their reports
+are studio.run.bench's (`run_bench`, `measure_forward_costs`) and studio.serve.load's (`measure_clients`); heavy
+imports wait inside the functions."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,13 +17,22 @@ from studio.run.config import ModelChoice, RunConfig
 from studio.run.options import FORCE, STRATEGIES, generation_options
 
 
-@generation_options(exclude=("draft_model", "draft_adapter", "param", "raw"))
+bench_app = typer.Typer()   # its help is `bench`'s docstring
+EXCLUDED = ("draft_model", "draft_adapter", "param", "raw")   # the options a bench cannot use
+REPEATS = typer.Option(3, "--repeats", help="Timed runs of every strategy on every prompt.")
+PROMPTS = typer.Option(None, "--prompts", help="One prompt per line (or JSONL with 'prompt').")
+AS_JSON = typer.Option(False, "--json")
+
+
+@bench_app.callback(invoke_without_command=True)
+@generation_options(exclude=EXCLUDED)
 def bench(
+    ctx: typer.Context,
     strategies: str = STRATEGIES,
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="One prompt per line (or JSONL with 'prompt')."),
+    prompts: Optional[Path] = PROMPTS,
     task: Optional[str] = typer.Option(None, "--task", help="A question set (a shipped name: quick; or a JSONL file "
                                        "of prompt and answer): accuracy beside speed, and its figure in --html."),
-    repeats: int = typer.Option(3, "--repeats", help="Timed runs of every strategy on every prompt."),
+    repeats: int = REPEATS,
     warmup: int = typer.Option(1, "--warmup", help="Untimed runs first (each strategy on the first prompt)."),
     no_transformers: bool = typer.Option(False, "--no-transformers", help="Skip the transformers baseline."),
     oracle_accept: Optional[float] = typer.Option(
@@ -31,34 +41,73 @@ def bench(
     concurrency: int = typer.Option(
         1, "--concurrency", help="C > 1: decode the prompts in stationary batches of C (ar, isd, r-isd; greedy) and "
         "report each batch's throughput and its ratio to ar at the same concurrency (no transformers baseline)."),
-    forwards: bool = typer.Option(
-        False, "--forwards", help="Instead of decoding: time one forward of each shape the strategies use (1-token "
-        "step, 7- and 16-token extends, the 7-token extend with r-isd's adapter on its 3 MASK rows, a batch-8 "
-        "step), 10 x --repeats times round-robin, each against the 1-token step."),
-    clients: int = typer.Option(
-        0, "--clients", help="N >= 1: through `dlm-studio serve` (in process, loopback): the prompts from N concurrent "
-        "clients against one at a time, per strategy (ar, isd and r-isd batch; the others queue)."),
+    forwards: bool = typer.Option(False, "--forwards", hidden=True, help="The same as `bench forwards`."),
+    clients: int = typer.Option(0, "--clients", hidden=True, help="N: the same as `bench clients N`."),
     html: Optional[Path] = typer.Option(None, "--html", help="Write a self-contained HTML report."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = AS_JSON,
     force: bool = FORCE,
     *, model: ModelChoice, config: RunConfig,
 ):
-    """Speed and agreement of strategies against ar (and transformers generate), measured in one run
-    (--max-new-tokens defaults to 64 here, 32 with --task); with --task, accuracy on its questions too."""
+    """Speed and agreement of strategies against ar, in one run; `bench forwards`, `bench clients N`.
+
+    The strategies decode the prompts in lock-step against ar (and transformers generate); --max-new-tokens defaults
+    to 64 here, 32 with --task, which adds accuracy on its questions. `bench forwards` times single forwards instead,
+    `bench clients N` the server under N concurrent clients."""
     from studio.run.bench import load_prompts
 
+    if ctx.invoked_subcommand is not None:   # its own options follow its name
+        given = [p.opts[0] for p in ctx.command.params
+                 if getattr(ctx.get_parameter_source(p.name), "name", None) == "COMMANDLINE"]
+        if given:
+            raise BadInput(f"bench {ctx.invoked_subcommand}: give {', '.join(given)} after its name")
+        return
     if repeats < 1 or warmup < 0:
         raise BadInput("--repeats must be >= 1 and --warmup >= 0")
-    if model.world > 1 and (forwards or clients):
-        raise BadInput(f"{'--forwards' if forwards else '--clients'} does not run under --tp yet")
     if forwards:
-        return _bench_forwards(model.load(), repeats, warmup, as_json)
+        return _bench_forwards(model, repeats, warmup, as_json)
     if clients:
         return _bench_clients(model, config, strategies, load_prompts(prompts), clients, repeats, as_json,
                               conflicts={"--task": task, "--concurrency": concurrency > 1, "--html": html,
                                          "--oracle-accept": oracle_accept is not None})
     _bench_strategies(model, config, strategies, prompts, task, repeats, warmup, no_transformers, oracle_accept,
                       concurrency, html, as_json, force)
+
+
+@bench_app.command("forwards")
+@generation_options(exclude=EXCLUDED + ("preset", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop"))
+def bench_forwards(
+    repeats: int = typer.Option(3, "--repeats", help="10 x REPEATS timed rounds of every shape."),
+    warmup: int = typer.Option(1, "--warmup", help="Untimed rounds first."),
+    as_json: bool = AS_JSON,
+    *, model: ModelChoice, config: RunConfig,
+):
+    """Time one forward of each shape the strategies use, each against the 1-token step.
+
+    The shapes: the 1-token step, 7- and 16-token extends, the 7-token extend with r-isd's adapter on its 3 MASK
+    rows, a batch-8 step, timed round-robin; and the by-rows table cost-aware drafting plans with, measured anew."""
+    if repeats < 1 or warmup < 0:
+        raise BadInput("--repeats must be >= 1 and --warmup >= 0")
+    _bench_forwards(model, repeats, warmup, as_json)
+
+
+@bench_app.command("clients")
+@generation_options(exclude=EXCLUDED)
+def bench_clients(
+    n: int = typer.Argument(..., metavar="N", help="Concurrent clients (>= 1)."),
+    strategies: str = STRATEGIES,
+    prompts: Optional[Path] = PROMPTS,
+    repeats: int = REPEATS,
+    as_json: bool = AS_JSON,
+    *, model: ModelChoice, config: RunConfig,
+):
+    """The server's throughput under N concurrent clients against one client at a time.
+
+    The prompts go through `dlm-studio serve` (in process, loopback), per strategy (ar, isd and r-isd batch; the
+    others queue): throughput, speed-up and whether the answers match."""
+    from studio.run.bench import load_prompts
+    if repeats < 1:
+        raise BadInput("--repeats must be >= 1")
+    _bench_clients(model, config, strategies, load_prompts(prompts), n, repeats, as_json, conflicts={})
 
 
 def _bench_strategies(model: ModelChoice, config: RunConfig, strategies: str, prompts: Path | None, task: str | None,
@@ -151,14 +200,16 @@ def _bench_clients(model: ModelChoice, config: RunConfig, strategies: str, promp
     from studio.serve.load import measure_clients
 
     if clients < 1:
-        raise BadInput(f"--clients must be >= 1, got {clients}")
+        raise BadInput(f"bench clients: N must be >= 1, got {clients}")
+    if model.world > 1:
+        raise BadInput("bench clients does not run under --tp yet")
     if given := [flag for flag, on in conflicts.items() if on]:
         raise BadInput(f"--clients measures the server alone: drop {', '.join(given)}")
     configs = compare_configs(strategies, config, ar_alone=True)
     engine = model.load()
     with Console(stderr=True).status(f"{len(prompts)} prompts from {clients} clients and from one"):
-        report = measure_clients(engine, configs, prompts, clients, 64 if config.max_new_tokens is None else config.max_new_tokens, repeats,
-                                 chat_template=model.chat_template)
+        limit = 64 if config.max_new_tokens is None else config.max_new_tokens   # None: unset
+        report = measure_clients(engine, configs, prompts, clients, limit, repeats, chat_template=model.chat_template)
     if as_json:
         print(json.dumps(report))
         return
@@ -172,13 +223,15 @@ def _bench_clients(model: ModelChoice, config: RunConfig, strategies: str, promp
     Console(width=max(Console().width, 120)).print(t)
 
 
-def _bench_forwards(engine, repeats: int, warmup: int, as_json: bool) -> None:
+def _bench_forwards(model: ModelChoice, repeats: int, warmup: int, as_json: bool) -> None:
     from rich.console import Console
     from rich.table import Table
     from studio.engine.cost_table import table_key, table_path
     from studio.run.bench import measure_forward_costs
 
-    engine = engine.for_strategy("r-isd")   # its adapter for the gated shape (none: that shape is left out)
+    if model.world > 1:
+        raise BadInput("bench forwards does not run under --tp yet")
+    engine = model.load().for_strategy("r-isd")   # its adapter for the gated shape (none: that shape is left out)
     with Console(stderr=True).status("timing forwards"):
         measured = measure_forward_costs(engine, repeats, warmup)
     head, costs, by_rows = measured.head, measured.costs, measured.by_rows

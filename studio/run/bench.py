@@ -399,7 +399,7 @@ def write_bench_html(report: dict, path) -> Path:
 
 @dataclass
 class ForwardCosts:
-    """`bench --forwards`: one forward of each shape the strategies use, timed round-robin, with what explains them
+    """`bench forwards`: one forward of each shape the strategies use, timed round-robin, with what explains them
     (the copy bandwidth, the verify kernel, an MoE layer against a dense one) and the cost table by row count."""
     head: dict       # the report's own fields (rounded, as the JSON gives them)
     costs: list      # `forward_cost.measure_forwards`: one per shape, the 1-token step first
@@ -421,7 +421,7 @@ def measure_forward_costs(engine, repeats: int, warmup: int) -> ForwardCosts:
                                             verify_time, weight_bytes)
     device = engine.model.lm_head.weight.device
     costs = measure_forwards(engine, repeats=10 * repeats, warmup=max(warmup, 1))
-    by_rows = cost_table(engine, refresh=True)   # measured anew: bench --forwards refreshes the cached table
+    by_rows = cost_table(engine, refresh=True)   # measured anew: bench forwards refreshes the cached table
     copy_gbps, verify_s, verify_path = copy_bandwidth(device), *verify_time(engine)
     moe_ratio = moe_vs_dense(engine)
     weights = weight_bytes(engine)

@@ -260,7 +260,7 @@ def listen(host: str, port: int) -> socket.socket:
 @contextlib.contextmanager
 def serving_in_thread(app: FastAPI, host: str = "127.0.0.1"):
     """Serve `app` on a free port of `host` from a thread until the block ends; yields the base URL (the load
-    measurement of `bench --clients` and the tests talk HTTP to it)."""
+    measurement of `bench clients N` and the tests talk HTTP to it)."""
     import threading
 
     import uvicorn

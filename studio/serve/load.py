@@ -1,4 +1,4 @@
-"""`dlm-studio bench --clients N`: what the server's batching gains, measured over HTTP in one process.
+"""`dlm-studio bench clients N`: what the server's batching gains, measured over HTTP in one process.
 
 The server runs in a thread on a loopback port; after one untimed request per strategy, for every repeat and strategy,
 the prompts go out from N concurrent clients, then one at a time, interleaved, so drifts of the machine hit both alike. Throughput is the new tokens over
@@ -52,7 +52,7 @@ def _send(url: str, strategy: str, prompts: list[str], max_tokens: int, clients:
 def measure_clients(engine, labels: Mapping[str, RunConfig], prompts: list[str], clients: int, max_tokens: int,
                     repeats: int = 1, chat_template: bool = True,
                     progress: Callable[[str, str], None] | None = None) -> dict:
-    """The --clients report: `clients, prompts, repeats, max_tokens` and per strategy `label, batched` (whether the
+    """The `bench clients N` report: `clients, prompts, repeats, max_tokens` and per strategy `label, batched` (whether the
     server batches it), spreads of `tok_s_concurrent`, `tok_s_one_at_a_time` and `speedup` (per repeat), and
     `identical` (share of prompt x repeat whose outputs agree)."""
     from studio.engine.batch import unbatchable

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,7 +78,11 @@ def _interrupt(proc: subprocess.Popen, progress: bool = False) -> tuple[str, str
     `progress`: the command logs its progress on stderr (the train commands): the interrupt's line is the
     last one and the only one from dlm-studio itself."""
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    return _checked(proc, *proc.communicate(timeout=60), progress)
+
+
+def _checked(proc: subprocess.Popen, out: str, err: str, progress: bool = False) -> tuple[str, str]:
+    """`_interrupt`'s checks of an interrupted process's exit and output."""
     assert proc.returncode == 130, (proc.returncode, err[-2000:])
     lines = [line for line in err.splitlines() if line.strip()] if progress else err.splitlines()
     # a first run's notices: measuring the forward-cost table, and that the times were not steady (a tiny model's
@@ -104,6 +109,14 @@ def _cpu_s(proc: subprocess.Popen) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _before_our_code(returncode: int, err: str) -> bool:
+    """Whether an interrupt landed in the interpreter's own start (runpy finding the module), before any line of
+    studio ran: Python's default KeyboardInterrupt exit (SIGINT, status -2) with no frame of ours. No guard can be
+    armed that early, so a start-up test interrupts again a little later instead of failing."""
+    ours = re.search(r'File "[^"]*/studio/[^"]*\.py"', err)
+    return returncode == -signal.SIGINT and "KeyboardInterrupt" in err and ours is None
 
 
 def _interpreter_start_cpu_s() -> float:
@@ -207,9 +220,15 @@ def test_run_interrupted_while_starting(tiny_dir, tmp_path, cpu_s):
     the run had begun (then a truncated one). `cpu_s` counts from the end of the interpreter's own start."""
     trace = tmp_path / "run.jsonl"
     at = _interpreter_start_cpu_s() + cpu_s
-    p = _spawn("run", "hello", "--raw", "-s", "ar", "--model", tiny_dir, *LONG, "--trace", trace, cwd=tmp_path)
-    _wait_for(p, lambda: _cpu_s(p) >= at, f"{at:.2f} s of start-up")
-    _, line = _interrupt(p)
+    for attempt in range(3):
+        p = _spawn("run", "hello", "--raw", "-s", "ar", "--model", tiny_dir, *LONG, "--trace", trace, cwd=tmp_path)
+        _wait_for(p, lambda: _cpu_s(p) >= at, f"{at:.2f} s of start-up")
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+        if not _before_our_code(p.returncode, err):
+            break
+        at += 0.05   # the CPU clock ticks in 10 ms and a loaded machine's start-up varies: a little later
+    _, line = _checked(p, out, err)
     assert line == "dlm-studio: interrupted"
     assert not trace.exists() or _truncated_trace(trace)
 

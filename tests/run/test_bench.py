@@ -215,11 +215,11 @@ def test_bad_prompts_file_exit_2_cli(tmp_path):
 
 
 def test_bench_forwards_json_and_table(engine, monkeypatch, tmp_path):
-    """--forwards times every shape on the model (no adapter here: the gated shape is left out) instead of decoding,
-    and measures the by-rows cost table anew into the cache."""
+    """`bench forwards` times every shape on the model (no adapter here: the gated shape is left out) instead of
+    decoding, and measures the by-rows cost table anew into the cache; `bench --forwards` is the same command."""
     monkeypatch.setattr(Engine, "load", staticmethod(lambda spec, adapter=None, **kw: engine))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    res = CliRunner().invoke(app, ["bench", "--forwards", "--repeats", "1", "--json"])
+    res = CliRunner().invoke(app, ["bench", "forwards", "--repeats", "1", "--json"])
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout)
     assert [f["shape"] for f in report["forwards"]] == ["1-token step", "7-token extend", "16-token extend",

@@ -235,7 +235,7 @@ def test_bench_clients_measures_the_server_concurrent_against_one_at_a_time(engi
     monkeypatch.setattr(Engine, "load", staticmethod(lambda spec, adapter=None, **kw: engine))
     prompts = tmp_path / "p.txt"
     prompts.write_text("\n".join(PROMPTS[:4]) + "\n")
-    res = CliRunner().invoke(app, ["bench", "--clients", "3", "-s", "isd,jacobi", "--prompts", str(prompts),
+    res = CliRunner().invoke(app, ["bench", "clients", "3", "-s", "isd,jacobi", "--prompts", str(prompts),
                                    "--max-new-tokens", "6", "--repeats", "2", "--json"])
     assert res.exit_code == 0, (res.output, res.exception)
     rep = json.loads(res.stdout)
@@ -243,8 +243,12 @@ def test_bench_clients_measures_the_server_concurrent_against_one_at_a_time(engi
     assert [(s["label"], s["batched"]) for s in rep["strategies"]] == [("ar", True), ("isd", True), ("jacobi", False)]
     for s in rep["strategies"]:
         assert s["identical"] == 1.0 and s["speedup"]["n"] == 2 and s["tok_s_concurrent"]["min"] > 0
-    bad = CliRunner().invoke(app, ["bench", "--clients", "3", "--task", "quick"])
+    bad = CliRunner().invoke(app, ["bench", "--clients", "3", "--task", "quick"])   # the old spelling
     assert "--clients measures the server alone: drop --task" in str(bad.exception)
+    bad = CliRunner().invoke(app, ["bench", "clients", "0"])
+    assert "bench clients: N must be >= 1, got 0" in str(bad.exception)
+    bad = CliRunner().invoke(app, ["bench", "--repeats", "2", "clients", "3"])   # bench's options, not its own
+    assert "bench clients: give --repeats after its name" in str(bad.exception)
 
 
 def test_a_request_without_max_tokens_stays_within_the_server_limit(engine):
