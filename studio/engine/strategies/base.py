@@ -287,7 +287,9 @@ class DecodeContext:
 
 
 class Strategy:
-    """One decoding strategy. Subclasses declare their parameters as dataclass fields of `Params`."""
+    """One decoding strategy; the contract a new one implements is in docs/strategies.md ("Writing a strategy").
+    Subclasses declare their parameters as dataclass fields of `Params`, implement `start` and `step`, and override
+    the other hooks only where the default does not hold. The class flags below say what it needs of a model."""
     name: ClassVar[str]
     needs_mask: ClassVar[bool] = False   # proposals come from MASK rows
     # reads token-causal predictions (AR next-token rows): a model trained bidirectionally has none
@@ -299,20 +301,7 @@ class Strategy:
     # decodes with forwards of several rows: on a CPU they run on packed weight copies, made before the run's clock
     wide_forwards: ClassVar[bool] = True
 
-    @classmethod
-    def fits(cls, config) -> bool:
-        """Whether this strategy decodes a model of this kind at all (a one-line refusal, `misfit`, otherwise). A
-        DiffusionGemma model (canvas attention) runs its own loop only."""
-        return config.attention != "canvas" and (not cls.needs_causal_model or config.attention == "causal")
-
-    @classmethod
-    def misfit(cls, config, name: str) -> str:
-        """Why `fits` is False for the model `name`."""
-        if config.attention == "canvas":
-            return (f"{name!r} is a DiffusionGemma model: it denoises noise canvases with its own encoder/decoder loop, "
-                    f"which strategy gemma-canvas runs and {cls.name!r} does not")
-        return f"strategy {cls.name!r} needs a causal model and {name!r} was trained with {config.attention} attention"
-
+    # -- its parameters
     @dataclass
     class Params:
         pass
@@ -330,6 +319,30 @@ class Strategy:
     def validate(p) -> None:
         """Raise BadInput for out-of-range parameter values."""
 
+    # -- what it needs: checked before a run starts (session.kv_length_needed), each refusal one line
+    @classmethod
+    def fits(cls, config) -> bool:
+        """Whether this strategy decodes a model of this kind at all (a one-line refusal, `misfit`, otherwise). A
+        DiffusionGemma model (canvas attention) runs its own loop only."""
+        return config.attention != "canvas" and (not cls.needs_causal_model or config.attention == "causal")
+
+    @classmethod
+    def misfit(cls, config, name: str) -> str:
+        """Why `fits` is False for the model `name`."""
+        if config.attention == "canvas":
+            return (f"{name!r} is a DiffusionGemma model: it denoises noise canvases with its own encoder/decoder loop, "
+                    f"which strategy gemma-canvas runs and {cls.name!r} does not")
+        return f"strategy {cls.name!r} needs a causal model and {name!r} was trained with {config.attention} attention"
+
+    def check_run(self, config, max_new_tokens: int) -> None:
+        """Raise BadInput when this strategy cannot decode `max_new_tokens` on a model of `config` (checked before
+        the run starts: one line, nothing decoded)."""
+
+    def kv_headroom(self, config=None) -> int:
+        """Slots a single forward may need beyond the committed length (`config`: the model's ModelConfig)."""
+        return 1
+
+    # -- decoding: the prefill, then one step per `Run.advance` (each at least one forward and one emitted token)
     def start(self, ctx: DecodeContext, prompt: list[int]) -> None:
         """Run the prefill (and whatever the strategy folds into it); may emit tokens."""
         raise NotImplementedError
@@ -338,42 +351,12 @@ class Strategy:
         """One decoding iteration: at least one forward, at least one emitted token."""
         raise NotImplementedError
 
-    def header_params(self) -> dict:
-        """The parameters a trace header records."""
-        return dict(vars(self.params))
-
-    def header_fields(self, config, max_new_tokens: int) -> dict:
-        """Optional header fields a run of this strategy adds (a canvas strategy: `canvas`)."""
-        return {}
-
-    def exact_reference(self) -> dict | None:
-        """Parameter overrides that turn this run into the exact decode it approximates (a canvas cache: cache=none),
-        which a comparison runs beside it; None when the run is exact itself."""
-        return None
-
     def finished(self, ctx: DecodeContext) -> bool:
         """Whether the run is over: by default once the output is (EOS, a stop string, --max-new-tokens). A canvas
         decoded to its end after an early EOS (LLaDA without early termination) goes on filling the padding."""
         return ctx.out.finished
 
-    def expected_tpf(self, accept: float) -> float | None:
-        """Tokens per forward when every verified draft is accepted with probability `accept`, where a
-        closed form is known (bench --oracle-accept prints it beside the measured TPF); else None."""
-        return None
-
-    @property
-    def plans_drafts(self) -> bool:
-        """Whether this run sizes its drafts by the measured forward costs (`drafting="auto"`, drafting.py)."""
-        return getattr(self.params, "drafting", None) == "auto"
-
-    def kv_headroom(self, config=None) -> int:
-        """Slots a single forward may need beyond the committed length (`config`: the model's ModelConfig)."""
-        return 1
-
-    def check_run(self, config, max_new_tokens: int) -> None:
-        """Raise BadInput when this strategy cannot decode `max_new_tokens` on a model of `config` (checked before
-        the run starts: one line, nothing decoded)."""
-
+    # -- the adapter's rows and the KV it leaves (a chat's next turn may reuse it)
     def clean_gate(self, adapter) -> bool:
         """Whether the LoRA of `adapter` (a LoadedAdapter, or None) applies at this strategy's clean (non-MASK)
         rows. A run decodes the model the adapter makes, the LoRA on the rows it adapts: on for an adapter of
@@ -393,3 +376,28 @@ class Strategy:
     def kv_signature(self) -> tuple:
         """Runs whose committed KV may be shared: the same strategy with the same parameters."""
         return self.name, tuple(sorted((k, repr(v)) for k, v in self.header_params().items()))
+
+    # -- what it reports: the trace header, the exact run it approximates, the TPF a bench prints beside
+    def header_params(self) -> dict:
+        """The parameters a trace header records."""
+        return dict(vars(self.params))
+
+    def header_fields(self, config, max_new_tokens: int) -> dict:
+        """Optional header fields a run of this strategy adds (a canvas strategy: `canvas`)."""
+        return {}
+
+    def exact_reference(self) -> dict | None:
+        """Parameter overrides that turn this run into the exact decode it approximates (a canvas cache: cache=none),
+        which a comparison runs beside it; None when the run is exact itself."""
+        return None
+
+    def expected_tpf(self, accept: float) -> float | None:
+        """Tokens per forward when every verified draft is accepted with probability `accept`, where a
+        closed form is known (bench --oracle-accept prints it beside the measured TPF); else None."""
+        return None
+
+    # -- how it plans: cost-aware drafting (studio.engine.strategies.drafting)
+    @property
+    def plans_drafts(self) -> bool:
+        """Whether this run sizes its drafts by the measured forward costs (`drafting="auto"`, drafting.py)."""
+        return getattr(self.params, "drafting", None) == "auto"
