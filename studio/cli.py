@@ -271,7 +271,8 @@ def compare(
                                     write_html)
     from studio.run.session import encode_prompt
 
-    configs = compare_configs(strategies + (f",{config.preset}" if config.preset else ""), config)
+    preset = config.resolved()[1]   # the --preset, or the strategy preset a model preset recommends
+    configs = compare_configs(strategies + (f",{preset}" if preset else ""), config)
     if trace_dir:   # file names made safe from the labels; an existing trace is kept unless --force
         if trace_dir.exists() and not trace_dir.is_dir():
             raise BadInput(f"--trace-dir {trace_dir} is not a directory")

@@ -123,10 +123,12 @@ def _bench_strategies(model: ModelChoice, config: RunConfig, strategies: str, pr
         raise BadInput("give --prompts or --task, not both")
     if task and oracle_accept is not None:
         raise BadInput("--oracle-accept makes outputs meaningless: it cannot be scored with --task")
-    limit = (32 if task else 64) if config.max_new_tokens is None else config.max_new_tokens   # None: unset
+    given = config.length_given()
+    limit = (32 if task else 64) if given is None else given   # None: unset
     config = dataclasses.replace(config, max_new_tokens=limit, oracle_accept=oracle_accept)
     with_transformers = not no_transformers and concurrency == 1
-    configs = compare_configs(strategies + (f",{config.preset}" if config.preset else ""), config,
+    preset = config.resolved()[1]   # the --preset, or the strategy preset a model preset recommends
+    configs = compare_configs(strategies + (f",{preset}" if preset else ""), config,
                               ar_alone=True)   # `-s ar`: ar's own speed (beside transformers generate unless skipped)
     if task:
         from studio.evaluation.questions import load_task, score
@@ -208,7 +210,7 @@ def _bench_clients(model: ModelChoice, config: RunConfig, strategies: str, promp
     configs = compare_configs(strategies, config, ar_alone=True)
     engine = model.load()
     with Console(stderr=True).status(f"{len(prompts)} prompts from {clients} clients and from one"):
-        limit = 64 if config.max_new_tokens is None else config.max_new_tokens   # None: unset
+        limit = 64 if config.length_given() is None else config.length_given()   # None: unset
         report = measure_clients(engine, configs, prompts, clients, limit, repeats, chat_template=model.chat_template)
     if as_json:
         print(json.dumps(report))

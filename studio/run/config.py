@@ -62,9 +62,11 @@ def strategy_or_preset(name: str) -> tuple[str | None, str | None]:
 @dataclass(frozen=True)
 class RunConfig:
     """One run: a strategy or a strategy preset, parameter overrides, generation settings and, where a run needs
-    another adapter than its engine's choice (a comparison's reference), its adapter. `None` settings
-    take the preset's value, then the built-in default. `build` validates everything, so a front end builds
-    once when the user changes something and a bad value never reaches a run."""
+    another adapter than its engine's choice (a comparison's reference), its adapter. `None` settings take the
+    preset's value, then the built-in default. `model`: the model spec whose preset (studio/presets/models) may
+    recommend a strategy (taken when neither a strategy nor a preset is given) and an answer length (taken when no
+    strategy preset gives one). Every preset is read here, in `build` (and `label`); `build` validates everything,
+    so a front end builds once when the user changes something and a bad value never reaches a run."""
     strategy: str | None = "ar"
     preset: str | None = None
     params: Mapping[str, object] = field(default_factory=dict)
@@ -76,12 +78,30 @@ class RunConfig:
     stop: tuple[str, ...] = ()
     oracle_accept: float | None = None   # bench: accept decisions are Bernoulli(P) draws (the output means nothing)
     adapter: str | None = None   # this run's adapter (a directory, a shipped name, "none"); None: the engine's choice
+    model: str | None = None     # the model spec whose preset recommends a strategy and length; None: none
 
     @property
     def label(self) -> str:
-        """What the user asked for: the preset's name, else the strategy's."""
+        """What the user asked for (or the model preset recommended): the preset's name, else the strategy's."""
         from pathlib import Path
-        return Path(self.preset).stem if self.preset else self.strategy or "?"
+        strategy, preset, _ = self.resolved()
+        return Path(preset).stem if preset else strategy or "?"
+
+    def resolved(self) -> tuple[str | None, str | None, int | None]:
+        """(strategy, strategy preset, the model preset's answer length or None) once the model preset's
+        recommendation is applied; `ar` when nothing names a strategy."""
+        from studio.presets import load_model_preset
+        strategy, preset = self.strategy, self.preset
+        model = load_model_preset(self.model) if self.model else None
+        if model and strategy is None and preset is None and model.strategy:
+            strategy, preset = strategy_or_preset(model.strategy)
+        limit = model.max_new_tokens if model and preset is None else None
+        return (strategy if strategy or preset else "ar"), preset, limit
+
+    def length_given(self) -> int | None:
+        """The answer length given on the command line, else the model preset's; None: a command's own default
+        (bench's 64) applies, ahead of a strategy preset's."""
+        return self.resolved()[2] if self.max_new_tokens is None else self.max_new_tokens
 
     def build(self) -> tuple[Strategy, Settings]:
         """The strategy and settings of a run; BadInput for an unknown strategy, preset or parameter, or a value
@@ -91,16 +111,17 @@ class RunConfig:
         from studio.presets import load_strategy_preset
         from studio.run.session import Settings
 
-        base = load_strategy_preset(self.preset) if self.preset else None
-        name = self.strategy or (base.strategy if base else None)
+        strategy, preset, model_limit = self.resolved()
+        base = load_strategy_preset(preset) if preset else None
+        name = strategy or (base.strategy if base else None)
         if name is None:
             raise BadInput("give a strategy with -s/--strategy or a --preset")
         params = dict(base.params) if base and base.strategy == name else {}
         params.update(self.params)
         sampling = dict(base.sampling) if base else {}
         sampling.update({k: getattr(self, k) for k in SAMPLING_KEYS if getattr(self, k) is not None})
-        limit = next((n for n in (self.max_new_tokens, base.max_new_tokens if base else None) if n is not None),
-                     DEFAULT_MAX_NEW_TOKENS)   # 0 is refused by Settings, never taken for "unset"
+        given = (self.max_new_tokens, base.max_new_tokens if base else None, model_limit)
+        limit = next((n for n in given if n is not None), DEFAULT_MAX_NEW_TOKENS)   # 0 is refused, never "unset"
         settings = Settings(max_new_tokens=limit, sampling=SamplingParams(**sampling), seed=self.seed,
                             stop=tuple(self.stop), oracle_accept=self.oracle_accept)
         return make_strategy(name, params), settings

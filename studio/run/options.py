@@ -70,24 +70,19 @@ def model_choice(values: dict) -> ModelChoice:
 
 
 def run_config(strategy: str | None, values: dict) -> RunConfig:
-    """The run the options describe: `-s` names a strategy or a strategy preset (as in compare); None with no
-    --preset is the model preset's recommendation (a LLaDA preset: blockdiff), else `ar`. A model preset's
-    max_new_tokens applies when neither the command line nor a strategy preset gives one."""
-    from studio.presets import load_model_preset
-    preset, model = values["preset"], load_model_preset(values.get("model", "default"))
-    limit = values["max_new_tokens"]
-    if strategy is None and preset is None and model and model.strategy:
-        strategy = model.strategy
+    """The run the options describe: `-s` names a strategy or a strategy preset (as in compare); with neither `-s`
+    nor --preset, `RunConfig.build` takes the model preset's recommendation (a LLaDA preset: canvas), else `ar`."""
+    preset = values["preset"]
     if strategy is not None:
         named_strategy, named_preset = strategy_or_preset(strategy)
         if named_preset and preset:
             raise BadInput(f"-s {strategy} is a preset: give it or --preset {preset}, not both")
         strategy, preset = named_strategy, named_preset or preset
-    if limit is None and preset is None and model:
-        limit = model.max_new_tokens
-    return RunConfig(strategy if strategy or preset else "ar", preset,
-                     dict(parse_param(p) for p in values["param"]), values["temperature"], values["top_k"],
-                     values["top_p"], limit, values["seed"], tuple(values["stop"]))
+    config = RunConfig(strategy, preset, dict(parse_param(p) for p in values["param"]), values["temperature"],
+                       values["top_k"], values["top_p"], values["max_new_tokens"], values["seed"],
+                       tuple(values["stop"]), model=values.get("model", "default"))
+    config.build()   # a bad value or preset: one line before anything loads
+    return config
 
 
 def say_when_measuring_costs() -> None:

@@ -126,7 +126,8 @@ class RunForm:
     """The form's components; build it inside a gr.Blocks context."""
 
     def __init__(self, initial: RunConfig, prefix: str):
-        picked = initial.preset or initial.strategy
+        strategy, preset, _ = initial.resolved()   # with the model preset's recommendation
+        picked = preset or strategy
         shown = form_values(initial)
         self.pick = gr.Dropdown(pick_choices(), value=picked, label="Strategy or preset", elem_id=f"{prefix}-pick")
         self.groups: dict[str, gr.Group] = {}

@@ -211,20 +211,25 @@ def test_strategy_option_names_a_strategy_or_a_preset():
     assert strategy.header_params()["stride"] == 4
     with pytest.raises(BadInput, match="not both"):
         run_config("isd-n4", {**values, "preset": "isd-n3"})
-    assert (run_config(None, values).strategy, run_config("jacobi", values).strategy) == ("ar", "jacobi")
+    assert (run_config(None, values).resolved()[0], run_config("jacobi", values).strategy) == ("ar", "jacobi")
+    assert run_config(None, values).build()[0].name == "ar"
 
 
 def test_a_model_preset_names_the_strategy_and_length_a_run_takes_when_none_is_given():
     """LLaDA refuses ar: its preset's run is canvas (LLaDA's own pipeline) for 128 tokens; anything on the command
-    line, or a strategy preset's own length, comes first."""
+    line, or a strategy preset's own length, comes first. The model preset is read once, when the run is built."""
     from studio.run.options import RUN_OPTIONS, run_config
     values = {**{name: option.default for name, (_, option) in RUN_OPTIONS.items()}, "model": "llada-8b-instruct"}
     plain = run_config(None, values)
-    assert (plain.strategy, plain.build()[1].max_new_tokens) == ("canvas", 128)
+    assert (plain.strategy, plain.label, plain.build()[0].name, plain.build()[1].max_new_tokens) == \
+        (None, "canvas", "canvas", 128)
+    assert plain.use("ar").build()[1].max_new_tokens == 128   # a strategy picked later keeps the model's length
     assert (run_config("s2d2", values).strategy, run_config("s2d2", values).build()[1].max_new_tokens) == ("s2d2", 128)
     assert run_config(None, {**values, "max_new_tokens": 7}).build()[1].max_new_tokens == 7
     preset = run_config("simsd-b4", values)
-    assert (preset.preset, preset.max_new_tokens) == ("simsd-b4", None)   # the strategy preset's length, else 128
+    assert (preset.preset, preset.max_new_tokens, preset.length_given()) == ("simsd-b4", None, None)
+    from studio.presets import load_strategy_preset
+    assert preset.build()[1].max_new_tokens == (load_strategy_preset("simsd-b4").max_new_tokens or 128)
 
 
 def test_models_list_lines_up_every_section():
