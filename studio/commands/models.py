@@ -128,9 +128,10 @@ def models_info(spec: str = typer.Argument("default", help="'default', a model p
         typer.echo(f"how to get it: {preset.note}")
         return
     from studio.engine import random_models
+    from studio.engine.memory import parameter_count
     if random_models.is_random(spec):   # described from its shape alone: an 8B shape is never built to be described
         engine, cfg = None, random_models.random_config(spec)
-        model_name, source, n_params = cfg.name, random_models.RANDOM_SOURCE, random_models.parameter_count(cfg)
+        model_name, source, n_params = cfg.name, random_models.RANDOM_SOURCE, parameter_count(cfg)
     else:
         engine = Engine.load(spec)
         cfg, model_name, source = engine.config, engine.name, engine.source

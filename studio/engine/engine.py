@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +14,7 @@ from studio.engine.device import cpu_threads, resolve_device, resolve_dtype
 from studio.engine.graphs import CachePool
 from studio.engine.lora import attach_adapter, install, load_adapter
 from studio.engine.model import Transformer, forgo_packed_copies
+from studio.engine.memory import check_file_model_fits, ram_bytes
 from studio.engine.random_models import RANDOM_SOURCE, build_random, check_fits, is_random, random_config
 from studio.engine.tensor_parallel import build_shard
 from studio.engine.tokenizer import ByteIdTokenizer
@@ -51,10 +51,6 @@ PACKED_COPY_SHARE = 0.25
 
 def _weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def _ram_bytes() -> int:
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass
@@ -96,13 +92,13 @@ class Engine:
         dt = resolve_dtype(dtype, dev)
         if is_random(spec):
             cfg = random_config(spec)
-            check_fits(cfg, dt, dev, _ram_bytes())
+            check_fits(cfg, dt, dev, ram_bytes())
             engine = cls(model=build_random(cfg, dev, dt), tokenizer=ByteIdTokenizer(cfg.vocab_size), config=cfg,
                          name=cfg.name, source=RANDOM_SOURCE, load_s=0.0, from_cache=False, adapter_choice=adapter)
         else:
             engine = cls._from_files(spec, progress, adapter, shard)
             to_device(engine.model, dev, dt)
-        if dev.type == "cpu" and _weight_bytes(engine.model) > PACKED_COPY_SHARE * _ram_bytes():
+        if dev.type == "cpu" and _weight_bytes(engine.model) > PACKED_COPY_SHARE * ram_bytes():
             forgo_packed_copies(engine.model)
         if adapter and adapter != "none":
             attach_adapter(engine, adapter_path(adapter))
@@ -127,6 +123,7 @@ class Engine:
             return cls(model=model, tokenizer=files.tokenizer, config=model.config,
                        name=preset.name if preset else cfg.name, source=files.source, load_s=0.0,
                        from_cache=files.from_cache, adapter_choice=adapter)
+        check_file_model_fits(preset.name if preset else cfg.name or spec, cfg, ram_bytes())   # nothing read yet
         model = model_class(cfg)(cfg)
         missing, unexpected = model.load_state_dict(files.state_dict, strict=False)
         missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_embeddings)]

@@ -16,6 +16,7 @@ import torch
 
 from studio.engine.architectures import check_shapes
 from studio.engine.config import ModelConfig
+from studio.engine.memory import check_weights_fit, ram_bytes
 from studio.engine.tokenizer import Tokenizer
 from studio.errors import BadInput, one_line, short_repr
 
@@ -220,6 +221,9 @@ def read_gguf(path: str | Path, progress: Progress | None = None) -> tuple[Model
         raise BadInput(f"{path}: {e}") from None
     except Exception as e:  # tokenizers' own errors, TypeError, UnicodeDecodeError ... from damaged metadata
         raise BadInput(f"corrupt GGUF file {path}: tokenizer: {one_line(e)}") from None
+    # dequantised, every tensor is fp32 in memory at once: refused in one line where that cannot fit
+    check_weights_fit(path.name, 4 * sum(int(t.n_elements) for t in reader.tensors), "float32", ram_bytes(),
+                      "a GGUF is dequantised to fp32 as it is read")
     state = _dequantised(reader, path, arch, n_heads, n_kv, progress)
     cfg = _config(meta, arch, (dim, n_heads, n_kv), state, tokenizer)
     check_shapes(cfg, state, str(path))

@@ -10,6 +10,7 @@ import torch
 from studio.engine.config import ModelConfig
 from studio.engine.families import read_config
 from studio.engine.architectures import model_class
+from studio.engine.memory import check_weights_fit, parameter_count
 from studio.engine.model import Transformer
 from studio.errors import BadInput
 
@@ -105,24 +106,13 @@ def random_config(spec: str) -> ModelConfig:
     return dataclasses.replace(cfg, eos_ids=[], bos_id=None, mask_token_id=mask)
 
 
-def parameter_count(cfg: ModelConfig) -> int:
-    """The parameters a model of shape `cfg` has, counted on the meta device: nothing is allocated (an 8B shape's
-    fp32 weights would not fit a small machine's memory)."""
-    with torch.device("meta"):
-        model = model_class(cfg)(cfg)
-    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    tied_apart = cfg.tie_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight
-    return n - (model.lm_head.weight.numel() if tied_apart else 0)
-
-
 def check_fits(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ram_bytes: int) -> None:
     """BadInput, in one line and before anything is allocated, when the weights of `cfg` in `dtype` exceed
     `ram_bytes` (the machine's memory, on the CPU)."""
-    need = parameter_count(cfg) * torch.empty((), dtype=dtype).element_size()
-    if device.type == "cpu" and need > ram_bytes:
-        raise BadInput(f"{cfg.name}: its weights take {need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')}, "
-                       f"more than this machine's {ram_bytes / 2**30:.1f} GiB of memory (random:NAME@L keeps the "
-                       "first L layers; --dtype bf16 halves it)")
+    if device.type == "cpu":
+        check_weights_fit(cfg.name, parameter_count(cfg) * torch.empty((), dtype=dtype).element_size(),
+                          str(dtype).removeprefix("torch."), ram_bytes,
+                          "random:NAME@L keeps the first L layers; --dtype bf16 halves it")
 
 
 def build_random(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Transformer:

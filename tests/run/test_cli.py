@@ -248,7 +248,8 @@ def test_models_info_describes_any_random_shape_without_building_it():
     import subprocess
     import sys
 
-    from studio.engine.random_models import SHAPES, build_random, parameter_count, random_config
+    from studio.engine.memory import parameter_count
+    from studio.engine.random_models import SHAPES, build_random, random_config
     for name in SHAPES:
         cfg = random_config(f"random:{name}@1")
         if parameter_count(cfg) * 4 > 2 ** 30:
@@ -268,8 +269,35 @@ def test_models_info_describes_any_random_shape_without_building_it():
 def test_a_random_shape_too_large_for_the_memory_is_refused_before_it_is_built(monkeypatch):
     from studio.engine import engine as engine_module
     from studio.errors import BadInput
-    monkeypatch.setattr(engine_module, "_ram_bytes", lambda: 2 ** 30)
+    monkeypatch.setattr(engine_module, "ram_bytes", lambda: 2 ** 30)
     with pytest.raises(BadInput, match=r"random:qwen3-0.6b: its weights take 2\.\d GiB in float32, more than this "
                                        r"machine's 1\.0 GiB"):
         engine_module.Engine.load("random:qwen3-0.6b", device="cpu")
     assert engine_module.Engine.load("random:qwen3-0.6b@1", device="cpu").config.n_layers == 1   # what fits loads
+
+
+def test_a_file_model_too_large_for_the_memory_is_refused_before_its_tensors_are_read(monkeypatch, tmp_path):
+    """A checkpoint directory whose fp32 weights and one run's KV cache exceed the memory: one line, before any
+    tensor is read or the model built; a GGUF likewise before it is dequantised."""
+    from studio.engine import engine as engine_module, gguf_file
+    from studio.engine.memory import KV_CHECK_TOKENS, kv_bytes, parameter_count
+    from studio.errors import BadInput
+    from tests.support.fuzzing import gguf_bytes, tiny_gguf_spec
+    from tests.support.hf_files import write_hf_dir
+    write_hf_dir(tmp_path / "m")
+    cfg = engine_module.Engine.load(str(tmp_path / "m"), device="cpu").config
+    need = parameter_count(cfg) * 4 + kv_bytes(cfg, min(cfg.max_seq_len, KV_CHECK_TOKENS))
+    monkeypatch.setattr(engine_module, "ram_bytes", lambda: need - 1)
+    monkeypatch.setattr(engine_module, "model_class", lambda cfg: pytest.fail("the model was built"))
+    with pytest.raises(BadInput, match=r"m: its weights take 0\.0 GiB in float32 \(as they are read, before any "
+                                       r"--dtype\) and a \d+-token run's KV cache 0\.0 GiB, more than this machine's"):
+        engine_module.Engine.load(str(tmp_path / "m"), device="cpu")
+    monkeypatch.undo()
+    monkeypatch.setattr(engine_module, "ram_bytes", lambda: need)   # exactly enough: it loads
+    assert engine_module.Engine.load(str(tmp_path / "m"), device="cpu").config == cfg
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(gguf_bytes(*tiny_gguf_spec("llama"))[0])
+    monkeypatch.setattr(gguf_file, "ram_bytes", lambda: 1)
+    monkeypatch.setattr(gguf_file, "_dequantised", lambda *a: pytest.fail("the GGUF was dequantised"))
+    with pytest.raises(BadInput, match=r"m\.gguf: its weights take .* in float32, more than this machine's"):
+        gguf_file.read_gguf(gguf)
