@@ -40,7 +40,7 @@ import torch
 
 from studio import events as ev
 from studio.engine.kv_cache import SlotView
-from studio.engine.model import RowGate
+from studio.engine.gated_lora import RowGate
 from studio.engine.strategies.base import Output
 from studio.engine.strategies.isd import ISD
 from studio.errors import BadInput

@@ -18,7 +18,7 @@ from studio.engine.random_models import RANDOM_SOURCE
 from studio.files import atomic_write
 
 # Part of every table's key: bump it when the engine changes what a forward of n rows costs (2: the CPU's W @ x.T
-# projections, model.linear; 3: oneDNN for 3-16 rows; 4: our kernels for 1-4 rows and gated LoRA rows)
+# projections, kernels/projection.py; 3: oneDNN for 3-16 rows; 4: our kernels for 1-4 rows and gated LoRA rows)
 TABLE_VERSION = 4
 MAX_ROWS = 16        # ISD stride 8 (2N - 1 = 15 rows + 1), Jacobi's default block of 16
 # Steady enough to plan with: the row counts' median spread (interquartile range / median of a shape's times) at

@@ -13,7 +13,8 @@ from studio.engine.config import ModelConfig
 from studio.engine.device import cpu_threads, resolve_device, resolve_dtype
 from studio.engine.graphs import CachePool
 from studio.engine.lora import attach_adapter, install, load_adapter
-from studio.engine.model import Transformer, forgo_packed_copies
+from studio.engine.kernels.projection import forgo_packed_copies
+from studio.engine.model import Transformer
 from studio.engine.memory import check_file_model_fits, ram_bytes
 from studio.engine.random_models import RANDOM_SOURCE, build_random, check_fits, is_random, random_config
 from studio.engine.tensor_parallel import build_shard
@@ -45,7 +46,7 @@ def to_device(model: Transformer, device: torch.device, dtype: torch.dtype) -> N
 
 
 # The largest share of the machine's memory a CPU model's fp32 weights may take and still get packed copies of its
-# projections for multi-row forwards (model._small_product: they double the weights' memory)
+# projections for multi-row forwards (kernels/projection.py: they double the weights' memory)
 PACKED_COPY_SHARE = 0.25
 
 

@@ -23,8 +23,9 @@ from torch import nn
 from studio.engine.config import ModelConfig
 from studio.engine.kv_cache import KVCache
 from studio.engine.masks import bidirectional, causal
-from studio.engine.model import (MLP, Attention, Backbone, LanguageModel, RMSNorm, RowGate, rms_norm, rope_inv_freq,
-                                 rotary_tables, vocab_logits)
+from studio.engine.gated_lora import RowGate
+from studio.engine.kernels.projection import vocab_logits
+from studio.engine.model import MLP, Attention, Backbone, LanguageModel, RMSNorm, rms_norm, rope_inv_freq, rotary_tables
 from studio.engine.moe import MoE
 
 

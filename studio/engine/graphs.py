@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from studio.engine.kv_cache import KVCache, SlotView
-from studio.engine.model import RowGate, Transformer
+from studio.engine.gated_lora import RowGate
+from studio.engine.model import Transformer
 
 
 def kv_buckets(max_len: int, smallest: int = 64) -> list[int]:

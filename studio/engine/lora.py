@@ -58,7 +58,8 @@ from torch import nn
 
 from studio.engine.config import ModelConfig
 from studio.engine.families import adapter_names
-from studio.engine.model import Linear, keep_packed_copy
+from studio.engine.kernels.projection import keep_packed_copy
+from studio.engine.model import Linear
 from studio.engine.lazy_tensors import read_safetensors
 from studio.errors import BadInput, one_line, short_repr
 

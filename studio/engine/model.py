@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from studio.engine.config import ModelConfig
-from studio.engine.kernels import cpu as cpu_kernel
+from studio.engine.gated_lora import RowGate, add_gated_lora
+from studio.engine.kernels.projection import linear, vocab_logits
 from studio.engine.kv_cache import KVCache, new_cache
 from studio.engine.masks import causal
 from studio.engine.moe import ACTIVATIONS, MoE
@@ -41,29 +42,10 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-class RowGate:
-    """Which rows of a forward get the LoRA term: the flat indices of the gated rows, or every row.
-    Built once per forward; every adapted Linear reads it. `dense=True` (CUDA graphs) takes a 0/1
-    float gate instead: every row computes the low-rank term, times its gate -- fixed shapes, no nonzero()."""
-
-    def __init__(self, gate: torch.Tensor, dense: bool = False):
-        self.mult = gate[..., None] if dense else None   # [B, T, 1]
-        self.rows = None if dense or bool(gate.all()) else gate.flatten().nonzero().squeeze(1)
-        # gated rows in one run (R-ISD's MASK rows are the tail of the forward): slices instead of a
-        # gather and a scatter -- views, no copies
-        self.span = None
-        if self.rows is not None and int(self.rows[-1] - self.rows[0]) == len(self.rows) - 1:
-            self.span = slice(int(self.rows[0]), int(self.rows[-1]) + 1)
-
-
 class Linear(nn.Linear):
-    """nn.Linear with an optional gated LoRA term (attached by studio.engine.lora).
-
-    The low-rank term is computed for the gated rows only (a slice when they are one run, else gathered and
-    added back with index_add), so
-    rows whose gate is off get exactly the base projection -- R-ISD's clean rows and their KV stay
-    bit-identical to the base model -- and a forward with 3 MASK rows of 7 pays for 3 rows of LoRA.
-    """
+    """nn.Linear composed of three parts: the base projection (`kernels.projection.linear`: the CPU's decode-sized
+    routing), an optional gated LoRA term on the rows a RowGate picks (`gated_lora`, attached by studio.engine.lora),
+    and under tensor parallelism the sum of the ranks' partial products (`reduce`)."""
     lora_A: torch.Tensor | None = None   # [r, in]
     lora_B: torch.Tensor | None = None   # [out, r]
     lora_scale: float = 0.0
@@ -74,28 +56,8 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor, gate: RowGate | None = None) -> torch.Tensor:
         y = linear(x, self.weight, self.bias)
         if self.lora_A is not None and gate is not None:
-            y = self._with_lora(x, y, gate)
+            y = add_gated_lora(x, y, gate, self.lora_A, self.lora_B, self.lora_scale)
         return y if self.reduce is None else self.reduce(y)
-
-    def _with_lora(self, x: torch.Tensor, y: torch.Tensor, gate: RowGate) -> torch.Tensor:
-        flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])   # y is fresh: add in place
-        if gate.mult is None and (gate.rows is None or gate.span is not None) and _cpu_small(x):
-            rows = slice(None) if gate.rows is None else gate.span
-            # a decode forward on the CPU: one call for the gated run of rows, where torch's small ops cost ~20 us
-            # each in every projection
-            if cpu_kernel.lora_rows(flat_x[rows].contiguous(), flat_y[rows], self.lora_A, self.lora_B,
-                                    self.lora_scale):
-                return y
-        if gate.rows is None:
-            delta = F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scale
-            return y + delta if gate.mult is None else y + delta * gate.mult   # gate 0: y + 0 == y exactly
-        rows = gate.rows if gate.span is None else gate.span
-        low = torch.mm(flat_x[rows], self.lora_A.t())
-        if gate.span is None:
-            flat_y.index_add_(0, rows, torch.mm(low, self.lora_B.t()).to(y.dtype), alpha=self.lora_scale)
-        else:   # one product-and-add into the rows' view: a decode forward runs this in every projection
-            flat_y[rows].addmm_(low, self.lora_B.t(), alpha=self.lora_scale)
-        return y
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -280,97 +242,3 @@ class Transformer(LanguageModel):
 
 
 # Row counts up to which a CPU projection runs as W @ x.T or through oneDNN (`linear`)
-SMALL_ROWS = 16
-# Row counts from which a CPU projection runs through oneDNN on a pre-packed copy of its weight (`linear`)
-PACKED_ROWS = 3
-_HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-
-
-def _w_xt(w: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-    """flat [R, D] through w [N, D] as w @ flat.T, [R, N]. One row is doubled: a one-column product would take
-    torch's GEMV path, which on the CPU runs ~2x slower than this GEMM with two columns."""
-    r = flat.shape[0]
-    cols = torch.cat([flat, flat]) if r == 1 and flat.device.type == "cpu" else flat
-    return torch.mm(w, cols.t())[:, :r].t()
-
-
-def _packed(w: torch.Tensor) -> torch.Tensor | None:
-    """w in oneDNN's blocked layout, made on first use and remade when w changes (its storage or version); None for
-    a weight `forgo_packed_copies` marked, and for an inference tensor, which has no version to tell a change by."""
-    cached = getattr(w, "_onednn", None)
-    if cached is False or w.is_inference():
-        return None
-    key = (w.data_ptr(), w._version)
-    if cached is None or cached[0] != key:
-        cached = key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
-        w._onednn = cached
-    return cached[1]
-
-
-def _cpu_small(x: torch.Tensor) -> bool:
-    """A decode-sized fp32 product on the CPU outside autograd: the shapes `linear` routes around F.linear."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
-            and x.numel() <= SMALL_ROWS * x.shape[-1])
-
-
-def _small_product(w: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-    """flat [R, D] through w [N, D] for R <= SMALL_ROWS on the CPU: 1-4 rows through our own kernel (each weight row
-    read once for all of them, a row's result the same bits at any of those row counts), 5+ through oneDNN on the
-    packed weight, whose time barely grows with the rows where MKL's small-M kernels grow ~linearly. Without the
-    kernel (no C compiler) 1-2 rows run as w @ flat.T (docs/architecture.md#cpu-projections)."""
-    if flat.shape[0] <= cpu_kernel.MAX_ROWS:
-        y = cpu_kernel.skinny(w, flat.contiguous())
-        if y is not None:
-            return y
-    packed = _packed(w) if flat.shape[0] >= PACKED_ROWS and _HAS_ONEDNN else None
-    if packed is None:
-        return _w_xt(w, flat)
-    return torch.ops.mkldnn._linear_pointwise(flat, packed, None, "none", [], "")
-
-
-def pack_weights(model: nn.Module) -> None:
-    """Make the packed copies of the model's projections and head now (a run whose forwards are 3-16 rows wide calls
-    this before its clock starts), not inside its first forwards: ~0.4 s for the embedded model on a 2-core CPU."""
-    if not _HAS_ONEDNN or model.lm_head.weight.device.type != "cpu" or model.lm_head.weight.dtype != torch.float32:
-        return
-    with torch.no_grad():
-        for w in [m.weight for m in model.modules() if isinstance(m, Linear)] + [model.lm_head.weight]:
-            _packed(w)
-
-
-def keep_packed_copy(w: torch.Tensor, write: Callable[[], None]) -> None:
-    """Run `write`, which must leave w's values alone, and keep w's packed copy if it was current. A tied head is a
-    view of the embedding table, so writing an adapter's MASK rows past it bumps its version too: without this, a
-    comparison that switches adapters every step re-packed the whole head (a fifth of a small model) every switch."""
-    cached = getattr(w, "_onednn", None)
-    current = isinstance(cached, tuple) and cached[0] == (w.data_ptr(), w._version)
-    write()
-    if current:
-        w._onednn = (w.data_ptr(), w._version), cached[1]
-
-
-def forgo_packed_copies(model: nn.Module) -> None:
-    """Keep `model`'s projections to their one fp32 copy: the packed copies `_small_product` makes hold as many
-    bytes again, which a model large against the machine's memory cannot spare."""
-    for p in model.parameters():
-        p._onednn = False
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., D] @ w.T (+ b). On the CPU in fp32 a decode-sized product (at most SMALL_ROWS rows) goes around torch's
-    F.linear, whose GEMV for one row and small-M GEMMs read the weights slowly (`_small_product`); wider products
-    (a prefill), training and other devices keep F.linear."""
-    if not _cpu_small(x):
-        return F.linear(x, w, b)
-    y = _small_product(w, x.reshape(-1, x.shape[-1])).contiguous()
-    if b is not None:
-        y += b
-    return y.reshape(*x.shape[:-1], w.shape[0])
-
-
-def vocab_logits(head: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """float logits of x [..., D] through the head [V, D], as W @ x.T for any row count: BLAS streams the head once,
-    where F.linear's small-M GEMM is ~3x slower at 7 rows on CPU (the head is a fifth of a small model)."""
-    flat = x.reshape(-1, x.shape[-1])
-    out = _small_product(head, flat) if _cpu_small(flat) else _w_xt(head, flat)
-    return out.reshape(*x.shape[:-1], -1).float().contiguous()

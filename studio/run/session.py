@@ -19,7 +19,7 @@ from studio.engine.cost_model import cost_table
 from studio.engine.cost_table import CostTable, stored_table
 from studio.engine.device import synchronize
 from studio.engine.engine import Engine
-from studio.engine.model import pack_weights
+from studio.engine.kernels.projection import pack_weights
 from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import DecodeContext, Output, Strategy
 from studio.errors import BadInput

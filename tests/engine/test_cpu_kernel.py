@@ -4,6 +4,8 @@ import pytest
 import torch
 
 import studio.engine.model as model
+from studio.engine.gated_lora import RowGate
+from studio.engine.kernels.projection import linear
 from studio.engine.kernels import cpu
 
 needs_kernel = pytest.mark.skipif(not cpu.available(), reason="no C compiler built the CPU kernel here")
@@ -40,7 +42,7 @@ def test_decode_sized_projections_take_the_kernel_and_wider_ones_do_not(monkeypa
     with torch.no_grad():
         for rows in (1, 4, 5, 16):
             x = torch.randn(1, rows, 32)
-            torch.testing.assert_close(model.linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
     assert calls == [1, 4]
 
 
@@ -52,7 +54,7 @@ def test_without_a_compiler_the_projections_keep_torchs_kernels(monkeypatch, tmp
         assert not cpu.available() and cpu.skinny(torch.randn(8, 16), torch.randn(2, 16)) is None
         w, x = torch.randn(64, 32), torch.randn(1, 2, 32)
         with torch.no_grad():
-            torch.testing.assert_close(model.linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
         assert not list(tmp_path.rglob("*.so"))   # nothing half-built left behind
     finally:
         cpu._library.cache_clear()
@@ -108,7 +110,7 @@ def test_a_gated_lora_forward_through_the_kernel_matches_torchs(monkeypatch, gat
     lin = model.Linear(32, 48, bias=False)
     g = torch.Generator().manual_seed(1)
     lin.lora_A, lin.lora_B, lin.lora_scale = torch.randn(8, 32, generator=g), torch.randn(48, 8, generator=g), 2.0
-    x, row_gate = torch.randn(1, 5, 32, generator=g), model.RowGate(torch.tensor([gate]))
+    x, row_gate = torch.randn(1, 5, 32, generator=g), RowGate(torch.tensor([gate]))
     calls, real = [], cpu.lora_rows
     monkeypatch.setattr(cpu, "lora_rows", lambda x, *rest: calls.append(x.shape[0]) or real(x, *rest))
     with torch.no_grad():
@@ -118,7 +120,7 @@ def test_a_gated_lora_forward_through_the_kernel_matches_torchs(monkeypatch, gat
     assert calls == ([] if row_gate.rows is not None and row_gate.span is None else [sum(gate)])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     off = [i for i, on in enumerate(gate) if not on]
-    assert torch.equal(got[0, off], model.linear(x, lin.weight)[0, off])
+    assert torch.equal(got[0, off], linear(x, lin.weight)[0, off])
 
 
 @needs_kernel

@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 from studio.engine.lora import (TARGETS, attach_adapter, detach_adapter, read_adapter,
                                 save_adapter)
 from studio.engine.masks import causal
-from studio.engine.model import Linear, RowGate
+from studio.engine.gated_lora import RowGate
+from studio.engine.model import Linear
 from studio.errors import BadInput
 from tests.support.lora import merged_model, random_adapter, random_lora
 from tests.support.tiny import FAMILIES, tiny_engine, tiny_model

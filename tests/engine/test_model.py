@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from studio.engine.masks import causal
-from studio.engine.model import forgo_packed_copies, linear
+from studio.engine.kernels.projection import forgo_packed_copies, linear
 from tests.support.tiny import FAMILIES, hf_pair, tiny_model
 
 

@@ -4,7 +4,7 @@ every row's result the same bits whatever the row count (docs/architecture.md#cp
 Compiled at first use with the machine's C compiler for this very CPU (`-march=native`) into the user cache, keyed by
 the source, the compiler and the CPU, and loaded with ctypes: no build step at install, nothing to ship per
 platform. Where no compiler works, or DLM_STUDIO_CPU_KERNEL=0, `skinny()` is None and the projections keep torch's
-kernels (`studio.engine.model.linear`). DLM_STUDIO_CPU_ISA=x86-64-v3 (or x86-64-v2, or any `-march` name) builds it
+kernels (`studio.engine.kernels.projection.linear`). DLM_STUDIO_CPU_ISA=x86-64-v3 (or x86-64-v2, or any `-march` name) builds it
 for that baseline instead of this CPU: the instructions a user's machine without AVX-512 runs, tested on this one."""
 from __future__ import annotations
 

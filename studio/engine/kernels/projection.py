@@ -1,0 +1,109 @@
+"""How a projection runs: on the CPU in fp32 a decode-sized product (at most SMALL_ROWS rows) goes around torch's
+F.linear -- 1-4 rows through our own kernel (`kernels/cpu.py`), 3-16 rows through oneDNN on a pre-packed copy of
+the weight -- and everything else through F.linear (docs/architecture.md#cpu-projections). The packed copies are
+made by `pack_weights` before a run's clock starts, kept across a head's MASK-row writes (`keep_packed_copy`) and
+forgone for a model large against the machine's memory (`forgo_packed_copies`)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from studio.engine.kernels import cpu as cpu_kernel
+
+SMALL_ROWS = 16
+# Row counts from which a CPU projection runs through oneDNN on a pre-packed copy of its weight (`linear`)
+PACKED_ROWS = 3
+_HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def _w_xt(w: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """flat [R, D] through w [N, D] as w @ flat.T, [R, N]. One row is doubled: a one-column product would take
+    torch's GEMV path, which on the CPU runs ~2x slower than this GEMM with two columns."""
+    r = flat.shape[0]
+    cols = torch.cat([flat, flat]) if r == 1 and flat.device.type == "cpu" else flat
+    return torch.mm(w, cols.t())[:, :r].t()
+
+
+def _packed(w: torch.Tensor) -> torch.Tensor | None:
+    """w in oneDNN's blocked layout, made on first use and remade when w changes (its storage or version); None for
+    a weight `forgo_packed_copies` marked, and for an inference tensor, which has no version to tell a change by."""
+    cached = getattr(w, "_onednn", None)
+    if cached is False or w.is_inference():
+        return None
+    key = (w.data_ptr(), w._version)
+    if cached is None or cached[0] != key:
+        cached = key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+        w._onednn = cached
+    return cached[1]
+
+
+def cpu_small(x: torch.Tensor) -> bool:
+    """A decode-sized fp32 product on the CPU outside autograd: the shapes `linear` routes around F.linear."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
+            and x.numel() <= SMALL_ROWS * x.shape[-1])
+
+
+def _small_product(w: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """flat [R, D] through w [N, D] for R <= SMALL_ROWS on the CPU: 1-4 rows through our own kernel (each weight row
+    read once for all of them, a row's result the same bits at any of those row counts), 5+ through oneDNN on the
+    packed weight, whose time barely grows with the rows where MKL's small-M kernels grow ~linearly. Without the
+    kernel (no C compiler) 1-2 rows run as w @ flat.T (docs/architecture.md#cpu-projections)."""
+    if flat.shape[0] <= cpu_kernel.MAX_ROWS:
+        y = cpu_kernel.skinny(w, flat.contiguous())
+        if y is not None:
+            return y
+    packed = _packed(w) if flat.shape[0] >= PACKED_ROWS and _HAS_ONEDNN else None
+    if packed is None:
+        return _w_xt(w, flat)
+    return torch.ops.mkldnn._linear_pointwise(flat, packed, None, "none", [], "")
+
+
+def pack_weights(model: nn.Module) -> None:
+    """Make the packed copies of the model's projections and head now (a run whose forwards are 3-16 rows wide calls
+    this before its clock starts), not inside its first forwards: ~0.4 s for the embedded model on a 2-core CPU."""
+    if not _HAS_ONEDNN or model.lm_head.weight.device.type != "cpu" or model.lm_head.weight.dtype != torch.float32:
+        return
+    with torch.no_grad():
+        for w in [m.weight for m in model.modules() if isinstance(m, nn.Linear)] + [model.lm_head.weight]:
+            _packed(w)
+
+
+def keep_packed_copy(w: torch.Tensor, write: Callable[[], None]) -> None:
+    """Run `write`, which must leave w's values alone, and keep w's packed copy if it was current. A tied head is a
+    view of the embedding table, so writing an adapter's MASK rows past it bumps its version too: without this, a
+    comparison that switches adapters every step re-packed the whole head (a fifth of a small model) every switch."""
+    cached = getattr(w, "_onednn", None)
+    current = isinstance(cached, tuple) and cached[0] == (w.data_ptr(), w._version)
+    write()
+    if current:
+        w._onednn = (w.data_ptr(), w._version), cached[1]
+
+
+def forgo_packed_copies(model: nn.Module) -> None:
+    """Keep `model`'s projections to their one fp32 copy: the packed copies `_small_product` makes hold as many
+    bytes again, which a model large against the machine's memory cannot spare."""
+    for p in model.parameters():
+        p._onednn = False
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., D] @ w.T (+ b). On the CPU in fp32 a decode-sized product (at most SMALL_ROWS rows) goes around torch's
+    F.linear, whose GEMV for one row and small-M GEMMs read the weights slowly (`_small_product`); wider products
+    (a prefill), training and other devices keep F.linear."""
+    if not cpu_small(x):
+        return F.linear(x, w, b)
+    y = _small_product(w, x.reshape(-1, x.shape[-1])).contiguous()
+    if b is not None:
+        y += b
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def vocab_logits(head: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """float logits of x [..., D] through the head [V, D], as W @ x.T for any row count: BLAS streams the head once,
+    where F.linear's small-M GEMM is ~3x slower at 7 rows on CPU (the head is a fifth of a small model)."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = _small_product(head, flat) if cpu_small(flat) else _w_xt(head, flat)
+    return out.reshape(*x.shape[:-1], -1).float().contiguous()
