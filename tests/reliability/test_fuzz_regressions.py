@@ -68,6 +68,45 @@ def test_gguf_lying_counts_in_a_real_header(count):
             gguf_error(bytes(b))
 
 
+def test_gguf_tensor_offset_that_wraps_around_is_refused():
+    """test_gguf_tensor_table: gguf.GGUFReader adds a tensor's offset to the data start in 64 bits, so an offset of
+    2**64-1 wrapped around and the tensor read the bytes before it: accepted, with other weights."""
+    kv, tensors = tiny_gguf_spec()
+    data, fields = gguf_bytes(kv, tensors)
+    b = bytearray(data)
+    _, offset, fmt = [f for f in fields if f[0] == "tensor offset"][1]
+    struct.pack_into(fmt, b, offset, 2**64 - 1)
+    assert "extends past the end of the file" in gguf_error(bytes(b))
+
+
+def test_gguf_tensor_of_many_dimensions_is_refused():
+    """gguf.GGUFReader takes any dimension count; the tensor's own check refuses more than a weight has."""
+    kv, tensors = tiny_gguf_spec()
+    name, dims, kind, blob = tensors[1]
+    tensors[1] = (name, [*dims, 1, 1, 1, 1], kind, blob)
+    assert "has 5 dimensions (expected 1 or 2)" in gguf_error(gguf_bytes(kv, tensors)[0])
+
+
+def test_gguf_arrays_nested_deeper_than_the_walk_goes_are_refused():
+    from tests.support.fuzzing import deep_gguf_array
+    assert "nests arrays more than 8 deep" in gguf_error(_seed_with("general.name", *deep_gguf_array(50)))
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("version", 7, "version 7"),                        # GGUFReader's own checks, its words in the BadInput
+    ("tensor type", 99, "corrupt GGUF file"),
+])
+def test_gguf_errors_gguf_reader_finds_itself_are_bad_input(field, value, words):
+    data, fields = gguf_bytes(*tiny_gguf_spec())
+    b = bytearray(data)
+    if field == "version":
+        struct.pack_into("<I", b, 4, value)
+    else:
+        _, offset, fmt = [f for f in fields if f[0] == field][0]
+        struct.pack_into(fmt, b, offset, value)
+    assert words in gguf_error(bytes(b))
+
+
 def test_gguf_metadata_of_a_wrong_type():
     """test_gguf_metadata_fields: llama.block_count = an array of arrays of strings -> TypeError from int()."""
     assert "llama.block_count must be a positive integer" in gguf_error(
