@@ -314,3 +314,25 @@ def test_a_new_turn_clears_the_inspector_and_download_new_conversation_and_clear
     status_has(pg, "#chat-status", "stop max_new_tokens")
     assert pg.locator("#chat-log [data-testid=user]").count() == 1 and prefill(pg) == alone
     pg.screenshot(path=str(shots / "chat-after-clear.png"), full_page=True)
+
+
+def test_the_html_report_shows_a_long_trajectory_whole(browser, tmp_path):
+    """A trajectory of 120 steps is drawn in the page, not in a box cut at ~48 rows (it had max-height: 80vh):
+    only a horizontal scroll for a wide one."""
+    from studio.engine.sampling import SamplingParams
+    from studio.engine.strategies import make_strategy
+    from studio.events import read_trace
+    from studio.run.session import Settings
+    from studio.traces.export import html_report
+    from tests.support.tiny import tiny_engine
+    trace = tmp_path / "long.jsonl"
+    run_to_end(tiny_engine("llama", vocab=24, seed=3), make_strategy("ar"),
+               Settings(max_new_tokens=120, sampling=SamplingParams(0.0)), "", [1, 2, 3], trace_path=str(trace))
+    report = html_report(read_trace(trace), tmp_path / "long.html")
+    context = browser.new_context(viewport={"width": 1500, "height": 900})
+    pg = context.new_page()
+    pg.goto(report.as_uri())
+    box = pg.locator(".fig.wide").first
+    scroll, client, svg = box.evaluate("e => [e.scrollHeight, e.clientHeight, e.querySelector('svg').getBBox().height]")
+    context.close()
+    assert svg > 900 and scroll <= client + 1, (scroll, client, svg)   # taller than the window, none of it hidden

@@ -32,7 +32,7 @@ code, .mono { font-family: 'JetBrains Mono', 'DejaVu Sans Mono', Menlo, Consolas
         font-size: 12.5px; }
 .fig { background: #fff; border: 1px solid var(--line); border-radius: 8px; margin: 12px 0; padding: 8px;
        display: flex; flex-wrap: wrap; gap: 12px; }
-.fig.wide { display: block; overflow: auto; max-height: 80vh; }
+.fig.wide { display: block; overflow-x: auto; }   /* the whole trajectory in the page: at most ~2400 px tall */
 .chart { max-width: 100%; height: auto; } .fig.wide .chart { max-width: none; }
 .chart text { fill: #222; }
 footer { color: var(--muted); font-size: 12px; margin-top: 40px; }
