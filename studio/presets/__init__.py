@@ -18,7 +18,7 @@ from studio.errors import BadInput
 PRESETS_DIR = Path(__file__).resolve().parent   # the TOML files and shipped adapters are package data
 _MODEL_KEYS = {"description", "source", "mask_token_id", "block_size", "logit_shift", "note", "strategy",
                "max_new_tokens"}
-_STRATEGY_KEYS = {"description", "strategy", "params", "sampling", "max_new_tokens", "paper"}
+_STRATEGY_KEYS = {"description", "strategy", "params", "sampling", "max_new_tokens", "paper", "families"}
 _SAMPLING_KEYS = {"temperature", "top_k", "top_p"}
 
 
@@ -30,6 +30,7 @@ class StrategyPreset:
     sampling: dict = field(default_factory=dict)
     max_new_tokens: int | None = None
     description: str = ""
+    families: tuple[str, ...] = ()   # the model families (ModelConfig.family) it was made for; (): any model
 
 
 @dataclass
@@ -83,6 +84,7 @@ _STRING, _TABLE = (lambda v: isinstance(v, str), "a string"), (lambda v: isinsta
 _KINDS = {
     "description": _STRING, "paper": _STRING, "note": _STRING, "strategy": _STRING, "source": _STRING,
     "params": _TABLE, "sampling": _TABLE,
+    "families": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
     "max_new_tokens": (_integer(1), "a positive integer"), "block_size": (_integer(1), "a positive integer"),
     "mask_token_id": (_integer(0), "a non-negative integer"), "top_k": (_integer(0), "a non-negative integer"),
     "logit_shift": (lambda v: isinstance(v, bool), "true or false"),
@@ -130,7 +132,7 @@ def load_strategy_preset(name_or_file: str) -> StrategyPreset:
     _check_types(path, data.get("sampling", {}), "sampling.")
     return StrategyPreset(name=path.stem, strategy=data["strategy"], params=dict(data.get("params", {})),
                           sampling=dict(data.get("sampling", {})), max_new_tokens=data.get("max_new_tokens"),
-                          description=data.get("description", ""))
+                          description=data.get("description", ""), families=tuple(data.get("families", ())))
 
 
 def load_model_preset(name_or_file: str) -> ModelPreset | None:

@@ -59,6 +59,16 @@ def strategy_or_preset(name: str) -> tuple[str | None, str | None]:
                    f"presets: {', '.join(presets)})")
 
 
+def presets_for(model_config) -> list[str]:
+    """The strategy presets a model of `model_config` runs: its strategy fits the model, and the model is of a family
+    the preset was made for when it names any (LLaDA2's own pipeline is not offered for SmolLM2)."""
+    from studio.engine.strategies import STRATEGIES
+    from studio.presets import list_presets, load_strategy_preset
+    presets = [load_strategy_preset(name) for name in list_presets("strategies")]
+    return [p.name for p in presets if STRATEGIES[p.strategy].fits(model_config)
+            and (not p.families or model_config.family in p.families)]
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """One run: a strategy or a strategy preset, parameter overrides, generation settings and, where a run needs

@@ -162,11 +162,9 @@ def _runnable(engine) -> list[str]:
     """The strategies that fit the model, then the strategy presets whose strategy does (a preset named like its
     strategy, once)."""
     from studio.engine.strategies import STRATEGIES
-    from studio.presets import list_presets, load_strategy_preset
+    from studio.run.config import presets_for
     names = [n for n, s in STRATEGIES.items() if s.fits(engine.config)]
-    presets = [p for p in list_presets("strategies") if p not in names
-               and STRATEGIES[load_strategy_preset(p).strategy].fits(engine.config)]
-    return names + presets
+    return names + [p for p in presets_for(engine.config) if p not in names]
 
 
 def _error(e: ApiError) -> JSONResponse:

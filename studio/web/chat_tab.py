@@ -99,7 +99,7 @@ class ChatTab:
 
 def build(engine, initial: RunConfig, chat_template: bool, downloads: Downloads, engine_queue: dict) -> None:
     """The tab's components and handlers (call inside a gr.Tab)."""
-    page = _layout(initial)
+    page = _layout(initial, engine.config)
     _wire_send(page, engine, initial, chat_template, engine_queue)
     _wire_controls(page)
     _wire_inspector(page)
@@ -134,7 +134,7 @@ class _Page:
                 self.status: render.note_html("new conversation"), **self.turn_panels}
 
 
-def _layout(initial: RunConfig) -> _Page:
+def _layout(initial: RunConfig, model_config) -> _Page:
     """The conversation, its controls and the run form on the left; the turn's metrics, trajectory, inspector,
     figures and downloads on the right."""
     state = gr.State(None)
@@ -151,7 +151,7 @@ def _layout(initial: RunConfig) -> _Page:
                 reset = gr.Button("New conversation", elem_id="chat-reset")
             status = gr.HTML(elem_id="chat-status", elem_classes="status")
             with gr.Accordion("Strategy and parameters", open=True):
-                form = RunForm(initial, "chat")
+                form = RunForm(initial, "chat", model_config)
                 pace = gr.Slider(0, 500, value=0, step=10, label="Slow motion: ms per step (0 = full speed)",
                                  elem_id="chat-pace")
         with gr.Column(scale=3, min_width=420):

@@ -62,7 +62,7 @@ def measuring_first(engine, names: list[str], settings: dict) -> str | None:
 
 
 def build(engine, chat_template: bool, downloads: Downloads, engine_queue: dict) -> None:
-    page = _layout()
+    page = _layout(engine.config)
     _wire_run(page, engine, chat_template, downloads, engine_queue)
     _wire_stop_and_inspect(page)
 
@@ -95,13 +95,13 @@ class _Page:
         return out
 
 
-def _layout() -> _Page:
+def _layout(model_config) -> _Page:
     """The prompt, the runs and their settings, the controls; a column per run (metrics over trajectory); the
     inspector, the table, the figure and the report."""
     state = gr.State(None)
     prompt = gr.Textbox(label="Prompt", placeholder="Type a prompt: Enter runs the comparison", lines=1, max_lines=8,
                         elem_id="cmp-prompt")
-    names = gr.Dropdown(pick_choices(), value=["ar", "isd"], multiselect=True, max_choices=MAX_RUNS,
+    names = gr.Dropdown(pick_choices(model_config), value=["ar", "isd"], multiselect=True, max_choices=MAX_RUNS,
                         label=f"Strategies or presets (2–{MAX_RUNS} runs; ar is always the baseline)",
                         elem_id="cmp-names")
     with gr.Row():

@@ -17,7 +17,7 @@ import gradio as gr
 from studio.engine.strategies import STRATEGIES
 from studio.errors import BadInput
 from studio.presets import list_presets, load_strategy_preset
-from studio.run.config import RunConfig, parse_value
+from studio.run.config import RunConfig, parse_value, presets_for
 from studio.web.paramspec import ParamField, param_fields, toml_inline
 from studio.web.render import note_html
 
@@ -28,8 +28,13 @@ SETTINGS = {"temperature": ("temperature", "0 = greedy", None), "top_k": ("top-k
 SETTING_LABELS = {key: label for key, (label, _, _) in SETTINGS.items()}
 
 
-def pick_choices() -> list[tuple[str, str]]:
-    presets = [p for p in list_presets("strategies") if p not in STRATEGIES]   # a name means the strategy first
+def pick_choices(model_config=None, keep: str | None = None) -> list[tuple[str, str]]:
+    """Every strategy, then the strategy presets made for the model (`presets_for`; every one without a model) and
+    `keep`, a preset the run was started with, wherever it was made for."""
+    presets = list_presets("strategies") if model_config is None else presets_for(model_config)
+    if keep and keep not in presets and keep not in STRATEGIES:
+        presets.append(keep)
+    presets = [p for p in presets if p not in STRATEGIES]   # a name means the strategy first
     return [(name, name) for name in STRATEGIES] + [(f"{p} (preset)", p) for p in presets]
 
 
@@ -125,11 +130,11 @@ def _read(field: ParamField, value: object) -> object:
 class RunForm:
     """The form's components; build it inside a gr.Blocks context."""
 
-    def __init__(self, initial: RunConfig, prefix: str):
+    def __init__(self, initial: RunConfig, prefix: str, model_config=None):
         strategy, preset, _ = initial.resolved()   # with the model preset's recommendation
         picked = preset or strategy
         shown = form_values(initial)
-        self.pick = gr.Dropdown(pick_choices(), value=picked, label="Strategy or preset", elem_id=f"{prefix}-pick")
+        self.pick = gr.Dropdown(pick_choices(model_config, keep=picked), value=picked, label="Strategy or preset", elem_id=f"{prefix}-pick")
         self.groups: dict[str, gr.Group] = {}
         self.fields: dict[str, gr.components.Component] = {}   # by ParamField.key
         initial_strategy = strategy_of(picked)

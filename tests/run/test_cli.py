@@ -232,6 +232,31 @@ def test_a_model_preset_names_the_strategy_and_length_a_run_takes_when_none_is_g
     assert preset.build()[1].max_new_tokens == (load_strategy_preset("simsd-b4").max_new_tokens or 128)
 
 
+def test_the_presets_offered_for_a_model_are_those_made_for_its_family(tmp_path):
+    """The pickers (TUI, web, the server's model list) offer a family's own pipelines only for that family: LLaDA2's
+    generate() is not offered for SmolLM2, LLaDA's for LLaDA2; a preset naming no family goes with any model its
+    strategy fits."""
+    from studio.engine.config import ModelConfig
+    from studio.errors import BadInput
+    from studio.presets import load_strategy_preset
+    from studio.run.config import presets_for
+
+    def config(**kw):
+        return ModelConfig(arch="llama", vocab_size=16, dim=8, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=4,
+                           ffn_dim=8, **kw)
+    smol = presets_for(config())
+    assert {"isd-n4", "r-isd-n4", "jacobi-mr-cpu", "canvas-cpu", "simsd-cpu"} <= set(smol)
+    assert not {"llada", "llada2", "llada21", "dinfer-credit", "dream-entropy", "diffusiongemma"} & set(smol)
+    llada = presets_for(config(family="llada", attention="bidirectional", logit_shift=False, mask_token_id=15))
+    assert {"llada", "fast-dllm-dual", "dinfer-threshold", "s2d2-d2f"} <= set(llada)
+    assert not {"llada2", "dream-entropy", "diffusiongemma", "isd-n4"} & set(llada)   # isd needs a causal model
+    assert load_strategy_preset("llada2").families == ("llada2",) and load_strategy_preset("isd-n4").families == ()
+    bad = tmp_path / "bad-families.toml"
+    bad.write_text('strategy = "ar"\nfamilies = "llada"\n')
+    with pytest.raises(BadInput, match="families must be a list of strings"):
+        load_strategy_preset(str(bad))
+
+
 def test_models_list_lines_up_every_section():
     """Each section's rows start their second and third columns at one offset (a preset name longer than the
     column, `diffusiongemma-26b-a4b-it`, pushed its row out of line)."""

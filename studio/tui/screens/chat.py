@@ -81,7 +81,7 @@ class ChatScreen(Screen):
                 yield Inspector(id="inspector")
                 yield Input(placeholder="message, or /help", id="prompt")
             with VerticalScroll(id="side"):
-                yield Controls(self.session.choice, id="controls")
+                yield Controls(self.session.choice, self.session.engine.config, id="controls")
                 yield MetricsPanel(id="metrics")
         yield Static(legend_text(), id="legend")
         yield StatusBar(id="status")

@@ -28,11 +28,14 @@ def step_mode_label(on: bool) -> str:
     return f"step mode {'ON ' if on else 'off'} (ctrl+t; ctrl+n steps)"
 
 
-def choices() -> list[tuple[str, str]]:
-    """(label, value) for the picker: every strategy, then every strategy preset."""
+def choices(model_config=None) -> list[tuple[str, str]]:
+    """(label, value) for the picker: every strategy, then the strategy presets made for the model (`presets_for`;
+    every preset without a model)."""
     from studio.engine.strategies import STRATEGIES
     from studio.presets import list_presets
-    return [(name, name) for name in STRATEGIES] + [(f"{p} (preset)", p) for p in list_presets("strategies")]
+    from studio.run.config import presets_for
+    presets = list_presets("strategies") if model_config is None else presets_for(model_config)
+    return [(name, name) for name in STRATEGIES] + [(f"{p} (preset)", p) for p in presets]
 
 
 class StepModeBox(Checkbox):
@@ -67,13 +70,16 @@ class Controls(Vertical):
             super().__init__()
             self.on = on
 
-    def __init__(self, choice: RunConfig, *, id: str | None = None):
+    def __init__(self, choice: RunConfig, model_config=None, *, id: str | None = None):
         super().__init__(id=id)
-        self.initial = choice
+        self.initial, self.model_config = choice, model_config
         self._shown: dict[str, str] = {}   # field id -> the text sync put there
 
     def compose(self) -> ComposeResult:
-        yield Select(choices(), value=self.initial.label, allow_blank=False, id="ctl-strategy", compact=True)
+        options = choices(self.model_config)
+        if all(value != self.initial.label for _, value in options):   # a preset given by name for another model
+            options.append((f"{self.initial.label} (preset)", self.initial.label))
+        yield Select(options, value=self.initial.label, allow_blank=False, id="ctl-strategy", compact=True)
         for key, text in FIELDS:
             with Horizontal():
                 yield Label(text)
