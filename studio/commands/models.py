@@ -97,10 +97,11 @@ def models_costs(spec: str = typer.Argument("default", help="'default', a model 
         typer.echo(json.dumps({**table.to_dict(), "path": None if path is None else str(path)}, indent=1))
         return
     k = table.key
-    lora = f", LoRA rank {k['lora_rank']}" if k["lora_rank"] else ""
+    lora = f", LoRA rank {table.lora_rank}" if table.lora_rank else ""
+    threads = f"{table.threads} threads" if table.threads else "threads not recorded"
     where = "random weights: measured in this process only" if path is None else f"cached in {path}"
     steadiness = "" if table.noise is None else f"; times spread {100 * table.noise:.0f}%"
-    typer.echo(f"{k['model']} on {k['device']}, {k['dtype']}, {k['threads']} threads{lora}; after a "
+    typer.echo(f"{k['model']} on {k['device']}, {k['dtype']}, measured with {threads}{lora}; after a "
                f"{table.context}-token context{steadiness} ({where})")
     head = "rows   plain ms  x 1-row" + ("   LoRA on all ms  x 1-row" if table.gated_ms else "")
     typer.echo(head)

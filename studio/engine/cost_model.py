@@ -16,7 +16,9 @@ import statistics
 import time
 from typing import Callable
 
-from studio.engine.cost_table import MAX_ROWS, CostTable, store, stored_table, table_key
+import torch
+
+from studio.engine.cost_table import MAX_ROWS, CostTable, lora_rank, store, stored_table, table_key
 from studio.engine.forward_cost import Shape, measure_forwards
 from studio.engine.random_models import RANDOM_SOURCE
 
@@ -41,7 +43,7 @@ def calibrate(engine, max_rows: int = MAX_ROWS, repeats: int = 5, warmup: int = 
         plain = [c for c in costs if not c.shape.gated]
         table = CostTable(table_key(engine), context, _never_cheaper([c.ms for c in plain]),
                           _never_cheaper([c.ms for c in costs if c.shape.gated]) or None,
-                          statistics.median(c.spread for c in plain))
+                          statistics.median(c.spread for c in plain), torch.get_num_threads(), lora_rank(engine))
         if best is None or table.noise < best.noise:
             best = table
         spent = time.monotonic() - start

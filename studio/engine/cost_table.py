@@ -1,7 +1,10 @@
 """What a forward of n rows costs on this machine, as cost-aware drafting reads it: the table, its key and its cache.
 
-One table per model, device, dtype, thread count, torch and LoRA rank, cached in the user cache (`costs/`); a model
-of random weights keeps its table in this process only. Measuring one is studio.engine.cost_model's.
+One table per model, device, dtype and torch, cached in the user cache (`costs/`); a model of random weights keeps its
+table in this process only. The thread count and the LoRA's rank it was measured with are recorded, not keyed: what
+drafting reads is the cost of n rows against one, which a process with a core kept for its UI (the TUI, the web) or
+another adapter changes little, and a plan only changes speed, never the output. A view with an adapter needs a
+table with the LoRA's costs (`gated_ms`); one without is measured again. Measuring one is studio.engine.cost_model's.
 """
 from __future__ import annotations
 
@@ -29,12 +32,15 @@ STEADY = 0.10
 class CostTable:
     """Median milliseconds of one forward by its row count: `plain_ms[n - 1]` for n rows without the LoRA,
     `gated_ms[n - 1]` for n rows all with it (None: no adapter was attached when it was measured); `noise` the
-    median spread of the plain forwards' times (None: not recorded)."""
+    median spread of the plain forwards' times (None: not recorded); `threads` and `lora_rank` what it was measured
+    with (None: not recorded, or no adapter)."""
     key: dict
     context: int
     plain_ms: tuple[float, ...]
     gated_ms: tuple[float, ...] | None = None
     noise: float | None = None
+    threads: int | None = None
+    lora_rank: int | None = None
 
     @property
     def steady(self) -> bool:
@@ -64,10 +70,10 @@ class CostTable:
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostTable":
-        gated = d.get("gated_ms")
-        noise = d.get("noise")
+        gated, noise, threads, rank = d.get("gated_ms"), d.get("noise"), d.get("threads"), d.get("lora_rank")
         return cls(dict(d["key"]), int(d["context"]), tuple(float(x) for x in d["plain_ms"]),
-                   None if gated is None else tuple(float(x) for x in gated), None if noise is None else float(noise))
+                   None if gated is None else tuple(float(x) for x in gated), None if noise is None else float(noise),
+                   None if threads is None else int(threads), None if rank is None else int(rank))
 
 
 # Every forward of up to 16 rows costs what one row does (as on a GPU well below its compute): what a decode context
@@ -84,15 +90,19 @@ def _at(ms: tuple[float, ...], rows: int) -> float:
 
 
 def table_key(engine) -> dict:
-    """What a table depends on: the model (name, shape), device, dtype, CPU threads, torch, the LoRA's rank."""
+    """What a table depends on: the model (name, shape), device, dtype, torch (and the ranks it is split across)."""
     cfg, p = engine.config, engine.model.lm_head.weight
-    rank = None
-    if engine.lora is not None:
-        a, _ = next(iter(engine.lora.modules.values()))
-        rank = int(a.shape[0])
-    return {"version": TABLE_VERSION, "model": engine.name, "arch": cfg.arch, "dim": cfg.dim, "layers": cfg.n_layers, "vocab": cfg.vocab_size,
-            "device": str(p.device), "dtype": str(p.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "lora_rank": rank, **_parallel_key(engine)}
+    return {"version": TABLE_VERSION, "model": engine.name, "arch": cfg.arch, "dim": cfg.dim, "layers": cfg.n_layers,
+            "vocab": cfg.vocab_size, "device": str(p.device), "dtype": str(p.dtype).removeprefix("torch."),
+            "torch": torch.__version__, **_parallel_key(engine)}
+
+
+def lora_rank(engine) -> int | None:
+    """The rank of the adapter `engine`'s view has attached (None: none)."""
+    if engine.lora is None:
+        return None
+    a, _ = next(iter(engine.lora.modules.values()))
+    return int(a.shape[0])
 
 
 def _parallel_key(engine) -> dict:
@@ -135,7 +145,10 @@ def stored_table(engine) -> CostTable | None:
     """`engine`'s table if one is cached (or, for random weights, measured in this process), else None."""
     key = table_key(engine)
     path = table_path(key)
-    return _random_tables.get(path.name) if engine.source == RANDOM_SOURCE else _read(path, key)
+    table = _random_tables.get(path.name) if engine.source == RANDOM_SOURCE else _read(path, key)
+    if table is not None and engine.lora is not None and table.gated_ms is None:
+        return None   # measured without an adapter: it has no LoRA costs to plan a gated forward with
+    return table
 
 
 def _read(path: Path, key: dict) -> CostTable | None:
