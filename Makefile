@@ -25,7 +25,7 @@ run: venv
 # leaves a core idle through every single-threaded tiny-model test. `make test TEST_WORKERS=0` runs in one process.
 TEST_WORKERS ?= 2
 test: venv
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=20
 
 # the sampled law of every default-mode lossless strategy on the embedded model against the exact law of the model it
 # decodes (tests/exact: 600 seeded runs of 8 tokens each, ar as the control, r-isd through serve; ~30 min on 2 cores;
