@@ -210,7 +210,8 @@ def _bench_clients(model: ModelChoice, config: RunConfig, strategies: str, promp
     configs = compare_configs(strategies, config, ar_alone=True)
     engine = model.load()
     with Console(stderr=True).status(f"{len(prompts)} prompts from {clients} clients and from one"):
-        limit = 64 if config.length_given() is None else config.length_given()   # None: unset
+        given = config.length_given()
+        limit = 64 if given is None else given   # None: unset
         report = measure_clients(engine, configs, prompts, clients, limit, repeats, chat_template=model.chat_template)
     if as_json:
         print(json.dumps(report))

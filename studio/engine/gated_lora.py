@@ -34,8 +34,7 @@ def add_gated_lora(x: torch.Tensor, y: torch.Tensor, gate: RowGate, lora_A: torc
         rows = slice(None) if gate.rows is None else gate.span
         # a decode forward on the CPU: one call for the gated run of rows, where torch's small ops cost ~20 us
         # each in every projection
-        if cpu_kernel.lora_rows(flat_x[rows].contiguous(), flat_y[rows], lora_A, lora_B,
-                                scale):
+        if cpu_kernel.lora_rows(flat_x[rows].contiguous(), flat_y[rows], lora_A, lora_B, scale):
             return y
     if gate.rows is None:
         delta = F.linear(F.linear(x, lora_A), lora_B) * scale

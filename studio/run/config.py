@@ -100,6 +100,11 @@ class RunConfig:
     def resolved(self) -> tuple[str | None, str | None, int | None]:
         """(strategy, strategy preset, the model preset's answer length or None) once the model preset's
         recommendation is applied; `ar` when nothing names a strategy."""
+        return self._resolution
+
+    @functools.cached_property
+    def _resolution(self) -> tuple[str | None, str | None, int | None]:
+        # read once per config (label and build ask on every UI refresh): a changed config is a new object
         from studio.presets import load_model_preset
         strategy, preset = self.strategy, self.preset
         model = load_model_preset(self.model) if self.model else None
