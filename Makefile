@@ -29,13 +29,15 @@ test: venv
 
 # the sampled law of every default-mode lossless strategy on the embedded model against the exact law of the model it
 # decodes (tests/exact: 600 seeded runs of 8 tokens each, ar as the control, r-isd through serve; ~30 min on 2 cores;
-# .ci/run runs it after make test). One line per strategy in exact-laws.txt
+# .ci/run runs it after make test). One line per strategy in exact-laws.txt. Then the tiny-model law tests marked
+# `law` at all their samples (make test runs them at a quarter: tests/support/exact.py law_samples; ~4 min)
 EXACT_SAMPLES ?= 600
 test-exact: venv
 	rm -f exact-laws.txt
 	DLM_EXACT=1 DLM_EXACT_SAMPLES=$(EXACT_SAMPLES) DLM_EXACT_REPORT=$(CURDIR)/exact-laws.txt \
 		$(BIN)/python -m pytest -q -n $(TEST_WORKERS) tests/exact -p no:cacheprovider
 	cat exact-laws.txt
+	DLM_EXACT=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m law tests/strategies -p no:cacheprovider
 
 # the numerically sensitive tests (tensor/expert parallelism, the CPU kernel, the families, the sampled laws) on the
 # instructions of an x86-64 CPU without AVX-512: the studio's kernel built for x86-64-v3, oneDNN, ATen and MKL capped

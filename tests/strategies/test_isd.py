@@ -7,7 +7,7 @@ from studio.engine.strategies import DecodeContext, Output, make_strategy
 from studio.engine.strategies.isd import expected_tpf
 from studio.errors import BadInput
 from studio.run.session import Settings, run_to_end
-from tests.support.exact import chi_square_pvalue, exact_sequence_law
+from tests.support.exact import chi_square_pvalue, exact_sequence_law, law_samples
 from tests.support.plans import ISD_MIXED, plan_with, planned
 from tests.support.tiny import FAMILIES, tiny_engine
 
@@ -66,14 +66,16 @@ def law_engine():
     return engine, law
 
 
-@pytest.mark.parametrize("proposal, drafting", [("sample", "fixed"), ("argmax", "fixed"), ("sample", "auto")])
+@pytest.mark.parametrize("proposal, drafting", [pytest.param("sample", "fixed", marks=pytest.mark.law),
+                                               pytest.param("argmax", "fixed", marks=pytest.mark.law),
+                                               ("sample", "auto")])
 def test_sampled_isd_matches_the_ar_distribution(monkeypatch, law_engine, proposal, drafting):
     """auto: the draft count of each round depends on the verdicts before it, and the law is still the AR law."""
     engine, law = law_engine
     plan_with(monkeypatch, ISD_MIXED)
     # auto at half the samples: the rule under test is fixed drafting's, the plan only decides how many drafts
     samples = _isd_samples(engine, {"stride": 3, "proposal": proposal, "drafting": drafting},
-                           20_000 if drafting == "fixed" else 10_000)
+                           law_samples(20_000) if drafting == "fixed" else 10_000)
     assert chi_square_pvalue(samples, law) > 0.01
     if drafting == "auto":
         plans = {tuple(planned(generate(engine, "isd", {"stride": 3}, n=3, temperature=1.0, seed=s)))

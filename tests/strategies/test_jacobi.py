@@ -12,7 +12,7 @@ from studio.engine.strategies.jacobi import Jacobi, JacobiMR
 from studio.errors import BadInput
 from studio.presets import load_strategy_preset
 from studio.run.session import Settings, run_to_end
-from tests.support.exact import chi_square_pvalue, exact_sequence_law
+from tests.support.exact import chi_square_pvalue, exact_sequence_law, law_samples
 from tests.support.plans import CHAIN_MIXED, plan_with, planned
 from tests.support.tiny import FAMILIES, tiny_engine
 
@@ -180,13 +180,13 @@ def test_sampled_jacobi_matches_the_ar_distribution(monkeypatch, law_engine):
     assert {0, 1} <= plans
 
 
-@pytest.mark.parametrize("drafting", ["fixed", "auto"])
+@pytest.mark.parametrize("drafting", [pytest.param("fixed", marks=pytest.mark.law), "auto"])
 def test_sampled_jacobi_mr_matches_the_ar_distribution(monkeypatch, law_engine, drafting):
     """fixed: every forward carries the whole layout; auto: narrow forwards and whole ones, as the verdicts go."""
     engine, law = law_engine
     plan_with(monkeypatch, CHAIN_MIXED)
     params = {"block_size": 3, "spawn_ratio": 0.3, "pool_size": 3, "drafting": drafting}
-    n = 20_000 if drafting == "fixed" else 10_000   # auto: the same rule, the plan only decides how many drafts
+    n = law_samples(20_000) if drafting == "fixed" else 10_000   # auto: the same rule, the plan only decides how many drafts
     assert chi_square_pvalue(_samples(engine, "jacobi-mr", params, n), law) > 0.01
     runs = [generate(engine, "jacobi-mr", params, n=3, temperature=1.0, seed=seed) for seed in range(300)]
     if drafting == "fixed":   # the machinery under test was exercised: pseudo blocks, candidates, candidates that won

@@ -11,7 +11,7 @@ from studio.engine.strategies.s2d2 import first_run
 from studio.errors import BadInput
 from tests.support.dlm import (block_size_one_greedy, block_size_one_law, block_size_one_probs, block_size_one_row, generate,
                        opened)
-from tests.support.exact import chi_square_pvalue
+from tests.support.exact import chi_square_pvalue, law_samples
 from tests.support.plans import planned
 from tests.support.tiny import FAMILIES, tiny_dlm
 
@@ -94,10 +94,12 @@ def _first_token_samples(engine, params, n, prompt):
     return samples, prompt[:strat.block.start] + strat.block.tokens[:slot]
 
 
+@pytest.mark.law
 def test_verify_step_commits_the_verifier_distribution():
     """The 2L verifier path (position-aligned); the right-shifted path is covered by whole sequences below."""
     engine = tiny_dlm("qwen3", False, vocab=6, seed=11, dim=16, layers=1)
-    samples, prefix = _first_token_samples(engine, {"policy": "always", "cache": "causal"}, 20_000, [1, 2, 3, 4, 1, 2])
+    samples, prefix = _first_token_samples(engine, {"policy": "always", "cache": "causal"}, law_samples(20_000),
+                                           [1, 2, 3, 4, 1, 2])
     p = block_size_one_probs(engine, prefix, SamplingParams(1.0))
     law = {(v,): float(p[v]) for v in range(6)}
     assert chi_square_pvalue(samples, law) > 0.01
@@ -111,7 +113,8 @@ def test_tempering_gamma_is_lossy():
     assert chi_square_pvalue(samples, {(v,): float(p[v]) for v in range(6)}) < 1e-4
 
 
-@pytest.mark.parametrize("params,n", [({"block_size": 2, "drafting": "fixed"}, 12_000),
+@pytest.mark.parametrize("params,n", [pytest.param({"block_size": 2, "drafting": "fixed"}, law_samples(12_000),
+                                                   marks=pytest.mark.law),
                                       ({"block_size": 4, "causal_prefix": True}, 5_000)], ids=["fixed", "auto"])
 def test_sampled_always_verify_right_shifted_matches_the_ar_law(params, n):
     """Whole sequences, real KV and block commits: with every token verified, sampled S2D2 on a

@@ -9,7 +9,7 @@ from studio.engine.strategies import make_strategy
 from studio.errors import BadInput
 from studio.run.session import Settings, run_to_end
 from tests.support.dlm import block_size_one_law, generate, opened
-from tests.support.exact import chi_square_pvalue
+from tests.support.exact import chi_square_pvalue, law_samples
 from tests.support.plans import planned
 from tests.support.tiny import FAMILIES, tiny_dlm
 
@@ -23,7 +23,8 @@ def test_self_draft_right_shifted_greedy_is_ar(family):
         assert any(e["t"] == "propose" and e["src"] == "draft_model" for e in r.events)
 
 
-@pytest.mark.parametrize("params,n", [({"drafting": "fixed"}, 8_000), ({"draft_steps": 1}, 5_000)],
+@pytest.mark.parametrize("params,n", [pytest.param({"drafting": "fixed"}, law_samples(8_000), marks=pytest.mark.law),
+                                      ({"draft_steps": 1}, 5_000)],
                          ids=["fixed", "auto"])
 def test_self_draft_right_shifted_sampled_matches_the_ar_law(monkeypatch, params, n):
     """Fixed and cost-aware rounds (on the tests' equal costs, without the bound that holds a round back until the
