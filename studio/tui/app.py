@@ -61,6 +61,10 @@ class StudioApp(App):
         except (OSError, tomllib.TOMLDecodeError, ValueError) as e:
             self.notify(f"{path}: {e}", severity="error")
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """The key of the screen already shown is left out of the footer (and does nothing)."""
+        return not (action == "show" and parameters and parameters[0] == self.screen.id)
+
     def action_show(self, name: str) -> None:
         if name in ("chat", "compare") and self.session is None:
             self.notify("no model loaded (started with --trace): run dlm-studio tui --model ... to chat",

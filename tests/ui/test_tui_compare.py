@@ -32,12 +32,18 @@ async def open_compare(pilot, specs: str, **settings: str):
     return screen
 
 
+def table_rows(table, n_rows: int) -> list[dict[str, str]]:
+    """The comparison table's rows as text, by column label."""
+    labels = [str(c.label) for c in table.ordered_columns]
+    return [dict(zip(labels, map(str, table.get_row_at(i)))) for i in range(n_rows)]
+
+
 async def compare(pilot, n_rows: int):
-    """Run and wait for the table of `n_rows` rows; returns the table's rows as text."""
+    """Run and wait for the table of `n_rows` rows; returns them (`table_rows`)."""
     await press_button(pilot, "#compare-run")
     table = pilot.app.screen.query_one("#compare-table")
     await wait_until(pilot, lambda: table.display and table.row_count == n_rows)
-    return [[str(cell) for cell in table.get_row_at(i)] for i in range(n_rows)]
+    return table_rows(table, n_rows)
 
 
 def used(screen) -> str:
@@ -56,8 +62,9 @@ def test_compare_runs_greedy_whatever_the_chat_samples_with():
             screen.query_one("#compare-max_new_tokens", Input).value = "12"
             assert screen.query_one("#compare-temperature", Input).value == "0.0"
             rows = await compare(pilot, 3)
-            assert [row[0] for row in rows] == ["ar", "isd", "jacobi"]
-            assert [row[7] for row in rows] == ["yes (ar)"] * 3 and [row[1] for row in rows] == ["12"] * 3
+            assert [row["strategy"] for row in rows] == ["ar", "isd", "jacobi"]
+            assert [row["same as"] for row in rows] == ["yes (ar)"] * 3
+            assert [row["tokens"] for row in rows] == ["12"] * 3
             assert [v.header["params"]["temperature"] for v in screen.views] == [0.0] * 3
             assert "these runs used: temperature 0 · top-k 0 · top-p 1 · seed 0 · max tokens 12" in used(screen)
             assert app.session.choice.temperature == 0.8   # the chat keeps its own
@@ -86,7 +93,7 @@ def test_two_strategies_in_lock_step_then_the_table_and_at_most_four_runs():
         async with app.run_test(size=SIZE) as pilot:
             screen = await open_compare(pilot, "isd", max_new_tokens="10")
             rows = await compare(pilot, 2)
-            assert [row[0] for row in rows] == ["ar", "isd"] and rows[1][7] == "yes (ar)"   # greedy isd: lossless
+            assert [row["strategy"] for row in rows] == ["ar", "isd"] and rows[1]["same as"] == "yes (ar)"   # greedy isd: lossless
             assert [len(v.grid.final) for v in screen.views] == [10, 10]
             screen.query_one("#compare-specs", Input).value = "isd,jacobi,blockdiff,s2d2"
             await press_button(pilot, "#compare-run")
@@ -157,12 +164,12 @@ def test_a_cancelled_comparison_reads_so_far(monkeypatch):
             await press_button(pilot, "#compare-stop")
             table = screen.query_one("#compare-table")
             await wait_until(pilot, lambda: table.display and table.row_count == 3)
-            rows = [[str(cell) for cell in table.get_row_at(i)] for i in range(3)]
-            assert [row[8] for row in rows] == ["cancelled"] * 3
-            ar_tokens = int(rows[0][1])
+            rows = table_rows(table, 3)
+            assert [row["stop"] for row in rows] == ["cancelled"] * 3
+            ar_tokens = int(rows[0]["tokens"])
             assert 0 < ar_tokens < 40
             for row in rows[1:]:
-                assert row[7] == f"yes so far (ar, {min(ar_tokens, int(row[1]))} tokens)"
+                assert row["same as"] == f"yes so far (ar, {min(ar_tokens, int(row['tokens']))} tokens)"
     asyncio.run(go())
 
 

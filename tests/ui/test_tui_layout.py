@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tests.ui.test_tui import SIZE, fake_clock, say, session, status, turn, wait_until  # noqa: F401 - a fixture
+from tests.ui.test_tui import SIZE, fake_clock, press_button, say, session, status, turn, wait_until  # noqa: F401
 
 pytest.importorskip("textual")
 
@@ -266,5 +266,98 @@ def test_snapshot_chat_at_80x24(snap_compare):
     async def before(pilot):
         await turn(pilot, "bcdefg")
         pilot.app.screen.query_one("#prompt").cursor_blink = False   # a blinking cursor is on or off by the clock
+        await pilot.pause()
+    assert snap_compare(app, terminal_size=SMALL, run_before=before)
+
+
+# -- 5. every screen's keys at 80x24 -------------------------------------------------------------
+def footer_keys(app) -> list:
+    from textual.widgets._footer import FooterKey
+    return list(app.screen.query(FooterKey))
+
+
+def expected_footer_actions(app) -> set[str]:
+    """The screen's shown keys and the app's, less the key of the screen already shown."""
+    shown = {b.action for b in [*app.screen.BINDINGS, *app.BINDINGS] if b.show}
+    return shown - {f"show('{app.screen.id}')"} - {b.action for b in app.screen.BINDINGS if not app.screen.check_action(
+        b.action.split("(")[0], ())}
+
+
+def assert_footer_whole(app) -> None:
+    from textual.widgets import Footer
+    footer = app.screen.query_one(Footer)
+    keys = footer_keys(app)
+    assert {k.action for k in keys} == expected_footer_actions(app), app.screen.id
+    for part in footer.children:
+        assert part.region.right <= SMALL[0], (app.screen.id, part, part.region)
+
+
+def test_at_80x24_every_screen_s_footer_shows_its_keys_and_the_compare_table_its_verdict(tmp_path):
+    """The chat footer ended at "f3 c" (F4 replay cut off), compare's table lost "same as" past the right edge,
+    and the strategies field showed "r-isd,canv"."""
+    from studio.engine.strategies import make_strategy
+    from studio.run.session import Settings, run_to_end
+    from tests.support.tiny import tiny_engine
+    from tests.ui.test_tui_compare import compare, open_compare
+    trace = tmp_path / "isd.jsonl"
+    run_to_end(tiny_engine("llama", vocab=20, seed=2), make_strategy("isd"), Settings(16), "bcd", [1, 2, 3],
+               trace_path=str(trace))
+
+    async def go():
+        app = StudioApp(session("isd", n=10))
+        async with app.run_test(size=SMALL) as pilot:
+            await pilot.pause()
+            assert_footer_whole(app)
+            screen = await open_compare(pilot, "r-isd,canvas,jacobi-mr-cpu")
+            await pilot.pause()
+            specs = screen.query_one("#compare-specs")
+            assert specs.content_region.width >= len("r-isd,canvas,jacobi-mr-cpu")
+            screen.query_one("#compare-specs").value = "isd,jacobi"
+            await compare(pilot, 3)
+            await pilot.pause()
+            assert_footer_whole(app)
+            table = screen.query_one("#compare-table")
+            same_as = next(i for i, c in enumerate(table.ordered_columns) if str(c.label) == "same as")
+            right = sum(c.get_render_width(table) for c in table.ordered_columns[:same_as + 1])
+            assert table.region.x + right <= SMALL[0]
+            await pilot.press("f4")
+            replay = app.screen
+            replay.query_one("#replay-path").value = str(trace)
+            await press_button(pilot, "#replay-open-button")
+            await wait_until(pilot, lambda: replay.view is not None)
+            await pilot.pause()
+            assert {"play", "step(1)", "speed(1)"} <= {k.action for k in footer_keys(app)}
+            assert_footer_whole(app)
+    asyncio.run(go())
+
+
+@pytest.mark.usefixtures("fake_clock")
+def test_snapshot_compare_at_80x24(snap_compare):
+    from tests.ui.test_tui_compare import open_compare
+    app = StudioApp(session("ar", n=12))
+
+    async def before(pilot):
+        await open_compare(pilot, "isd,jacobi", max_new_tokens="12")
+        table = app.screen.query_one("#compare-table")
+        await press_button(pilot, "#compare-run")
+        await wait_until(pilot, lambda: table.display and table.row_count == 3 and table.size.height > 0)
+        await pilot.pause()
+    assert snap_compare(app, terminal_size=SMALL, run_before=before)
+
+
+def test_snapshot_replay_at_80x24(snap_compare, monkeypatch, tmp_path):
+    import functools
+    import pathlib
+
+    from studio.engine import model_cache
+    from studio.events import read_trace
+    from tests.support.fixtures import traces
+    monkeypatch.chdir(pathlib.Path(traces.__file__).parent)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))   # the same picture with or without the trace's tokenizer
+    monkeypatch.setattr(model_cache, "_find_tokenizer", functools.lru_cache(model_cache._find_tokenizer.__wrapped__))
+    app = StudioApp(None, trace=read_trace("isd_smollm2.jsonl"))
+
+    async def before(pilot):
+        await pilot.press(*["full_stop"] * 8)
         await pilot.pause()
     assert snap_compare(app, terminal_size=SMALL, run_before=before)

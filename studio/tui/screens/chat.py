@@ -14,12 +14,12 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Input, Static
+from textual.widgets import Header, Input, Static
 
 from studio.run.chat import ChatSession, Reply
 from studio.errors import BadInput
 from studio.tui.live import FRAME_S, FramePacer
-from studio.tui.widgets import Inspector, MetricsPanel, StatusBar, TokenGrid
+from studio.tui.widgets import Inspector, KeyFooter, MetricsPanel, StatusBar, TokenGrid
 from studio.tui.widgets.status import error_line
 from studio.tui.widgets.live_text import LiveText
 from studio.tui.widgets.controls import Controls, apply_change
@@ -47,8 +47,8 @@ class ChatScreen(Screen):
     BINDINGS = [
         Binding("escape", "stop", "stop", id="chat.stop"),
         Binding("ctrl+c", "interrupt", "stop", show=False, priority=True, id="chat.stop_ctrl_c"),
-        Binding("ctrl+t", "toggle_step_mode", "step mode", id="chat.step_mode"),
-        Binding("ctrl+n", "step", "next step", id="chat.step"),
+        Binding("ctrl+t", "toggle_step_mode", "steps", tooltip="step mode on/off", id="chat.step_mode"),
+        Binding("ctrl+n", "step", "next", tooltip="next step (in step mode)", id="chat.step"),
         Binding("ctrl+g", "focus_grid", "grid", id="chat.grid"),
         Binding("ctrl+l", "focus_prompt", "prompt", show=False, id="chat.prompt"),
         Binding("f6", "toggle_side", "panel", id="chat.panel"),
@@ -85,7 +85,7 @@ class ChatScreen(Screen):
                 yield MetricsPanel(id="metrics")
         yield Static(legend_text(), id="legend")
         yield StatusBar(id="status")
-        yield Footer()
+        yield KeyFooter()
 
     def on_mount(self) -> None:
         self.query_one("#grid-box").border_title = "tokens"
@@ -344,12 +344,6 @@ class ChatScreen(Screen):
 
     def action_focus_prompt(self) -> None:
         self.query_one("#prompt", Input).focus()
-
-    def on_resize(self, event) -> None:
-        # a compact footer without the palette's key keeps "f1 help" on an 80-column line
-        footer = self.query_one(Footer)
-        footer.compact = event.size.width < SIDE_PANEL_MIN_WIDTH
-        footer.show_command_palette = not footer.compact
 
     def on_screen_resume(self) -> None:
         """Back on the chat (F2 from another screen, or help closed): typing goes to the input again."""

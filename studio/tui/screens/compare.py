@@ -13,14 +13,14 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import Button, DataTable, Footer, Header, Input, Label, Static
+from textual.widgets import Button, DataTable, Header, Input, Label, Static
 
 from studio.errors import BadInput
 from studio.run.chat import ChatSession
 from studio.run.config import RunConfig
 from studio.run.worker import Worker
 from studio.tui.live import FRAME_S, FramePacer
-from studio.tui.widgets import StatusBar, TokenGrid
+from studio.tui.widgets import KeyFooter, StatusBar, TokenGrid
 from studio.tui.widgets.status import error_line
 from studio.viz.palette import legend_kind, legend_text
 from studio.viz.view import RunNumbers, RunView
@@ -173,7 +173,7 @@ class CompareScreen(Screen):
         yield DataTable(id="compare-table", zebra_stripes=True)
         yield Static(legend_text(), id="legend")
         yield StatusBar(id="status")
-        yield Footer()
+        yield KeyFooter()
 
     def on_mount(self) -> None:
         self.title = f"dlm-studio · compare · {self.session.engine.name}"
@@ -255,12 +255,14 @@ class CompareScreen(Screen):
         from studio.run.compare import rows, same_as
         table = self.query_one("#compare-table", DataTable)
         table.clear(columns=True)
-        table.add_columns("strategy", "tokens", "forwards", "TPF", "accept", "tok/s", "× ar", "same as", "stop")
+        # "same as" second: an 80-column terminal scrolls the last columns away, never the verdict
+        table.add_columns("strategy", "same as", "TPF", "accept", "× ar", "tok/s", "tokens", "forwards", "stop")
         results = {label: run.result for label, run in zip(self.labels, worker.runs)}
         for r in rows(results):
-            table.add_row(r["label"], str(r["n_tokens"]), str(r["forwards"]), f"{r['tpf']:.2f}",
-                          "—" if r["accept_rate"] is None else f"{r['accept_rate']:.2f}", f"{r['tok_s']:.1f}",
-                          "—" if r["speed_vs_ar"] is None else f"{r['speed_vs_ar']:.2f}×", same_as(r), r["stop_reason"])
+            table.add_row(r["label"], same_as(r), f"{r['tpf']:.2f}",
+                          "—" if r["accept_rate"] is None else f"{r['accept_rate']:.2f}",
+                          "—" if r["speed_vs_ar"] is None else f"{r['speed_vs_ar']:.2f}×", f"{r['tok_s']:.1f}",
+                          str(r["n_tokens"]), str(r["forwards"]), r["stop_reason"])
         table.display = True
         self.status("done: each run's output is compared with ar on the model it decodes, on the tokens both "
                     "produced")

@@ -31,7 +31,8 @@ def two_columns(title: str, rows) -> Table:
 
 
 def bindings_table(title: str, bindings) -> Table:
-    return two_columns(title, [(_keys(b.key), b.description) for b in bindings
+    """A key's tooltip where it has one: the footer's word for it is short enough for 80 columns."""
+    return two_columns(title, [(_keys(b.key), b.tooltip or b.description) for b in bindings
                                if isinstance(b, Binding) and b.description])
 
 

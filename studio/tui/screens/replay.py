@@ -8,11 +8,11 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import Button, Footer, Header, Input, Static
+from textual.widgets import Button, Header, Input, Static
 
 from studio.errors import BadInput
 from studio.events import Trace
-from studio.tui.widgets import Inspector, MetricsPanel, StatusBar, TokenGrid
+from studio.tui.widgets import Inspector, KeyFooter, MetricsPanel, StatusBar, TokenGrid
 from studio.tui.widgets.status import error_line
 from studio.tui.widgets.metrics import bar
 from studio.viz.palette import legend_text
@@ -20,19 +20,21 @@ from studio.viz.text import skipped_note
 from studio.viz.view import RunView
 
 SPEEDS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
+# one footer entry for each pair of keys ("., step", "+- speed"): 80 columns hold the screen's keys and the app's
+STEP, SPEED = Binding.Group("step", compact=True), Binding.Group("speed", compact=True)
 MIN_DELAY_S, MAX_DELAY_S = 0.03, 2.0   # a frame is never shorter or a pause longer than these
 
 
 class ReplayScreen(Screen):
     BINDINGS = [
         Binding("space", "play", "play/pause", id="replay.play"),
-        Binding("full_stop", "step(1)", "next step", id="replay.next"),
-        Binding("comma", "step(-1)", "prev step", id="replay.prev"),
+        Binding("full_stop", "step(1)", "next step", group=STEP, id="replay.next"),
+        Binding("comma", "step(-1)", "prev step", group=STEP, id="replay.prev"),
         Binding("right_square_bracket", "step(10)", "+10", show=False, id="replay.next10"),
         Binding("left_square_bracket", "step(-10)", "-10", show=False, id="replay.prev10"),
-        Binding("plus,equals_sign", "speed(1)", "faster", id="replay.faster"),
-        Binding("minus", "speed(-1)", "slower", id="replay.slower"),
-        Binding("ctrl+o", "focus_path", "open trace", id="replay.open"),
+        Binding("plus,equals_sign", "speed(1)", "faster", group=SPEED, id="replay.faster"),
+        Binding("minus", "speed(-1)", "slower", group=SPEED, id="replay.slower"),
+        Binding("ctrl+o", "focus_path", "open", id="replay.open"),
     ]
 
     def __init__(self, trace: Trace | None = None):
@@ -60,7 +62,7 @@ class ReplayScreen(Screen):
                 yield MetricsPanel(id="metrics")
         yield Static(legend_text(), id="legend")
         yield StatusBar(id="status")
-        yield Footer()
+        yield KeyFooter()
 
     def on_mount(self) -> None:
         self.title = "dlm-studio · replay"
