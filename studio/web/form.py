@@ -19,7 +19,7 @@ from studio.errors import BadInput
 from studio.presets import list_presets, load_strategy_preset
 from studio.run.config import RunConfig, parse_value, presets_for
 from studio.web.paramspec import ParamField, param_fields, toml_inline
-from studio.web.render import note_html
+from studio.web.render import esc, note_html
 
 # generation settings: key -> (label, help, precision: 0 = an integer)
 SETTINGS = {"temperature": ("temperature", "0 = greedy", None), "top_k": ("top-k", "0 = off", 0),
@@ -146,6 +146,9 @@ class RunForm:
                     for f in param_fields(name):
                         value = shown[f.key] if name == initial_strategy else _shown(f, f.default)
                         self.fields[f.key] = _component(f, value, f"{prefix}-{f.key}")
+                if any(f.brief != f.help for f in param_fields(name)):
+                    with gr.Accordion("What these parameters do", open=False):
+                        gr.HTML(help_table(param_fields(name)))
             self.groups[name] = group
         with gr.Row():
             self.settings = settings_fields(shown, prefix)
@@ -173,8 +176,14 @@ class RunForm:
         return updates
 
 
+def help_table(fields) -> str:
+    """Every parameter's whole help, a row each (the field shows its `brief`)."""
+    rows = "".join(f"<tr><th>{esc(f.label)}</th><td>{esc(f.help)}</td></tr>" for f in fields)
+    return f'<table class="param-help">{rows}</table>'
+
+
 def _component(f: ParamField, value: object, elem_id: str) -> gr.components.Component:
-    common = {"label": f.label, "info": f.help or None, "elem_id": elem_id, "min_width": 140, "elem_classes": "param"}
+    common = {"label": f.label, "info": f.brief or None, "elem_id": elem_id, "min_width": 140, "elem_classes": "param"}
     if f.kind is bool:
         return gr.Checkbox(value, **common)
     if f.kind is int:

@@ -14,6 +14,9 @@ from studio.engine.strategies import STRATEGIES
 from studio.engine.strategies.params import ROLE_LABELS, ParamSpec, param_specs
 
 
+BRIEF_CHARS = 80   # a field's help line in the form: about two lines of a 140-pixel field's width
+
+
 @dataclass(frozen=True)
 class ParamField(ParamSpec):
     strategy: str
@@ -22,6 +25,14 @@ class ParamField(ParamSpec):
     def key(self) -> str:
         """The keyword the web API knows this field by, e.g. `jacobi_mr_block_size`."""
         return f"{self.strategy}_{self.name}".replace("-", "_")
+
+    @property
+    def brief(self) -> str:
+        """The line under the field: its help, cut to BRIEF_CHARS at a word (the whole help is in the form's "What
+        these parameters do")."""
+        if len(self.help) <= BRIEF_CHARS:
+            return self.help
+        return self.help[:BRIEF_CHARS].rsplit(" ", 1)[0] + " …"
 
     @property
     def label(self) -> str:

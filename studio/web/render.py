@@ -332,6 +332,7 @@ CSS = f"""
 .roles {{ font-size: 12px; margin: 0 0 4px; color: #333; }}
 .roles summary {{ cursor: pointer; color: #555; }}
 .roles ul {{ margin: 2px 0 0 18px; padding: 0; columns: 2 320px; }}
+.param-help {{ font-size: 0.85em; }} .param-help th {{ text-align: left; white-space: nowrap; padding-right: 1em; }}
 .block.param {{ min-width: min(140px, 100%) !important; }}   /* a checkbox ignores min_width: no field is squeezed */
 .block.status {{ min-height: 3em; }}   /* room for gradio's tracker: "queue: 1/2" while a request waits */
 .metrics {{ display: flex; flex-wrap: wrap; gap: 4px 14px; font-size: 13px; align-items: baseline; }}

@@ -6,6 +6,7 @@ view is also checked for escaping. The browser test (test_web_browser.py) reuses
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -201,6 +202,25 @@ def test_a_new_parameter_appears_in_the_form_with_its_metadata(monkeypatch):
     assert isinstance(field, gr.Dropdown) and [value for _, value in field.choices] == ["fine", "coarse"]
     assert (field.label, field.info) == ("salt", "how coarse the salt is")
     assert form.fields["salted_isd_stride"].label == "stride (N)"
+
+
+def test_a_field_s_help_is_a_line_or_two_and_the_whole_text_is_one_click_away():
+    """The form showed every help in full under its field: walls of text (the drafting and lookup helps run to 200-336
+    characters). A field shows `brief`; the group's "What these parameters do" holds each help whole, escaped."""
+    import gradio as gr
+    from studio.web.form import RunForm, help_table
+    from studio.web.paramspec import BRIEF_CHARS
+    long = [f for name in STRATEGIES for f in param_fields(name) if len(f.help) > BRIEF_CHARS]
+    assert long   # the case exists
+    with gr.Blocks():
+        form = RunForm(RunConfig("isd"), "test")
+    for name in STRATEGIES:
+        for f in param_fields(name):
+            info = form.fields[f.key].info
+            assert info and len(info) <= BRIEF_CHARS + 2 and f.help.startswith(info.removesuffix(" …")), f.key
+    drafting = next(f for f in param_fields("isd") if f.name == "drafting")
+    assert drafting in long and drafting.help in help_table(param_fields("isd")).replace("&#x27;", "'")
+    assert "<b>" not in help_table([dataclasses.replace(drafting, help="<b>bold</b>")])
 
 
 # -- chat -------------------------------------------------------------------------------------------
@@ -527,8 +547,6 @@ def test_the_engine_queue_serves_one_decoding_request_at_a_time(server):
 
 
 def test_names_shown_are_the_models_own_and_never_a_server_path():
-    import dataclasses
-
     from studio.viz.figures import tpf_figure
     engine = dataclasses.replace(web_engine(), name="default")
     engine.config = dataclasses.replace(engine.config, name="SmolLM2-135M")

@@ -35,7 +35,7 @@ class ISD(Strategy):
                           choices=MODES)
         drafting: str = param("auto", drafting.HELP + " (stride - 1 drafts)", choices=drafting.DRAFTING)
         lookup: int = param(2, prompt_lookup.HELP + " (a cold round's, up to stride - 1; exact mode, not under "
-                               "--oracle-accept)")
+                               "bench's oracle)")
 
     @staticmethod
     def validate(p) -> None:
