@@ -97,17 +97,20 @@ def bench_clients(
     strategies: str = STRATEGIES,
     prompts: Optional[Path] = PROMPTS,
     repeats: int = REPEATS,
+    mixed: bool = typer.Option(False, "--mixed", help="One load of every strategy at once (prompt i under strategy "
+                               "i mod k) instead of one load per strategy."),
     as_json: bool = AS_JSON,
     *, model: ModelChoice, config: RunConfig,
 ):
     """The server's throughput under N concurrent clients against one client at a time.
 
-    The prompts go through `dlm-studio serve` (in process, loopback), per strategy (ar, isd and r-isd batch; the
-    others queue): throughput, speed-up and whether the answers match."""
+    The prompts go through `dlm-studio serve` (in process, loopback), per strategy or (--mixed) all strategies in one
+    load (ar, isd and r-isd batch, each in a batch of its own; the others queue): throughput, speed-up and whether
+    the answers match."""
     from studio.run.bench import load_prompts
     if repeats < 1:
         raise BadInput("--repeats must be >= 1")
-    _bench_clients(model, config, strategies, load_prompts(prompts), n, repeats, as_json, conflicts={})
+    _bench_clients(model, config, strategies, load_prompts(prompts), n, repeats, as_json, conflicts={}, mixed=mixed)
 
 
 def _bench_strategies(model: ModelChoice, config: RunConfig, strategies: str, prompts: Path | None, task: str | None,
@@ -193,7 +196,7 @@ def _progress_lines(total: int):
 
 
 def _bench_clients(model: ModelChoice, config: RunConfig, strategies: str, prompts: list[str], clients: int,
-                   repeats: int, as_json: bool, conflicts: dict) -> None:
+                   repeats: int, as_json: bool, conflicts: dict, mixed: bool = False) -> None:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -212,7 +215,8 @@ def _bench_clients(model: ModelChoice, config: RunConfig, strategies: str, promp
     with Console(stderr=True).status(f"{len(prompts)} prompts from {clients} clients and from one"):
         given = config.length_given()
         limit = 64 if given is None else given   # None: unset
-        report = measure_clients(engine, configs, prompts, clients, limit, repeats, chat_template=model.chat_template)
+        report = measure_clients(engine, configs, prompts, clients, limit, repeats, chat_template=model.chat_template,
+                                 mixed=mixed)
     if as_json:
         print(json.dumps(report))
         return

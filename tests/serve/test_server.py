@@ -243,6 +243,13 @@ def test_bench_clients_measures_the_server_concurrent_against_one_at_a_time(engi
     assert [(s["label"], s["batched"]) for s in rep["strategies"]] == [("ar", True), ("isd", True), ("jacobi", False)]
     for s in rep["strategies"]:
         assert s["identical"] == 1.0 and s["speedup"]["n"] == 2 and s["tok_s_concurrent"]["min"] > 0
+    # one load of ar, isd and r-isd at once: each strategy in a batch of its own, every answer its solo run's
+    res = CliRunner().invoke(app, ["bench", "clients", "3", "-s", "isd,r-isd", "--mixed", "--prompts", str(prompts),
+                                   "--max-new-tokens", "6", "--repeats", "1", "--json"])
+    assert res.exit_code == 0, (res.output, res.exception)
+    rep = json.loads(res.stdout)
+    assert rep["mixed"] and [(s["label"], s["batched"], s["identical"]) for s in rep["strategies"]] == [
+        ("ar+isd+r-isd", True, 1.0)]
     bad = CliRunner().invoke(app, ["bench", "--clients", "3", "--task", "quick"])   # the old spelling
     assert "--clients measures the server alone: drop --task" in str(bad.exception)
     bad = CliRunner().invoke(app, ["bench", "clients", "0"])
