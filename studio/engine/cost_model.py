@@ -72,7 +72,7 @@ def cost_table(engine, refresh: bool = False) -> CostTable:
             return table
     random_weights = engine.source == RANDOM_SOURCE
     if on_measure is not None and not random_weights:
-        on_measure(measuring_line(engine.name))
+        on_measure(measuring_line(engine))
     table = calibrate(engine)
     store(engine, table)
     if on_measure is not None and not random_weights and not table.steady:
@@ -80,8 +80,10 @@ def cost_table(engine, refresh: bool = False) -> CostTable:
     return table
 
 
-def measuring_line(model: str) -> str:
-    """What a front end says while a table is measured (the first cost-aware run on a model waits for it)."""
+def measuring_line(engine) -> str:
+    """What a front end says while a table is measured (the first cost-aware run on a model waits for it): the model
+    by its own name (the embedded one's spec is `default`)."""
+    model = engine.config.name or engine.name
     return (f"measuring this machine's forward costs for {model} (10-30 s, once per model, device and dtype): "
             "cost-aware drafting plans with them …")
 

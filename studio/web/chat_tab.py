@@ -237,7 +237,7 @@ def _start(p: _Page, tab: ChatTab, text: str, pace_ms: float, values: dict, rese
         # nothing is answered yet
         from studio.engine.cost_model import measuring_line
         pending = tab.session.conversation.messages + [{"role": "user", "content": text}]
-        yield {p.status: render.note_html(measuring_line(tab.session.engine.name)), p.state: tab, p.message: "",
+        yield {p.status: render.note_html(measuring_line(tab.session.engine)), p.state: tab, p.message: "",
                p.chatbot: render.chat_messages(pending)}
         try:
             tab.session.measure_costs()

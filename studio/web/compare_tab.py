@@ -58,7 +58,7 @@ def measuring_first(engine, names: list[str], settings: dict) -> str | None:
         pending = any(costs_pending(engine, config.build()[0]) for config in configs.values())
     except BadInput:
         return None
-    return measuring_line(engine.name) if pending else None
+    return measuring_line(engine) if pending else None
 
 
 def build(engine, chat_template: bool, downloads: Downloads, engine_queue: dict) -> None:

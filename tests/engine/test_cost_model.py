@@ -163,3 +163,14 @@ def test_models_costs_warns_of_a_table_measured_on_a_busy_machine(monkeypatch):
     res = CliRunner().invoke(app, ["models", "costs"])
     assert res.exit_code == 0 and "times spread 40%" in res.stdout
     assert "warning: the machine was busy" in res.stderr and "--refresh" in res.stderr
+
+
+def test_the_measuring_line_names_the_model_by_its_own_name_not_its_spec():
+    """The embedded model is loaded as `default`: the line said 'forward costs for default'."""
+    import dataclasses
+
+    from studio.engine.cost_model import measuring_line
+    engine = dataclasses.replace(tiny_engine("llama"), name="default")
+    assert "forward costs for default " in measuring_line(engine)
+    engine.config = dataclasses.replace(engine.config, name="SmolLM2-135M-Instruct")
+    assert "forward costs for SmolLM2-135M-Instruct (10-30 s" in measuring_line(engine)

@@ -144,7 +144,7 @@ class ChatScreen(Screen):
         """A cost-aware strategy's first turn on a model, device and dtype measures the forward costs it plans with
         (20-30 s on a 2-core CPU): off the UI thread, said in the status, and then the turn starts."""
         from studio.engine.cost_model import measuring_line
-        self.app.call_from_thread(self.status, measuring_line(self.session.engine.name))
+        self.app.call_from_thread(self.status, measuring_line(self.session.engine))
         error = None
         try:
             self.session.measure_costs()
