@@ -42,10 +42,11 @@ from studio import events as ev
 from studio.engine.kv_cache import SlotView
 from studio.engine.gated_lora import RowGate
 from studio.engine.strategies.base import Output
-from studio.engine.strategies.isd import ISD
+from studio.engine.strategies.isd import ISD, expected_tpf
 from studio.errors import BadInput
 
 BATCHED = ("ar", "isd", "r-isd")
+PRIOR_ACCEPTANCE = 0.5   # what the cost-aware planner expects of a draft slot before any verdict (drafting.py)
 
 Row = tuple[list[int], list[bool]]     # one sequence's tokens in a batched forward, and their LoRA gate
 
@@ -283,6 +284,24 @@ def round_shape(strategy, sampling) -> int:
     return strategy.params.stride if isinstance(strategy, ISD) else 1
 
 
+def batch_stride(strategy, sampling, costs, batch: int, gate_clean_rows: bool) -> int:
+    """The stride a batch of up to `batch` sequences decodes `strategy` with, decided when the batch starts: its own
+    (`round_shape`) where a full round pays for its rows by the cost table `costs` at the planner's prior acceptance
+    (`expected_tpf` tokens a sequence for batch x (2N-1) rows, against one for `batch` rows), else 1: AR rounds of
+    the model the strategy decodes, which give its greedy tokens (it is lossless) at a fraction of the rows. On a
+    2-core CPU a forward's cost grows with its rows, so drafts do not pay there even at batch 1; on a GPU far from
+    its compute they do. The batch is judged at the most sequences whose full round the table measured (16 rows: 2
+    of stride 4), never on rows it extrapolates. `costs` None: no table to judge by, the strategy's stride."""
+    stride = round_shape(strategy, sampling)
+    if stride == 1 or costs is None:
+        return stride
+    width = 2 * stride - 1
+    b = max(1, min(batch, costs.max_rows // width))
+    full = costs.forward_ms(b * width, gated=b * (stride - 1 + (stride if gate_clean_rows else 0)))
+    ar = costs.forward_ms(b, gated=b if gate_clean_rows else 0)
+    return stride if full / expected_tpf(PRIOR_ACCEPTANCE, stride) < ar else 1
+
+
 def decode_strategy_batch(engine, strategy, sampling, prompts: list[list[int]],
                           max_new_tokens: int) -> list[SequenceResult]:
     """`strategy` (ar, isd, r-isd; greedy) on `prompts` in one stationary batch, with the adapter that strategy
@@ -301,10 +320,14 @@ class ContinuousBatch:
     `decode_batch` do, with no padding), then its cache row joins the batch's; every round is one [B, 2N-1] forward
     of the sequences still running, each at its own slots; a finished or dropped sequence leaves at once. Each
     sequence goes through its batch-1 rounds, so its tokens are its solo run's, and its events carry its own clock
-    (from its join). `engine`: the adapter view the strategy runs with (`Engine.for_strategy`)."""
+    (from its join). `engine`: the adapter view the strategy runs with (`Engine.for_strategy`); `stride`: 1 for AR
+    rounds of the model `strategy` decodes (`batch_stride`), else None, the strategy's own."""
 
-    def __init__(self, engine, strategy, sampling):
-        self.engine, self.stride = engine, round_shape(strategy, sampling)
+    def __init__(self, engine, strategy, sampling, stride: int | None = None):
+        own = round_shape(strategy, sampling)
+        if stride not in (None, 1, own):
+            raise ValueError(f"a batch of {strategy.name} runs at stride {own} or 1, not {stride}")
+        self.engine, self.stride = engine, own if stride is None else stride
         self.n_mask, self.width = self.stride - 1, 2 * self.stride - 1
         self.gate_clean_rows = strategy.clean_gate(engine.lora)
         self.mask_id, self.eos = engine.config.mask_token_id, frozenset(engine.eos_ids())

@@ -1,7 +1,8 @@
 """The decode thread of the server: requests wait in a bounded queue and up to `max_running` of them decode
 (docs/serving.md#scheduling). Greedy, lossless ar/isd/r-isd requests decode in continuous batches (one per strategy
-and stride: a request joins between rounds and leaves when it ends, its output its solo run's); every other request
-is a run of its own. Each turn of the loop advances every batch by one round and every solo run by one step.
+and stride: a request joins between rounds and leaves when it ends, its output its solo run's; where the machine's
+forward costs say drafts do not pay at the server's batch size, isd and r-isd batches run AR rounds of the model they
+decode, the same tokens); every other request is a run of its own. Each turn of the loop advances every batch by one round and every solo run by one step.
 
 One thread owns the engine: runs are built, advanced and finished only here, so the HTTP side never touches the
 model. A job's messages go back to its handler through `Job.post` (thread-safe), in order:
@@ -200,8 +201,8 @@ class Scheduler:
     def _begin(self, job: Job) -> list[Job]:
         """Start a job: join its batch, or build its run; the jobs that finished at once."""
         from studio import events as ev
-        from studio.engine.batch import ContinuousBatch, unbatchable
-        from studio.run.session import Run, kv_length_needed, prepare, run_header
+        from studio.engine.batch import ContinuousBatch, batch_stride, round_shape, unbatchable
+        from studio.run.session import Run, kv_length_needed, planning_costs, prepare, run_header
         if job.cancelled.is_set():
             return []
         strategy, settings = job.request.config.build()
@@ -210,12 +211,15 @@ class Scheduler:
             view = self.engine.for_strategy(strategy.name)
             kv_length_needed(view, strategy, settings, job.prompt_ids)
             header = run_header(view, strategy, settings, job.request.prompt_text, job.prompt_ids)
-            if "drafting" in header["params"]:   # a batch drafts in full (studio.engine.batch.round_shape)
+            costs = planning_costs(view) if round_shape(strategy, settings.sampling) > 1 else None
+            stride = batch_stride(strategy, settings.sampling, costs, self.limits.max_running,
+                                  strategy.clean_gate(view.lora))
+            if stride > 1 and "drafting" in header["params"]:   # a drafting batch drafts in full (round_shape)
                 header["params"].update(drafting="fixed", lookup=0)
-            job.header = ev.full_header(dict(header, batched=True))
-            key = (strategy.name, getattr(strategy.params, "stride", 1), view.adapter)
+            job.header = ev.full_header(dict(header, batched=True, batch_stride=stride))
+            key = (strategy.name, stride, view.adapter)
             if key not in self._batches:
-                self._batches[key] = _Batch(ContinuousBatch(view, strategy, settings.sampling))
+                self._batches[key] = _Batch(ContinuousBatch(view, strategy, settings.sampling, stride))
                 with self._wake:
                     self._units.append(self._batches[key])
             return self._batches[key].join(job, settings)

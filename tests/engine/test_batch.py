@@ -265,3 +265,36 @@ def test_bench_concurrency_bad_input_before_the_model_loads(monkeypatch, args, n
     monkeypatch.setattr(Engine, "load", staticmethod(lambda *a, **kw: pytest.fail("the model was loaded")))
     res = CliRunner().invoke(app, ["bench", *args])
     assert isinstance(res.exception, BadInput) and needle in str(res.exception) and "\n" not in str(res.exception)
+
+
+def test_a_batch_drafts_only_where_the_cost_table_says_a_full_round_pays():
+    from studio.engine.batch import batch_stride
+    from studio.engine.cost_table import FLAT_COSTS, CostTable
+    from studio.engine.sampling import SamplingParams
+    from studio.engine.strategies import make_strategy
+    greedy = SamplingParams(0.0)
+    isd, ar = make_strategy("isd", {"stride": 4}), make_strategy("ar")
+    linear = CostTable({"test": "linear"}, 0, tuple(float(n) for n in range(1, 17)))
+    # 1.47 tokens a sequence (prior 0.5) for 7 rows against 1 for 1: a full round must cost under 1.47 AR rounds,
+    # judged at 2 sequences (14 of the table's 16 rows) however large the batch
+    half = CostTable({"test": "half"}, 0, (1.0,) * 6 + (1.6,) * 10)
+    assert [batch_stride(isd, greedy, costs, 8, False) for costs in (FLAT_COSTS, None, linear, half)] == [4, 4, 1, 1]
+    almost = CostTable({"test": "almost"}, 0, (1.0,) * 6 + (1.45,) + (1.5,) * 9)   # 1 sequence: 1.45 < 1.47
+    assert batch_stride(isd, greedy, almost, 1, False) == 4 and batch_stride(isd, greedy, almost, 8, False) == 1
+    assert batch_stride(ar, greedy, linear, 8, False) == batch_stride(ar, greedy, FLAT_COSTS, 8, False) == 1
+
+
+def test_an_isd_batch_at_stride_1_answers_greedy_ar():
+    from studio.engine.sampling import SamplingParams
+    from studio.engine.strategies import make_strategy
+    engine = tiny_engine("llama", vocab=24, seed=5)
+    ar = ContinuousBatch(engine, make_strategy("ar"), SamplingParams(0.0))
+    isd = ContinuousBatch(engine, make_strategy("isd"), SamplingParams(0.0), stride=1)
+    seqs = [(b.join([1, 2, 3, 4], 20), b) for b in (ar, isd)]
+    while ar.sequences or isd.sequences:
+        ar.step(), isd.step()
+    (a, _), (i, _) = seqs
+    assert i.result().token_ids == a.result().token_ids and len(a.result().token_ids) == 20
+    assert {e["role"] for e in i.result().events if e["t"] == "forward"} == {"prefill", "extend"}
+    with pytest.raises(ValueError, match="stride 4 or 1, not 2"):
+        ContinuousBatch(engine, make_strategy("isd"), SamplingParams(0.0), stride=2)

@@ -72,7 +72,10 @@ def test_chat_and_completions_through_the_openai_client_are_the_solo_runs(engine
     assert "".join(pieces) == solo(engine, "r-isd", "aaab", 8)
 
 
-def test_per_step_events_in_the_stream_follow_the_schema_and_are_the_trace(url):
+def test_per_step_events_in_the_stream_follow_the_schema_and_are_the_trace(url, monkeypatch):
+    """Of a batch that drafts: under flat costs drafts pay at any batch size (a GPU's case)."""
+    from studio.engine.cost_table import FLAT_COSTS
+    monkeypatch.setattr("studio.run.session.planning_costs", lambda engine: FLAT_COSTS)
     chunks = list(client(url).completions.create(model="default:isd", prompt="abab", max_tokens=10, stream=True,
                                                  stream_options={"include_events": True}))
     traces = [ch.model_extra["dlm_trace"] for ch in chunks]
@@ -90,6 +93,31 @@ def test_per_step_events_in_the_stream_follow_the_schema_and_are_the_trace(url):
     assert got.status_code == 200
     lines = got.text.splitlines()
     assert json.loads(lines[0])["run_id"] == header["run_id"] and len(lines) == len(events) + 2
+
+
+def test_a_batch_runs_ar_rounds_where_drafts_do_not_pay_and_answers_what_each_strategy_answers(engine, monkeypatch):
+    """A forward's cost in proportion to its rows (a 2-core CPU's case): a full ISD round of 8 sequences is 56 rows
+    for ~1.5 tokens each, so isd and r-isd batches run AR rounds of the model they decode (header batch_stride 1,
+    'extend' forwards, nothing proposed) and still answer their solo runs' tokens; under flat costs they draft."""
+    from studio.engine.cost_table import FLAT_COSTS, CostTable
+    linear = CostTable({"test": "linear"}, 0, tuple(float(n) for n in range(1, 17)))
+    for costs, stride in ((linear, 1), (FLAT_COSTS, 4)):
+        monkeypatch.setattr("studio.run.session.planning_costs", lambda engine, costs=costs: costs)
+        with serving(build_app(engine, RunConfig("ar"), limits=Limits(max_tokens=64, max_running=8))) as base:
+            for strategy in ("isd", "r-isd"):
+                body = {"prompt": "abcab", "max_tokens": 10, "strategy": strategy, "stream": True,
+                        "stream_options": {"include_events": True}}
+                with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+                    traces = [json.loads(line[6:])["dlm_trace"] for line in r.iter_lines()
+                              if line.startswith("data: {")]
+                header = traces[0]["header"]
+                events = [e for t in traces[1:-1] for e in t["events"]]
+                assert header["batched"] and header["batch_stride"] == stride, (strategy, stride)
+                roles = {e["role"] for e in events if e["t"] == "forward"}
+                assert roles == {"prefill", "extend"} if stride == 1 else "verify" in roles, (strategy, roles)
+                assert any(e["t"] == "propose" for e in events) == (stride > 1)
+                text = "".join(e["text"] for e in events if e["t"] == "emit")
+                assert text == solo(engine, strategy, "abcab", 10), (strategy, stride)
 
 
 @pytest.mark.parametrize("body, status, param", [
