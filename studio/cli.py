@@ -242,6 +242,7 @@ def lm_eval_command(ctx: typer.Context):
     if not any(a == "--device" or a.startswith("--device=") for a in args):
         args += ["--device", "auto"]   # lm-eval's own default is cuda:0: the studio picks its device itself
     sys.argv = ["lm_eval", *args]
+    say_when_measuring_costs()   # a first cost-aware answer waits for the table: say so, not a silent 15 s
     harness.cli_evaluate()
 
 

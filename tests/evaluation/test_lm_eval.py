@@ -153,3 +153,12 @@ def test_lm_eval_device_settings():
     assert made[0]["batch_size"] == 1
     with pytest.raises(BadInput, match="disagree"):
         Recorder.create_from_arg_string("device=cpu", {"device": "cuda:0"})
+
+
+def test_lm_eval_says_when_it_measures_the_forward_costs(monkeypatch):
+    """A first cost-aware answer waits ~15 s for the cost table; lm-eval's progress bar showed only '15.6s/answer'.
+    The command arms the CLI's notice (one stderr line, as every other command) before lm-eval starts."""
+    from studio.engine import cost_model
+    monkeypatch.setattr(cost_model, "on_measure", None)
+    CliRunner().invoke(app, ["lm-eval", "--no-such-option"])   # lm-eval refuses it; the notice is armed before
+    assert cost_model.on_measure is not None
