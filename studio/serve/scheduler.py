@@ -1,8 +1,9 @@
 """The decode thread of the server: requests wait in a bounded queue and up to `max_running` of them decode
 (docs/serving.md#scheduling). Greedy, lossless ar/isd/r-isd requests decode in continuous batches (one per strategy
 and stride: a request joins between rounds and leaves when it ends, its output its solo run's; where the machine's
-forward costs say drafts do not pay at the server's batch size, isd and r-isd batches run AR rounds of the model they
-decode, the same tokens); every other request is a run of its own. Each turn of the loop advances every batch by one round and every solo run by one step.
+forward costs say drafts do not pay at the server's batch size, isd and r-isd batches run AR rounds of the model
+they decode, the same tokens); every other request is a run of its own. Each turn of the loop advances every batch
+by one round and every solo run by one step.
 
 One thread owns the engine: runs are built, advanced and finished only here, so the HTTP side never touches the
 model. A job's messages go back to its handler through `Job.post` (thread-safe), in order:

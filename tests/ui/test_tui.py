@@ -356,7 +356,8 @@ def test_snapshot_chat(snap_compare, fake_clock):
 
 
 
-def test_snapshot_replay(snap_compare, monkeypatch, tmp_path):
+def replay_of_the_fixture_trace(monkeypatch, tmp_path) -> StudioApp:
+    """The app replaying tests/support/fixtures' isd_smollm2.jsonl, drawn the same on every machine."""
     from studio.engine import model_cache
     from studio.events import read_trace
     from tests.support.fixtures import traces
@@ -364,8 +365,11 @@ def test_snapshot_replay(snap_compare, monkeypatch, tmp_path):
     # the same picture whether or not this machine has the trace's tokenizer (it names proposals)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(model_cache, "_find_tokenizer", functools.lru_cache(model_cache._find_tokenizer.__wrapped__))
-    trace = read_trace("isd_smollm2.jsonl")
-    app = StudioApp(None, trace=trace)
+    return StudioApp(None, trace=read_trace("isd_smollm2.jsonl"))
+
+
+def test_snapshot_replay(snap_compare, monkeypatch, tmp_path):
+    app = replay_of_the_fixture_trace(monkeypatch, tmp_path)
 
     async def before(pilot):
         await pilot.press(*["full_stop"] * 8, "right", "right", "right")

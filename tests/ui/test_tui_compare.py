@@ -196,14 +196,16 @@ def test_four_panes_at_150_columns_show_their_labels_and_numbers_whole():
     asyncio.run(go())
 
 
+async def compared_for_a_snapshot(pilot) -> None:
+    """isd and jacobi against ar, 12 tokens, until the table is shown, filled and laid out (on a loaded machine the
+    screenshot once came a refresh before the layout)."""
+    await open_compare(pilot, "isd,jacobi", max_new_tokens="12")
+    table = pilot.app.screen.query_one("#compare-table")
+    await press_button(pilot, "#compare-run")
+    await wait_until(pilot, lambda: table.display and table.row_count == 3 and table.size.height > 0)
+    await pilot.pause()
+
+
 def test_snapshot_compare(snap_compare, fake_clock):   # noqa: F811 (the fixture imported above)
     app = StudioApp(session("ar", n=12, temperature=0.8))
-
-    async def before(pilot):
-        await open_compare(pilot, "isd,jacobi", max_new_tokens="12")
-        table = app.screen.query_one("#compare-table")
-        await press_button(pilot, "#compare-run")
-        # shown, filled and laid out: on a loaded machine the screenshot once came a refresh before the layout
-        await wait_until(pilot, lambda: table.display and table.row_count == 3 and table.size.height > 0)
-        await pilot.pause()
-    assert snap_compare(app, terminal_size=SIZE, run_before=before)
+    assert snap_compare(app, terminal_size=SIZE, run_before=compared_for_a_snapshot)

@@ -333,29 +333,13 @@ def test_at_80x24_every_screen_s_footer_shows_its_keys_and_the_compare_table_its
 
 @pytest.mark.usefixtures("fake_clock")
 def test_snapshot_compare_at_80x24(snap_compare):
-    from tests.ui.test_tui_compare import open_compare
-    app = StudioApp(session("ar", n=12))
-
-    async def before(pilot):
-        await open_compare(pilot, "isd,jacobi", max_new_tokens="12")
-        table = app.screen.query_one("#compare-table")
-        await press_button(pilot, "#compare-run")
-        await wait_until(pilot, lambda: table.display and table.row_count == 3 and table.size.height > 0)
-        await pilot.pause()
-    assert snap_compare(app, terminal_size=SMALL, run_before=before)
+    from tests.ui.test_tui_compare import compared_for_a_snapshot
+    assert snap_compare(StudioApp(session("ar", n=12)), terminal_size=SMALL, run_before=compared_for_a_snapshot)
 
 
 def test_snapshot_replay_at_80x24(snap_compare, monkeypatch, tmp_path):
-    import functools
-    import pathlib
-
-    from studio.engine import model_cache
-    from studio.events import read_trace
-    from tests.support.fixtures import traces
-    monkeypatch.chdir(pathlib.Path(traces.__file__).parent)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))   # the same picture with or without the trace's tokenizer
-    monkeypatch.setattr(model_cache, "_find_tokenizer", functools.lru_cache(model_cache._find_tokenizer.__wrapped__))
-    app = StudioApp(None, trace=read_trace("isd_smollm2.jsonl"))
+    from tests.ui.test_tui import replay_of_the_fixture_trace
+    app = replay_of_the_fixture_trace(monkeypatch, tmp_path)
 
     async def before(pilot):
         await pilot.press(*["full_stop"] * 8)
