@@ -87,11 +87,22 @@ def load_sequences(root: str | Path) -> list[Sequence]:
     return seqs
 
 
+def read_prompts(root: str | Path) -> list[str]:
+    """The prompts a data directory was made from, in order."""
+    f = Path(root) / PROMPTS
+    try:
+        return [json.loads(line)["prompt"] for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise BadInput(f"cannot read the prompts of {root} ({f.name}: {e})") from None
+
+
 def generate(engine, prompts: list[str], out: str | Path, max_new_tokens: int, batch_size: int = 64,
-             shard_size: int = 256, resume: bool = False, progress=None, meta: dict | None = None) -> dict:
+             shard_size: int = 256, resume: bool = False, progress=None, meta: dict | None = None,
+             gate_clean_rows: bool = False) -> dict:
     """Greedy answers of `engine` to `prompts`, written as shards under `out`; returns the manifest.
-    `progress(done_prompts, total_prompts, n_tokens)` is called after every batch."""
-    from studio.engine.batch import greedy_batch
+    `progress(done_prompts, total_prompts, n_tokens)` is called after every batch. `gate_clean_rows`: the answers
+    of the model an attached `all` adapter makes (its LoRA on every row), not of the base model."""
+    from studio.engine.batch import decode_batch
     from studio.run.session import encode_prompt
 
     root = Path(out)
@@ -103,7 +114,8 @@ def generate(engine, prompts: list[str], out: str | Path, max_new_tokens: int, b
         seqs: list[Sequence] = []
         for i in range(0, len(chunk), batch_size):
             ids = [encode_prompt(engine, p) for p in chunk[i:i + batch_size]]
-            answers = greedy_batch(engine.model, ids, max_new_tokens, eos)
+            answers = [r.token_ids for r in decode_batch(engine.model, ids, max_new_tokens, eos,
+                                                         gate_clean_rows=gate_clean_rows)]
             seqs += [Sequence(p + a, len(p)) for p, a in zip(ids, answers)]
             if progress:
                 progress(done + len(seqs), len(prompts), manifest["n_tokens"] + sum(len(s.tokens) for s in seqs))

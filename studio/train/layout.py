@@ -47,3 +47,21 @@ def noisy_rows_mask(starts: list[int], b: int, n_clean: int, bidirectional: bool
 def block_positions(starts: list[int], b: int) -> torch.Tensor:
     """RoPE positions of the noisy rows: block k covers starts[k] … starts[k]+b-1."""
     return (torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(b)[None, :]).reshape(-1)
+
+
+def jacobi_forcing_layout(prompt_len: int, n: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Jacobi Forcing's packed sequence `prompt + [k_0, l_0, k_1, l_1, ...]` (noisy block k_j, clean block l_j, n
+    tokens each): (positions [N], mask bool [N, N]), N = prompt_len + 2 * n_blocks * n. k_j and l_j share the
+    positions prompt_len + j*n + (0..n-1). The noise-aware causal mask: the prompt is causal; a noisy block sees the
+    prompt, the earlier noisy blocks and itself causally; a clean block the prompt, the earlier clean blocks and
+    itself causally; noisy and clean never see each other. One forward reads both streams."""
+    P, N = prompt_len, prompt_len + 2 * n_blocks * n
+    idx = torch.arange(N)
+    rel = (idx - P).clamp(min=0)
+    pair, offset = rel // (2 * n), rel % (2 * n)
+    stream = torch.where(idx < P, 0, torch.where(offset < n, 1, 2))          # 0 prompt, 1 noisy, 2 clean
+    order = torch.where(idx < P, idx, P + pair * n + offset % n)            # the position within its stream
+    q, k = (stream[:, None], order[:, None]), (stream[None, :], order[None, :])
+    causal = k[1] <= q[1]
+    mask = (k[0] == 0) & causal | (k[0] == q[0]) & (q[0] > 0) & causal
+    return order, mask

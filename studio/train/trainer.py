@@ -11,6 +11,7 @@ Checkpoints are written to temporary names and renamed: an interrupt never leave
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -34,7 +35,7 @@ LOG = "train_log.jsonl"
 
 @dataclass
 class TrainConfig:
-    kind: str                    # idlm | block | mdm
+    kind: str                    # idlm | block | mdm | jacobi
     gate: str                    # mask | all (mdm: all)
     steps: int = 400
     batch_size: int = 8
@@ -47,12 +48,16 @@ class TrainConfig:
     seed: int = 0
     stride: int = 4              # idlm: the last curriculum stage N (curriculum start_stride .. N)
     start_stride: int = 2        # idlm: the first stage (= stride: train at N only, e.g. from --init)
-    block_size: int = 4          # block
+    block_size: int = 4          # block; jacobi: n, the Jacobi block the trajectories were recorded at
     save_every: int = 25
     max_len: int = 320           # sequences are cut to this many tokens
     init: str | None = None      # an adapter to start from (its LoRA and MASK row; fresh optimizer and schedule)
     clean_loss: str = "ce"       # gate all: ce (the clean tokens, I-DLM Eq. 2) | kl (the base model's law)
     mask_loss: str = "ce"        # idlm, block: ce (the data's token) | kl (soft targets: the base model's law)
+    window: int = 8              # jacobi: the progressive schedule's window of blocks
+    schedule: str = "progressive"   # jacobi: progressive | random (the paper's ablation)
+    ar_weight: float = 10.0      # jacobi: loss = ar_weight * L_AR + L_consistency
+    distill_temperature: float = 1.0   # jacobi: the consistency loss's temperature
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -93,7 +98,7 @@ def train(model, seqs: list[Sequence], objective: Objective, cfg: TrainConfig, o
           on_step: Callable[[StepReport], None] | None = None) -> dict:
     """Train until cfg.steps or the time budget; returns the final train_state. Ctrl+C saves first."""
     root = Path(out)
-    seqs = [Sequence(s.tokens[:cfg.max_len], s.prompt_len) for s in seqs]
+    seqs = [dataclasses.replace(s, tokens=s.tokens[:cfg.max_len]) for s in seqs]   # a Trajectory stays one
     seqs = [s for s in seqs if len(s.tokens) - s.prompt_len >= objective.min_answer()]
     if not seqs:
         raise BadInput("no training sequence has a long enough answer")

@@ -29,6 +29,10 @@ def test_a_prompt_file_with_a_held_out_prompt_is_refused(tmp_path):
     (["block", "--data", "d", "--out", "o", "--clean-loss", "kl"], "--clean-loss applies to --gate all"),
     (["idlm", "--data", "d", "--out", "o", "--mask-loss", "soft"], "--mask-loss must be one of"),
     (["eval", "no-such-adapter", "--n-prompts", "0"], "--n-prompts"),
+    (["jacobi", "--data", "d", "--out", "o", "--schedule", "cyclic"], "--schedule must be one of"),
+    (["jacobi", "--data", "d", "--out", "o", "--block-size", "8", "--rows", "4"], "--rows must hold a whole block"),
+    (["jacobi", "--data", "d", "--out", "o", "--resume"], "nothing to resume in o"),
+    (["jacobi", "--data", "nowhere", "--out", "o"], "not a training-data directory"),
 ])
 def test_bad_training_arguments_are_one_line_errors(tmp_path, args, needle):
     assert_one_line_error(cli("train", *args, cwd=tmp_path), needle)
@@ -118,3 +122,28 @@ def test_eval_measures_every_draft_slot_of_a_cost_aware_strategy():
     assert got["r-isd"].params == got["s2d2"].params == {"drafting": "fixed", "lookup": 0}
     assert got["isd"].params == {"drafting": "auto", "lookup": 0}
     assert got["ar"].params == {} and got["blockdiff"].params == {}
+
+
+@pytest.mark.slow
+def test_train_jacobi_in_two_rounds_on_the_embedded_model(tmp_path, embedded_data):
+    """Round 1 records the trajectories at n=4 and trains; round 2 answers the prompts with round 1's model,
+    records at n=8 and trains on from round 1; a second call with --resume finds everything done; jacobi on the
+    adapter decodes what ar on it decodes."""
+    out = tmp_path / "jf"
+    args = ["train", "jacobi", "--data", str(embedded_data), "--out", str(out), "--block-size", "4", "--rounds", "2",
+            "--steps", "2", "--batch-size", "2", "--rows", "8", "--rank", "2"]
+    r = cli(*args, check_rc=0)
+    assert "round 2: training, step 2/2 (done)" in r.stdout
+    first = [json.loads(x) for x in (out / "round1" / "trajectories.jsonl").read_text().splitlines()]
+    second = [json.loads(x) for x in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert len(first) == 4 and {len(s) for t in first for b in t["states"] for s in b} == {4}
+    assert second and {len(s) for t in second for b in t["states"] for s in b} == {8}
+    assert json.loads((out / "train_state.json").read_text())["config"]["init"] == str(out / "round1")
+    assert json.loads((out / "round2-data" / "manifest.json").read_text())["adapter"] == str(out / "round1")
+    assert read_adapter(out).adapted_rows == "all"
+    assert "all rounds were done" in cli(*args, "--resume", check_rc=0).stdout
+    assert_one_line_error(cli(*args), "exists and is not empty")
+    prompt = "Name two planets."
+    runs = [json.loads(cli("run", prompt, "-s", s, "--adapter", str(out), "--max-new-tokens", "16", "--json",
+                           check_rc=0).stdout) for s in ("ar", "jacobi")]
+    assert runs[0]["token_ids"] == runs[1]["token_ids"]
