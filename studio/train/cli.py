@@ -348,6 +348,93 @@ def jacobi_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("de
                + ("; use it with --adapter " + str(out) if state["stopped"] == "done" else "; continue with --resume"))
 
 
+@train_app.command("tc")
+def tc_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("default", "--model"),
+           init: Path = typer.Option(Path("smollm2-mdm"), "--init", help="The masked-diffusion adapter whose "
+                                     "trajectories are compressed (and trained on)."),
+           preset: str = typer.Option("canvas-cpu", "--preset", help="The canvas decoding that records them."),
+           canvas: int = typer.Option(64, "--max-new-tokens", help="The canvas length of the recorded runs."),
+           min_agreement: float = typer.Option(0.5, "--min-agreement", help="Keep a trajectory when its answer "
+                                               "agrees with the data's (the base model's) on this share of tokens."),
+           steps: int = STEPS, batch_size: int = typer.Option(4, "--batch-size", help="Sequences per step."),
+           lr: float = typer.Option(5e-4, "--lr"), rank: int = RANK, alpha: float = ALPHA, seed: int = SEED,
+           save_every: int = SAVE_EVERY, time_budget: Optional[str] = BUDGET, resume: bool = RESUME,
+           device: str = DEVICE, dtype: str = DTYPE):
+    """Trajectory compression (dInfer App. C.1): the canvas model's own good trajectories, and a loss that makes
+    it reveal in one forward what they revealed in several."""
+    import time
+
+    from studio.engine.engine import Engine
+    from studio.errors import BadInput
+    from studio.run.config import RunConfig
+    from studio.run.session import run_to_end
+    from studio.train import compression
+    from studio.train.data import load_sequences
+    from studio.train.trainer import STATE_JSON, TrainConfig, train
+
+    if canvas < 1 or steps < 1 or batch_size < 1 or rank < 1 or save_every < 1:
+        raise BadInput("--max-new-tokens, --steps, --batch-size, --rank and --save-every must be >= 1")
+    if not 0 <= min_agreement <= 1:
+        raise BadInput(f"--min-agreement is a share in [0, 1], got {min_agreement:g}")
+    if not lr > 0 or not alpha > 0:
+        raise BadInput("--lr and --alpha must be positive")
+    budget = _parse_budget(time_budget)
+    golden = out / "golden.jsonl"
+    if resume and not golden.is_file():
+        raise BadInput(f"nothing to resume in {out} (no {golden.name})")
+    if not resume and out.exists() and any(out.iterdir()):
+        raise BadInput(f"{out} exists and is not empty: --resume to continue its run, or another --out")
+    init_path = _init_path(init)
+    config = RunConfig(strategy=None, preset=preset, temperature=0.0, max_new_tokens=canvas)
+    config.build()                              # a known preset with valid parameters, before the model loads
+    seqs = load_sequences(data)
+    engine = Engine.load(model, adapter=init_path, device=device, dtype=dtype)
+    if engine.config.attention == "causal":
+        raise BadInput(f"--init {init} is not a masked-diffusion adapter (train one with `train mdm`)")
+    fill = engine.eos_ids()[0]
+
+    def run_one(ids: list[int]):
+        strategy, settings = config.build()
+        r = run_to_end(engine, strategy, settings, "", ids)
+        return r.token_ids, r.events
+
+    t0 = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = TrainConfig(kind="tc", gate="all", steps=steps, batch_size=batch_size, lr=lr, r=rank, alpha=alpha,
+                      seed=seed, save_every=save_every, init=init_path)
+    with _progress("train tc", len(seqs)) as bar:
+        task = bar.add_task("record", total=len(seqs), info="")
+
+        def recorded(done: int, total: int, kept: int) -> None:
+            bar.update(task, completed=done, info=f"golden trajectories {kept}/{done} kept")
+
+        def tick(r) -> None:
+            acc = " ".join(f"{a:.2f}" for a in r.accuracy)
+            bar.update(task, completed=r.step, total=steps, info=f"loss {r.task:.3f} · acc {acc} · lr {r.lr:.1e}")
+            if not bar.console.is_terminal and (r.step % 10 == 0 or r.step == steps):
+                bar.console.print(f"step {r.step}/{steps} · loss {r.task:.3f} · acc {acc} · "
+                                  f"{time.perf_counter() - t0:.0f} s", highlight=False, markup=False)
+
+        try:
+            trajs = compression.record(run_one, seqs, canvas, fill, min_agreement, golden, progress=recorded)
+            if not trajs:
+                raise BadInput(f"no trajectory agreed with its data answer on {min_agreement:.0%} of the tokens: "
+                               "lower --min-agreement")
+            bar.reset(task, total=steps, description="train")
+            base = Engine.load(model, adapter="none", device=device, dtype=dtype)
+            objective = compression.Compression(base.model.lm_head.weight.shape[0], base.eos_ids(),
+                                                shift=base.config.logit_shift)
+            left = None if budget is None else max(0.0, budget - (time.perf_counter() - t0))
+            state = train(base.model, trajs, objective, cfg, out, resume=(out / STATE_JSON).is_file(),
+                          time_budget_s=left, on_step=tick)
+        except KeyboardInterrupt:
+            bar.stop()
+            raise Interrupted(f"stopped; the trajectories recorded and any checkpoint are kept in {out}: "
+                              "continue with --resume") from None
+    typer.echo(f"{out}: {len(trajs)} golden trajectories of {len(seqs)}, step {state['step']}/{steps} "
+               f"({state['stopped']}), {time.perf_counter() - t0:.0f} s; use it with --adapter {out}")
+
+
 def _init_path(init: Optional[Path]) -> Optional[str]:
     """--init as recorded in train_state.json: a shipped adapter's name or a directory, made absolute."""
     from studio.presets.shipped import adapter_path

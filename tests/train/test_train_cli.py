@@ -147,3 +147,21 @@ def test_train_jacobi_in_two_rounds_on_the_embedded_model(tmp_path, embedded_dat
     runs = [json.loads(cli("run", prompt, "-s", s, "--adapter", str(out), "--max-new-tokens", "16", "--json",
                            check_rc=0).stdout) for s in ("ar", "jacobi")]
     assert runs[0]["token_ids"] == runs[1]["token_ids"]
+
+
+@pytest.mark.slow
+def test_train_tc_compresses_the_shipped_canvas_adapter_s_trajectories(tmp_path, embedded_data):
+    out = tmp_path / "tc"
+    args = ["train", "tc", "--data", str(embedded_data), "--out", str(out), "--max-new-tokens", "16", "--min-agreement", "0",
+            "--steps", "2", "--batch-size", "2"]
+    r = cli(*args, check_rc=0)
+    assert "4 golden trajectories of 4, step 2/2 (done)" in r.stdout
+    rows = [json.loads(x) for x in (out / "golden.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(len(d["reveal"]) == 16 and min(d["reveal"]) >= 1 for d in rows)
+    state = json.loads((out / "train_state.json").read_text())
+    assert state["config"]["kind"] == "tc" and state["config"]["init"].endswith("smollm2-mdm")
+    assert read_adapter(out).attention == "bidirectional"
+    assert "step 2/2 (done)" in cli(*args, "--resume", check_rc=0).stdout      # nothing left to do
+    run = json.loads(cli("run", "Name two planets.", "--preset", "canvas-cpu", "--adapter", str(out),
+                         "--max-new-tokens", "16", "--json", check_rc=0).stdout)
+    assert run["model"]["adapter"] == str(out) and run["token_ids"]
