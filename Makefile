@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv run test test-exact test-baseline test-parallel fuzz gpu-numbers clean
+.PHONY: venv run test test-exact test-baseline test-parallel fuzz gpu-numbers gpu-train clean
 
 venv: $(STAMP)
 
@@ -61,6 +61,11 @@ test-parallel: venv
 # the GPU checks and numbers in one go (needs CUDA; JSON in gpu-numbers/): scripts/gpu-numbers.sh says what it runs
 gpu-numbers: venv
 	PYTHON=$(BIN)/python scripts/gpu-numbers.sh
+
+# every shipped adapter trained again in one short GPU run (needs CUDA; adapters and verdicts in gpu-train/):
+# scripts/gpu-train.sh says what it runs
+gpu-train: venv
+	PYTHON=$(BIN)/python scripts/gpu-train.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -31,6 +31,8 @@ def data_cmd(
     batch_size: int = typer.Option(64, "--batch-size", help="Prompts decoded at once (one stationary batch)."),
     seed: int = typer.Option(0, "--seed", help="Which sample of the built-in prompts."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run in --out."),
+    time_budget: Optional[str] = typer.Option(None, "--time-budget", help="Start no shard after this long "
+                                              "(90s, 45m, 2h); --resume continues."),
     device: str = DEVICE,
     dtype: str = DTYPE,
 ):
@@ -51,6 +53,7 @@ def data_cmd(
             raise BadInput(f"{prompts} contains a held-out evaluation prompt: {overlap[0]!r}")
     else:
         texts, source = builtin.training_prompts(n_prompts, seed), f"builtin seed={seed}"
+    budget = _parse_budget(time_budget)
     fresh = _check_data_out(out, resume)   # before the model loads (data.generate checks again)
     existed = out.exists()
     engine = Engine.load(model, device=device, dtype=dtype)
@@ -64,12 +67,15 @@ def data_cmd(
 
         try:
             m = data.generate(engine, texts, out, max_new_tokens, batch_size=batch_size, resume=resume,
-                              progress=tick, meta={"prompts": source})
+                              progress=tick, meta={"prompts": source},
+                              deadline=None if budget is None else t0 + budget)
         except KeyboardInterrupt:
             bar.stop()
             raise Interrupted(_data_kept(out, fresh, existed)) from None
+    stopped = "" if sum(m["shard_sizes"]) == len(texts) else \
+        f"; stopped by the time budget after {sum(m['shard_sizes'])}/{len(texts)} prompts (--resume continues)"
     typer.echo(f"{out}: {sum(m['shard_sizes'])} sequences, {m['n_tokens']} tokens "
-               f"({m['n_answer_tokens']} answer tokens) in {len(m['shards'])} shards")
+               f"({m['n_answer_tokens']} answer tokens) in {len(m['shards'])} shards{stopped}")
 
 
 def _check_data_out(out: Path, resume: bool) -> bool:

@@ -98,10 +98,13 @@ def read_prompts(root: str | Path) -> list[str]:
 
 def generate(engine, prompts: list[str], out: str | Path, max_new_tokens: int, batch_size: int = 64,
              shard_size: int = 256, resume: bool = False, progress=None, meta: dict | None = None,
-             gate_clean_rows: bool = False) -> dict:
+             gate_clean_rows: bool = False, deadline: float | None = None) -> dict:
     """Greedy answers of `engine` to `prompts`, written as shards under `out`; returns the manifest.
     `progress(done_prompts, total_prompts, n_tokens)` is called after every batch. `gate_clean_rows`: the answers
-    of the model an attached `all` adapter makes (its LoRA on every row), not of the base model."""
+    of the model an attached `all` adapter makes (its LoRA on every row), not of the base model. `deadline`
+    (time.perf_counter()): start no shard after it (the manifest then lists fewer; `--resume` goes on)."""
+    import time
+
     from studio.engine.batch import decode_batch
     from studio.run.session import encode_prompt
 
@@ -109,7 +112,7 @@ def generate(engine, prompts: list[str], out: str | Path, max_new_tokens: int, b
     manifest = _start(root, engine, prompts, max_new_tokens, resume, meta or {})
     eos = engine.eos_ids()
     done = sum(manifest["shard_sizes"])
-    while done < len(prompts):
+    while done < len(prompts) and (deadline is None or time.perf_counter() < deadline):
         chunk = prompts[done:done + shard_size]
         seqs: list[Sequence] = []
         for i in range(0, len(chunk), batch_size):

@@ -191,8 +191,15 @@ def everyday_prompts(held_out: bool) -> list[str]:
             for x in values if _held_out(x) == held_out for tmpl in templates]
 
 
+# asked of a prompt again, so a data set can outgrow the pool (a GPU campaign answers tens of thousands)
+STYLES = ["Answer in two sentences.", "Keep it under fifty words.", "Explain it as you would to a ten-year-old.",
+          "Use a numbered list.", "Start with a one-line summary.", "Give one example.", "Be brief.",
+          "Answer in a friendly tone."]
+
+
 def training_prompts(n: int, seed: int = 0) -> list[str]:
-    """n distinct training prompts, a seeded sample of every kind (all of them when n exceeds the pool).
+    """n distinct training prompts, a seeded sample of every kind. Beyond the pool (5,529 prompts) the pool is
+    asked again with a style line after it (STYLES), up to nine times the pool; never a held-out topic.
 
     The everyday requests take up to a quarter of a sample: drawn in proportion to their share of the pool
     (a twentieth), a 2,048-prompt set would hold about a hundred of them."""
@@ -201,6 +208,10 @@ def training_prompts(n: int, seed: int = 0) -> list[str]:
     picked = rng.sample(chat, min(len(chat), n // 4))
     picked += rng.sample(topical, min(n - len(picked), len(topical)))
     rng.shuffle(picked)
+    if n > len(picked):
+        pool = chat + topical
+        styled = [f"{p} {style}" for style in STYLES for p in pool]
+        picked += rng.sample(styled, min(n - len(picked), len(styled)))
     return picked
 
 

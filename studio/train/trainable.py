@@ -37,6 +37,7 @@ class Trainable:
                  init: Adapter | None = None):
         self.model, self.r, self.alpha, self.targets = model, r, alpha, list(targets)
         gen = torch.Generator().manual_seed(seed)
+        self.pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.modules: dict[str, Linear] = {n: m for n, m in model.named_modules()
                                            if isinstance(m, Linear) and n.rsplit(".", 1)[-1] in targets}
         for name, m in self.modules.items():
@@ -46,9 +47,10 @@ class Trainable:
                 bound = 1 / math.sqrt(m.in_features)
                 A = (torch.rand(r, m.in_features, generator=gen) * 2 - 1) * bound
                 B = torch.zeros(m.out_features, r)
-            like = dict(dtype=m.weight.dtype, device=m.weight.device)
-            m.lora_A = A.to(**like).clone().requires_grad_(True)
-            m.lora_B = B.to(**like).clone().requires_grad_(True)
+            # the trained tensors stay fp32 (AdamW's small steps vanish in bf16); a half-precision model computes
+            # with their casts (`bind`)
+            like = dict(dtype=torch.float32, device=m.weight.device)
+            self.pairs[name] = (A.to(**like).clone().requires_grad_(True), B.to(**like).clone().requires_grad_(True))
             m.lora_scale = alpha / r
         emb = model.model.embed_tokens
         V = model.lm_head.weight.shape[0]
@@ -56,23 +58,31 @@ class Trainable:
             row = init.mask_embedding[0]
         else:  # the mean token embedding: a neutral start
             row = emb.weight[:V].detach().float().mean(0)
-        self.mask_row = row.to(dtype=emb.weight.dtype, device=emb.weight.device).clone().requires_grad_(True)
+        self.mask_row = row.to(dtype=torch.float32, device=emb.weight.device).clone().requires_grad_(True)
         self._base_embedding = emb
         model.model.embed_tokens = EmbeddingWithMask(emb, self.mask_row)
         self.mask_id = V
+        self.bind()
+
+    def bind(self) -> None:
+        """Put the trained tensors on their Linear layers, cast to the model's dtype: once per step on a
+        half-precision model (a cast is a snapshot of its fp32 tensor), once for all on an fp32 one."""
+        for name, m in self.modules.items():
+            A, B = self.pairs[name]
+            m.lora_A, m.lora_B = (A, B) if m.weight.dtype == A.dtype else (A.to(m.weight.dtype), B.to(m.weight.dtype))
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every trainable tensor, in a fixed order (the optimizer state is saved by these names)."""
         out = []
-        for name, m in self.modules.items():
-            out += [(f"{name}.lora_A", m.lora_A), (f"{name}.lora_B", m.lora_B)]
+        for name, (A, B) in self.pairs.items():
+            out += [(f"{name}.lora_A", A), (f"{name}.lora_B", B)]
         return out + [("mask_embedding", self.mask_row)]
 
     def save(self, path, block_size: int | None = None, adapted_rows: str | None = None,
              attention: str | None = None) -> None:
         """`adapted_rows`: the rows the LoRA was trained on, "mask" or "all" (the training's --gate); `attention`:
         the attention it was trained with, when not the base model's (`train mdm`: bidirectional)."""
-        save_adapter(self.model, path, r=self.r, alpha=self.alpha, targets=self.targets,
+        save_adapter(self.pairs, path, r=self.r, alpha=self.alpha, targets=self.targets,
                      mask_token_id=self.mask_id, mask_embedding=self.mask_row[None], block_size=block_size,
                      adapted_rows=adapted_rows, attention=attention)
 

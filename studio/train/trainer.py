@@ -123,6 +123,7 @@ def train(model, seqs: list[Sequence], objective: Objective, cfg: TrainConfig, o
             lr = lr_at(cfg, step)
             for g in opt.param_groups:
                 g["lr"] = lr
+            trainable.bind()
             losses = objective.loss(model, batch, n_slots)
             opt.zero_grad(set_to_none=True)
             losses.total.backward()

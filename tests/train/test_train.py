@@ -20,7 +20,7 @@ from studio.run.session import Settings, run_to_end
 from studio.train import data as train_data
 from studio.train.layout import app_e_mask, block_positions, noisy_rows_mask
 from studio.train.objectives import IGNORE, IDLM, Batch, Block
-from studio.train.prompts import everyday_prompts, eval_prompts, read_prompt_file, training_prompts
+from studio.train.prompts import STYLES, everyday_prompts, eval_prompts, read_prompt_file, training_prompts
 from studio.train.trainable import Trainable
 from studio.train.trainer import TrainConfig, train
 from tests.support.tiny import FAMILIES, tiny_engine, tiny_model
@@ -311,6 +311,12 @@ def test_evaluation_prompts_are_disjoint_from_the_training_prompts():
     train_all = set(training_prompts(100_000))
     assert len(train_all) > 3000 and not held & train_all
     assert len(set(training_prompts(2000, seed=1))) == 2000
+    # beyond the pool: the pool asked again with a style line, distinct, the pool's own prompts first
+    pool = training_prompts(10_000)[:len(set(training_prompts(6000)))]
+    big = training_prompts(40_000, seed=2)
+    assert len(set(big)) == 40_000 and set(training_prompts(6000, seed=2)) <= set(big)
+    bases = {p[:-len(s) - 1] for p in big for s in STYLES if p.endswith(" " + s)}
+    assert len(bases) > 3000 and bases <= set(pool) and not held & set(big)
     # the everyday requests: a held-out value reaches no training prompt; a sample holds its share of them
     chat_held, chat_train = set(everyday_prompts(held_out=True)), set(everyday_prompts(held_out=False))
     assert chat_held and not chat_held & train_all
@@ -334,3 +340,20 @@ def test_data_shards_round_trip_and_resume(tmp_path):
     assert [s.tokens[s.prompt_len:] for s in seqs] == alone
     lines = (tmp_path / "d" / "prompts.jsonl").read_text().splitlines()
     assert [json.loads(x)["prompt"] for x in lines] == prompts[:6]
+
+
+def test_a_half_precision_model_trains_fp32_tensors_through_their_casts(tmp_path):
+    """On a bf16 model (`--dtype bf16`, the GPU campaign's) the LoRA and the MASK row stay fp32 (steps of lr x
+    1e-3 would round away in bf16), the forward computes with their bf16 casts, and the loss still falls."""
+    engine = _ar_engine(seed=3)
+    seqs = _seqs(engine)
+    model = tiny_model("llama", vocab=V, seed=3).to(torch.bfloat16)
+    cfg = TrainConfig(kind="idlm", gate="all", steps=60, batch_size=8, rows_per_seq=12, lr=1e-2, r=4, alpha=8,
+                      save_every=1000)
+    log = []
+    train(model, seqs, IDLM(V, True), cfg, tmp_path / "bf16", on_step=log.append)
+    assert sum(r.task for r in log[-10:]) < 0.9 * sum(r.task for r in log[:10])
+    saved = read_adapter(tmp_path / "bf16")
+    assert all(A.dtype == B.dtype == torch.float32 for A, B in saved.lora.values())
+    layer = model.model.layers[0].self_attn.q_proj
+    assert layer.lora_A.dtype == torch.bfloat16 and layer.lora_A.grad_fn is not None   # a cast of the fp32 tensor
