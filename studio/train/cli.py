@@ -332,6 +332,9 @@ def jacobi_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("de
             if stage not in tasks:
                 tasks[stage] = bar.add_task(stage, total=total, info="")
             bar.update(tasks[stage], completed=done, total=total, info=f"{stage} · {info}")
+            if not bar.console.is_terminal and not stage.startswith("train"):   # a log line per batch, not a bar
+                bar.console.print(f"{stage}: {done}/{total} · {info} · {time.perf_counter() - t0:.0f} s",
+                                  highlight=False, markup=False)
 
         def tick(r) -> None:
             acc = " ".join(f"{a:.2f}" for a in r.accuracy[:4])
@@ -397,7 +400,7 @@ def tc_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("defaul
     engine = Engine.load(model, adapter=init_path, device=device, dtype=dtype)
     if engine.config.attention == "causal":
         raise BadInput(f"--init {init} is not a masked-diffusion adapter (train one with `train mdm`)")
-    fill = engine.eos_ids()[0]
+    fill = next(iter(engine.eos_ids()), None)   # a model without an EOS reveals every cell: nothing to fill
 
     def run_one(ids: list[int]):
         strategy, settings = config.build()
@@ -413,6 +416,9 @@ def tc_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("defaul
 
         def recorded(done: int, total: int, kept: int) -> None:
             bar.update(task, completed=done, info=f"golden trajectories {kept}/{done} kept")
+            if not bar.console.is_terminal and (done % 10 == 0 or done == total):   # a log, not a bar
+                bar.console.print(f"record: {done}/{total} · {kept} kept · {time.perf_counter() - t0:.0f} s",
+                                  highlight=False, markup=False)
 
         def tick(r) -> None:
             acc = " ".join(f"{a:.2f}" for a in r.accuracy)

@@ -33,7 +33,7 @@ class CanvasTrajectory(Sequence):
         return max(self.reveal)
 
 
-def trajectory_of(prompt: list[int], events: list[dict], canvas_len: int, fill: int) -> CanvasTrajectory:
+def trajectory_of(prompt: list[int], events: list[dict], canvas_len: int, fill: int | None) -> CanvasTrajectory:
     """A canvas run's trajectory from its events: every `unmask` reveals its positions at the current step (the
     number of forwards so far). A position the run never revealed (its canvas stopped early after an EOS) holds
     `fill` (the EOS), revealed at the last step."""
@@ -48,6 +48,8 @@ def trajectory_of(prompt: list[int], events: list[dict], canvas_len: int, fill: 
                 if 0 <= p < canvas_len and tokens[p] is None:
                     tokens[p], reveal[p] = t, max(1, step)
     last = max(1, step)
+    if fill is None and None in tokens:
+        raise BadInput("a canvas run left cells unrevealed on a model without an EOS to fill them with")
     canvas = [fill if t is None else t for t in tokens]
     return CanvasTrajectory(prompt + canvas, len(prompt), [r or last for r in reveal])
 
@@ -58,7 +60,7 @@ def agreement(answer: list[int], reference: list[int]) -> float:
 
 
 def record(run_one: Callable[[list[int]], tuple[list[int], list[dict]]], seqs: list[Sequence], canvas_len: int,
-           fill: int, min_agreement: float, path: Path, progress=None) -> list[CanvasTrajectory]:
+           fill: int | None, min_agreement: float, path: Path, progress=None) -> list[CanvasTrajectory]:
     """The golden trajectories of `seqs` (`run_one(prompt ids)` -> the run's answer tokens and events), appended to
     `path` (JSON lines, one per sequence tried: kept or not) and continued where a file there stopped.
     `progress(done, total, kept)`."""
