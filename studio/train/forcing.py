@@ -82,7 +82,7 @@ def run(load_engine: Callable[[str | None], object], data_dir: Path, out: Path, 
         engine = load_engine(None)           # the LoRA trains on the base weights (from the last round's)
         round_cfg = dataclasses.replace(cfg, block_size=r.block, init=previous)
         objective = JacobiForcing(r.block, cfg.window, cfg.schedule, cfg.ar_weight, cfg.distill_temperature,
-                                  eos_ids=engine.eos_ids(), seed=cfg.seed)
+                                  eos_ids=engine.eos_ids())
         left = None if deadline is None else max(0.0, deadline - time.perf_counter())
         state = train(engine.model, trajs, objective, round_cfg, r.dir, resume=(r.dir / STATE_JSON).is_file(),
                       time_budget_s=left, on_step=on_step)

@@ -41,9 +41,9 @@ class JacobiForcing(Objective):
     gate_all = True
 
     def __init__(self, block: int, window: int = 8, schedule: str = "progressive", ar_weight: float = 10.0,
-                 temperature: float = 1.0, eos_ids=(), seed: int = 0):
+                 temperature: float = 1.0, eos_ids=()):
         self.n, self.window, self.schedule, self.ar_weight = block, window, schedule, ar_weight
-        self.tau, self.eos_ids, self.seed = temperature, set(eos_ids), seed
+        self.tau, self.eos_ids = temperature, set(eos_ids)
 
     def block_width(self, progress: float) -> int:
         return self.n
