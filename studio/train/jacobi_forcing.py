@@ -1,4 +1,4 @@
-"""Jacobi Forcing (progressive consistency distillation, references/jacobi_dinfer.md §A.5): the objective
+"""Jacobi Forcing (progressive consistency distillation, docs/training.md#jacobi-forcing): the objective
 `train jacobi` trains, on trajectories recorded by studio.train.trajectories.
 
 A sequence packs `prompt + [k_0, l_0, ..., k_{T-1}, l_{T-1}]`: block j's noisy state k_j (chosen by the schedule)
