@@ -12,13 +12,41 @@ from studio.files import Interrupted
 train_app = typer.Typer(no_args_is_help=True, help="Convert an AR model into a parallel decoder: data, training, evaluation.")
 
 
-def _progress(description: str, total: int):
-    """A rich progress bar with the fields the training commands report."""
+def _progress():
+    """A rich progress bar, a row per stage, with the fields the training commands report."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    return Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=Console(stderr=True))
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                    console=Console(stderr=True))
+
+
+class _Report:
+    """Progress of a command's stages: a bar row per stage on a terminal; in a log (a redrawn bar is unreadable in
+    a file), a line every `log_every` updates of a stage and at its end."""
+
+    def __init__(self, bar):
+        import time
+
+        self.bar, self.tasks, self._clock = bar, {}, time.perf_counter
+        self.t0 = self._clock()
+
+    def elapsed(self) -> float:
+        return self._clock() - self.t0
+
+    def update(self, stage: str, done: int, total: int, info: str, log_every: int = 1) -> None:
+        if stage not in self.tasks:
+            self.tasks[stage] = self.bar.add_task(stage, total=total, info="")
+        self.bar.update(self.tasks[stage], completed=done, total=total, info=info)
+        if not self.bar.console.is_terminal and (done % log_every == 0 or done == total):
+            self.bar.console.print(f"{stage} {done}/{total} · {info} · {self.elapsed():.0f} s",
+                                   highlight=False, markup=False)
+
+    def step(self, r, total: int, info: str, stage: str = "train") -> None:
+        """A trainer's step record `r`: its accuracy by offset and learning rate after the caller's `info`."""
+        acc = " ".join(f"{a:.2f}" for a in r.accuracy[:4])
+        self.update(stage, r.step, total, f"{info} · acc {acc} · lr {r.lr:.1e}", log_every=10)
 
 
 @train_app.command("data")
@@ -58,12 +86,12 @@ def data_cmd(
     existed = out.exists()
     engine = Engine.load(model, device=device, dtype=dtype)
     t0 = time.perf_counter()
-    with _progress("data", len(texts)) as bar:
-        task = bar.add_task("data", total=len(texts), info="")
+    with _progress() as bar:
+        report = _Report(bar)
 
         def tick(done: int, total: int, n_tokens: int) -> None:
-            rate = n_tokens / max(1e-9, time.perf_counter() - t0)
-            bar.update(task, completed=done, info=f"{n_tokens} tokens · {rate:.0f} tok/s")
+            report.update("data", done, total, f"{n_tokens} tokens · {n_tokens / max(1e-9, report.elapsed()):.0f} "
+                          "tok/s", log_every=batch_size)
 
         try:
             m = data.generate(engine, texts, out, max_new_tokens, batch_size=batch_size, resume=resume,
@@ -195,17 +223,13 @@ def _run_training(kind: str, data_dir: Path, out: Path, model: str, gate: str, r
     else:
         objective = MDM(mask_id, engine.eos_ids(), shift=engine.config.logit_shift)
     t0 = time.perf_counter()
-    with _progress(f"train {kind} --gate {gate}", cfg.steps) as bar:
-        task = bar.add_task("train", total=cfg.steps, info="")
+    with _progress() as bar:
+        report = _Report(bar)
 
         def tick(r) -> None:
-            acc = " ".join(f"{a:.2f}" for a in r.accuracy)
             clean = "" if r.clean is None else f" clean {r.clean:.3f}"
-            info = f"loss {r.task:.3f}{clean} · acc {acc} · {r.rows_per_s:.0f} rows/s · lr {r.lr:.1e}"
-            bar.update(task, completed=r.step, info=info)
-            if not bar.console.is_terminal and (r.step % 10 == 0 or r.step == cfg.steps):   # a log, not a bar
-                bar.console.print(f"step {r.step}/{cfg.steps} · {info} · {time.perf_counter() - t0:.0f} s",
-                                  highlight=False, markup=False)
+            report.step(r, cfg.steps, f"loss {r.task:.3f}{clean} · {r.rows_per_s:.0f} rows/s",
+                        stage=f"train {kind} --gate {gate}")
 
         try:
             state = train(engine.model, seqs, objective, cfg, out, resume=resume, time_budget_s=budget, on_step=tick)
@@ -325,29 +349,16 @@ def jacobi_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("de
                       r=rank, alpha=alpha, seed=seed, save_every=save_every, block_size=block_size, window=window,
                       schedule=schedule, ar_weight=ar_weight, distill_temperature=distill_temperature)
     t0 = time.perf_counter()
-    with _progress("train jacobi", steps) as bar:
-        tasks: dict[str, int] = {}
-
-        def progress(stage: str, done: int, total: int, info: str) -> None:
-            if stage not in tasks:
-                tasks[stage] = bar.add_task(stage, total=total, info="")
-            bar.update(tasks[stage], completed=done, total=total, info=f"{stage} · {info}")
-            if not bar.console.is_terminal and not stage.startswith("train"):   # a log line per batch, not a bar
-                bar.console.print(f"{stage}: {done}/{total} · {info} · {time.perf_counter() - t0:.0f} s",
-                                  highlight=False, markup=False)
+    with _progress() as bar:
+        report = _Report(bar)
 
         def tick(r) -> None:
-            acc = " ".join(f"{a:.2f}" for a in r.accuracy[:4])
-            progress(f"train n={r.width}", r.step, steps, f"consistency {r.task:.3f} · AR {r.clean:.3f} · acc by "
-                     f"offset {acc} · lr {r.lr:.1e}")
-            if not bar.console.is_terminal and (r.step % 10 == 0 or r.step == steps):
-                bar.console.print(f"step {r.step}/{steps} n={r.width} · consistency {r.task:.3f} · AR {r.clean:.3f}"
-                                  f" · acc {acc} · {time.perf_counter() - t0:.0f} s", highlight=False, markup=False)
+            report.step(r, steps, f"consistency {r.task:.3f} · AR {r.clean:.3f}", stage=f"train n={r.width}")
 
         try:
             state = forcing.run(lambda adapter: Engine.load(model, adapter=adapter or "none", device=device,
                                                             dtype=dtype),
-                                data, out, cfg, rounds, record_batch, budget, progress, on_step=tick)
+                                data, out, cfg, rounds, record_batch, budget, report.update, on_step=tick)
         except KeyboardInterrupt:
             bar.stop()
             raise Interrupted(f"stopped; what was recorded and trained so far is kept in {out}: "
@@ -411,28 +422,20 @@ def tc_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("defaul
     out.mkdir(parents=True, exist_ok=True)
     cfg = TrainConfig(kind="tc", gate="all", steps=steps, batch_size=batch_size, lr=lr, r=rank, alpha=alpha,
                       seed=seed, save_every=save_every, init=init_path)
-    with _progress("train tc", len(seqs)) as bar:
-        task = bar.add_task("record", total=len(seqs), info="")
+    with _progress() as bar:
+        report = _Report(bar)
 
         def recorded(done: int, total: int, kept: int) -> None:
-            bar.update(task, completed=done, info=f"golden trajectories {kept}/{done} kept")
-            if not bar.console.is_terminal and (done % 10 == 0 or done == total):   # a log, not a bar
-                bar.console.print(f"record: {done}/{total} · {kept} kept · {time.perf_counter() - t0:.0f} s",
-                                  highlight=False, markup=False)
+            report.update("record", done, total, f"golden trajectories {kept}/{done} kept", log_every=10)
 
         def tick(r) -> None:
-            acc = " ".join(f"{a:.2f}" for a in r.accuracy)
-            bar.update(task, completed=r.step, total=steps, info=f"loss {r.task:.3f} · acc {acc} · lr {r.lr:.1e}")
-            if not bar.console.is_terminal and (r.step % 10 == 0 or r.step == steps):
-                bar.console.print(f"step {r.step}/{steps} · loss {r.task:.3f} · acc {acc} · "
-                                  f"{time.perf_counter() - t0:.0f} s", highlight=False, markup=False)
+            report.step(r, steps, f"loss {r.task:.3f}")
 
         try:
             trajs = compression.record(run_one, seqs, canvas, fill, min_agreement, golden, progress=recorded)
             if not trajs:
                 raise BadInput(f"no trajectory agreed with its data answer on {min_agreement:.0%} of the tokens: "
                                "lower --min-agreement")
-            bar.reset(task, total=steps, description="train")
             base = Engine.load(model, adapter="none", device=device, dtype=dtype)
             objective = compression.Compression(base.model.lm_head.weight.shape[0], base.eos_ids(),
                                                 shift=base.config.logit_shift)
@@ -484,13 +487,12 @@ def eval_cmd(
                                                             RunConfig(temperature=0.0, max_new_tokens=max_new_tokens)))
     texts = builtin.read_prompt_file(prompts) if prompts else builtin.eval_prompts(n_prompts)
     engine = Engine.load(model, adapter=path, device=device, dtype=dtype)
-    with _progress("eval", len(texts) * len(configs)) as bar:
-        task = bar.add_task("eval", total=len(texts) * len(configs), info="")
+    with _progress() as bar:
+        report, done = _Report(bar), iter(range(1, len(texts) * len(configs) + 1))
 
         def tick(i: int, label: str) -> None:
-            bar.update(task, advance=1, info=f"prompt {i + 1} {label}")
-            if not bar.console.is_terminal and label == list(configs)[-1]:   # a log line per prompt, not a bar
-                bar.console.print(f"eval: prompt {i + 1}/{len(texts)} done", highlight=False, markup=False)
+            report.update("eval", next(done), len(texts) * len(configs), f"prompt {i + 1} {label}",
+                          log_every=len(configs))
 
         report = evaluate.evaluate(engine, texts, configs, progress=tick)
     if as_json:

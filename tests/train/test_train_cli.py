@@ -134,6 +134,8 @@ def test_train_jacobi_in_two_rounds_on_the_embedded_model(tmp_path, embedded_dat
             "--steps", "2", "--batch-size", "2", "--rows", "8", "--rank", "2"]
     r = cli(*args, check_rc=0)
     assert "round 2: training, step 2/2 (done)" in r.stdout
+    log = r.stderr.splitlines()     # not a terminal: a line per recording batch and at each stage's end, no bar
+    assert any(x.startswith("record n=4 4/4 · ") for x in log) and any(x.startswith("train n=8 2/2 · ") for x in log)
     first = [json.loads(x) for x in (out / "round1" / "trajectories.jsonl").read_text().splitlines()]
     second = [json.loads(x) for x in (out / "trajectories.jsonl").read_text().splitlines()]
     assert len(first) == 4 and {len(s) for t in first for b in t["states"] for s in b} == {4}
