@@ -262,6 +262,9 @@ def compare(
     trace_dir: Optional[Path] = typer.Option(None, "--trace-dir", help="Keep one trace per run here."),
     html: Optional[Path] = typer.Option(None, "--html", help="Write a self-contained HTML report."),
     as_json: bool = typer.Option(False, "--json"),
+    costs: Optional[str] = typer.Option(None, "--costs", help="Add '× ar on NAME (projected)': every run's "
+                                        "forwards priced by a device's cost table (a shipped name such as h200, "
+                                        "one saved by `models costs --save NAME`, or a file)."),
     force: bool = FORCE,
     *, model: ModelChoice, config: RunConfig,
 ):
@@ -270,8 +273,10 @@ def compare(
     from rich.console import Console
     from studio.run.compare import (compare_configs, progress_display, render_table, rows, run_compare, trace_paths,
                                     write_html)
+    from studio.traces import projection
     from studio.run.session import encode_prompt
 
+    device_costs = None if costs is None else projection.load(costs)
     preset = config.resolved()[1]   # the --preset, or the strategy preset a model preset recommends
     configs = compare_configs(strategies + (f",{preset}" if preset else ""), config)
     if trace_dir:   # file names made safe from the labels; an existing trace is kept unless --force
@@ -293,14 +298,14 @@ def compare(
     with progress_display(totals, enabled=not as_json) as progress:
         results = run_compare(engine, prompt, ids, configs, trace_dir=trace_dir, progress=progress, force=force,
                               on_built=lambda strategies: model.attach_draft(strategies, engine))
-    table = rows(results)
+    table = rows(results, device_costs)
     sampled = any(r.header["params"]["temperature"] > 0 for r in results.values())
     if html:
         write_html(results, html, title=f"compare: {prompt[:60]}", trace_dir=trace_dir)
     if as_json:
         print(json.dumps(table))
         return
-    Console().print(render_table(table, sampled))
+    Console().print(render_table(table, sampled, device_costs))
     for label, r in results.items():
         typer.echo(f"── {label}: {r.footer['text'].strip()[:300]}")
     if trace_dir:

@@ -78,6 +78,9 @@ def models_costs(spec: str = typer.Argument("default", help="'default', a model 
                                                     "adapter's name or a directory; default: the one shipped for "
                                                     "r-isd on this model, if any; 'none': plain rows only)."),
                  refresh: bool = typer.Option(False, "--refresh", help="Measure again (else the cached table)."),
+                 save: str | None = typer.Option(None, "--save", help="Also keep it as the device table NAME, for "
+                                                 "`compare --costs NAME` and `trace project --costs NAME` (on "
+                                                 "this or another machine: the file's path is printed)."),
                  as_json: bool = typer.Option(False, "--json")):
     """What a forward of 1-16 rows costs here, plain and with the LoRA on every row: measured once per model,
     device, dtype, thread count and LoRA rank (10-30 s), then cached. The table cost-aware drafting reads."""
@@ -86,6 +89,9 @@ def models_costs(spec: str = typer.Argument("default", help="'default', a model 
     from studio.engine.cost_model import cost_table, unsteady_line
     from studio.engine.cost_table import cached_at
     from studio.engine.engine import Engine
+    from studio.traces import projection
+    if save is not None:
+        projection.check_name(save)          # before the model loads
     engine = Engine.load(spec, adapter=adapter)
     if adapter is None:
         engine = engine.for_strategy("r-isd")
@@ -93,6 +99,8 @@ def models_costs(spec: str = typer.Argument("default", help="'default', a model 
     if refresh or path is None or not path.exists():
         typer.echo("measuring forwards of 1-16 rows (10-30 s)...", err=True)
     table = cost_table(engine, refresh=refresh)
+    if save is not None:
+        typer.echo(f"saved as the device table {save!r}: {projection.save(save, table)}", err=True)
     if as_json:
         typer.echo(json.dumps({**table.to_dict(), "path": None if path is None else str(path)}, indent=1))
         return

@@ -143,14 +143,18 @@ def references(results: dict[str, RunResult]) -> dict[str, str]:
             for label, r in results.items()}
 
 
-def rows(results: dict[str, RunResult]) -> list[dict]:
+def rows(results: dict[str, RunResult], costs=None) -> list[dict]:
     """One row per run: the numbers the table, --json and reports show (all from footers/events). Speed and
     `identical_to_ar` are against the `ar` row; `identical_to_reference` against the row's reference (None
     when it did not run). Outputs are compared on the tokens both runs produced (`agreement`):
     `identical_so_far` marks a match where a run was cut short, `compared_tokens` counts the tokens compared.
-    The baseline is the first run (`ar`, or `fit_baseline`'s); `speed_vs_ar` and `identical_to_ar` are against it."""
+    The baseline is the first run (`ar`, or `fit_baseline`'s); `speed_vs_ar` and `identical_to_ar` are against it.
+    With `costs` (studio.traces.projection.DeviceCosts) each row also has `projected_vs_ar`: its forwards priced on
+    that device against the baseline's, a projection."""
+    from studio.traces import projection
     base = next(iter(results.values()))
     refs = references(results)
+    base_projected = None if costs is None else projection.project(base.events, costs)
     out = []
     for label, r in results.items():
         f = r.footer
@@ -170,6 +174,8 @@ def rows(results: dict[str, RunResult]) -> list[dict]:
                     "identical_so_far": None if to_ref is None else to_ref.so_far,
                     "compared_tokens": None if to_ref is None else to_ref.compared,
                     "stop_reason": f["stop_reason"], "text": f["text"]})
+        if costs is not None:
+            out[-1]["projected_vs_ar"] = projection.project(r.events, costs).vs(base_projected)
     return out
 
 
@@ -192,22 +198,36 @@ def settings_text(header: dict) -> str:
             f" · max tokens {p['max_new_tokens']}")
 
 
-def render_table(table_rows: list[dict], sampled: bool):
+def render_table(table_rows: list[dict], sampled: bool, costs=None):
+    """The comparison as a Rich table; with `costs` (the DeviceCosts `rows` projected with) a projected column
+    and the table's origin in the caption."""
     from rich.table import Table
+    from studio.traces.projection import label as projected_label
     t = Table(title="compare", title_justify="left")
     label_width = max([len(r["label"]) for r in table_rows] + [8])
-    for col in ("strategy", "tokens", "forwards", "TPF", "accept", "tok/s", "× ar", "same as"):
+    projected = [] if costs is None else [projected_label(costs)]
+    for col in ("strategy", "tokens", "forwards", "TPF", "accept", "tok/s", "× ar", *projected, "same as"):
         # labels are never cut (a narrow terminal wraps "same as" instead)
         extra = {"no_wrap": True, "min_width": label_width} if col == "strategy" else {}
         t.add_column(col, justify="left" if col in ("strategy", "same as") else "right", **extra)
     for r in table_rows:
         acc = "—" if r["accept_rate"] is None else f"{r['accept_rate']:.2f}"
-        speed = "—" if r["speed_vs_ar"] is None else f"{r['speed_vs_ar']:.2f}×"
+        speed = _times(r["speed_vs_ar"])
+        cells = [] if costs is None else [_times(r["projected_vs_ar"])]
         t.add_row(r["label"], str(r["n_tokens"]), str(r["forwards"]), f"{r['tpf']:.2f}", acc,
-                  f"{r['tok_s']:.1f}", speed, same_as(r))
+                  f"{r['tok_s']:.1f}", speed, *cells, same_as(r))
+    captions = []
     if sampled:
-        t.caption = "sampled runs: lossless strategies match their reference in distribution, not token for token"
+        captions.append("sampled runs: lossless strategies match their reference in distribution, not token for token")
+    if costs is not None:
+        captions.append(f"projected: each run's decode forwards priced by the {costs.name} table ({costs.origin}); "
+                        "forwards only, not measured here")
+    t.caption = "\n".join(captions) or None
     return t
+
+
+def _times(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}×"
 
 
 def make_runs(engine, prompt: str, prompt_ids: list[int], configs: Mapping[str, RunConfig], *, trace_dir=None,

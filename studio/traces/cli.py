@@ -1,4 +1,4 @@
-"""`dlm-studio trace info|export|replay FILE`: a Typer sub-app (registered by studio.cli as `trace`).
+"""`dlm-studio trace info|export|replay|project FILE`: a Typer sub-app (registered by studio.cli as `trace`).
 
 Every malformed or wrong-version trace raises `studio.errors.BadInput` (from `studio.events.read_trace`),
 which the `dlm-studio` entry point prints as one line with exit code 2. A truncated trace (no footer: the
@@ -169,3 +169,34 @@ def replay(file: Path = typer.Argument(..., help="A trace file (.jsonl)."),
 
     t = _read(file)
     do_replay(t, speed=speed, step_delay=step_delay)
+
+
+@trace_app.command()
+def project(files: list[Path] = typer.Argument(..., help="Trace files (.jsonl)."),
+            costs: str = typer.Option(..., "--costs", help="A device's cost table: a shipped name (h200), one saved "
+                                      "by `models costs --save NAME`, or a file."),
+            json_out: bool = typer.Option(False, "--json", help="Print one JSON object per trace instead of text."),
+            allow_truncated: bool = _ALLOW_TRUNCATED) -> None:
+    """What each run's decode would cost on another device: its forwards (rows, LoRA rows) priced by that device's
+    table, against AR's one-token steps there (and against an `ar` trace among FILES). A projection of the
+    forwards alone, never a measurement."""
+    from studio.traces import projection
+
+    device = projection.load(costs)          # a bad name is reported before any trace is read
+    traces = [(file, _read(file)) for file in files]
+    projected = [(file, t, projection.project(t.events, device)) for file, t in traces]
+    ar = next((p for _, t, p in projected if t.header.get("strategy") == "ar"), None)
+    if json_out:
+        for file, t, p in projected:
+            typer.echo(json.dumps({"file": str(file), "strategy": t.header.get("strategy"), "costs": device.name,
+                                   "origin": device.origin, "tokens": p.tokens, "forwards": p.forwards,
+                                   "forward_ms": p.forward_ms, "ideal_ar_ms": p.ideal_ar_ms,
+                                   "vs_steps": p.vs_steps, "vs_ar_trace": None if ar is None else p.vs(ar)}))
+        return
+    typer.echo(f"projected on {device.name}: {device.origin}")
+    head = "trace                              strategy      tokens  forwards   ms there  × 1-token steps"
+    typer.echo(head + ("  × the ar trace" if ar else ""))
+    for file, t, p in projected:
+        line = (f"{str(file)[-34:]:<34} {str(t.header.get('strategy'))[:12]:<12} {p.tokens:>7} {p.forwards:>9} "
+                f"{p.forward_ms:>10.1f} {_fmt(p.vs_steps, '>15.2f')}")
+        typer.echo(line + (f" {_fmt(p.vs(ar), '>15.2f')}" if ar else ""))
