@@ -166,6 +166,9 @@ def web(
     strategy: Optional[str] = typer.Option(None, "--strategy", "-s", help="What the chat form starts with (default: ar)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to serve on (127.0.0.1: this machine only)."),
     port: int = typer.Option(7860, "--port"),
+    costs: str = typer.Option("h200", "--costs", help="The device table the compare tab projects its runs onto "
+                              "(a shipped name, one saved by `models costs --save NAME`, a file; 'none': no "
+                              "projected column)."),
     *, model: ModelChoice, config: RunConfig,
 ):
     """The Gradio studio in the browser: chat with a live trajectory, lock-step compare, trace replay."""
@@ -175,10 +178,12 @@ def web(
     except ImportError as e:
         raise BadInput(f"the web studio needs gradio ({e.name} is missing): pip install 'dlm-studio[web]'") from None
 
+    from studio.traces import projection
     config.build()
+    device_costs = None if costs == "none" else projection.load(costs)
     engine = model.load()
     reserve_cores_for_drawing()   # the server renders every frame's HTML beside the decode thread
-    app_ = build_app(engine, config, chat_template=model.chat_template)
+    app_ = build_app(engine, config, chat_template=model.chat_template, costs=device_costs)
     typer.echo(f"dlm-studio web on http://{host}:{port}/ (Ctrl+C stops)", err=True)
     try:
         serve(app_, host, port)

@@ -44,6 +44,9 @@ def bench(
     forwards: bool = typer.Option(False, "--forwards", hidden=True, help="The same as `bench forwards`."),
     clients: int = typer.Option(0, "--clients", hidden=True, help="N: the same as `bench clients N`."),
     html: Optional[Path] = typer.Option(None, "--html", help="Write a self-contained HTML report."),
+    costs: Optional[str] = typer.Option(None, "--costs", help="Add '× ar on NAME (projected)': every run's forwards "
+                                        "priced by a device's cost table (a shipped name such as h200, one saved "
+                                        "by `models costs --save NAME`, or a file)."),
     as_json: bool = AS_JSON,
     force: bool = FORCE,
     *, model: ModelChoice, config: RunConfig,
@@ -68,9 +71,9 @@ def bench(
     if clients:
         return _bench_clients(model, config, strategies, load_prompts(prompts), clients, repeats, as_json,
                               conflicts={"--task": task, "--concurrency": concurrency > 1, "--html": html,
-                                         "--oracle-accept": oracle_accept is not None})
+                                         "--oracle-accept": oracle_accept is not None, "--costs": costs})
     _bench_strategies(model, config, strategies, prompts, task, repeats, warmup, no_transformers, oracle_accept,
-                      concurrency, html, as_json, force)
+                      concurrency, html, as_json, force, costs)
 
 
 @bench_app.command("forwards")
@@ -115,7 +118,7 @@ def bench_clients(
 
 def _bench_strategies(model: ModelChoice, config: RunConfig, strategies: str, prompts: Path | None, task: str | None,
                       repeats: int, warmup: int, no_transformers: bool, oracle_accept: float | None,
-                      concurrency: int, html: Path | None, as_json: bool, force: bool) -> None:
+                      concurrency: int, html: Path | None, as_json: bool, force: bool, costs: str | None = None) -> None:
     """The strategies decoding the prompts (or a task's questions), against the baseline: the report as JSON or a
     table, and its HTML page."""
     from rich.console import Console
@@ -126,6 +129,10 @@ def _bench_strategies(model: ModelChoice, config: RunConfig, strategies: str, pr
         raise BadInput("give --prompts or --task, not both")
     if task and oracle_accept is not None:
         raise BadInput("--oracle-accept makes outputs meaningless: it cannot be scored with --task")
+    if costs is not None and concurrency > 1:
+        raise BadInput("--costs prices runs decoded one at a time: not with --concurrency")
+    from studio.traces import projection
+    device_costs = None if costs is None else projection.load(costs)   # a bad name fails before the model loads
     given = config.length_given()
     limit = (32 if task else 64) if given is None else given   # None: unset
     config = dataclasses.replace(config, max_new_tokens=limit, oracle_accept=oracle_accept)
@@ -146,7 +153,8 @@ def _bench_strategies(model: ModelChoice, config: RunConfig, strategies: str, pr
     configs, exact = with_references(fit_baseline(engine, configs))
     check_concurrency([c.build() for c in configs.values()], concurrency)
     with_transformers = with_transformers and engine.config.attention == "causal"   # it generates causally
-    report = _run_with_progress(engine, texts, configs, repeats, warmup, with_transformers, concurrency, exact)
+    report = _run_with_progress(engine, texts, configs, repeats, warmup, with_transformers, concurrency, exact,
+                                device_costs)
     if task:
         score(report, task_name, questions)
     if html:
@@ -159,7 +167,7 @@ def _bench_strategies(model: ModelChoice, config: RunConfig, strategies: str, pr
 
 
 def _run_with_progress(engine, texts: list[str], configs: dict, repeats: int, warmup: int, with_transformers: bool,
-                       concurrency: int, exact: dict) -> dict:
+                       concurrency: int, exact: dict, costs=None) -> dict:
     """`run_bench` with a progress bar on a terminal (else `_progress_lines`)."""
     from rich.console import Console
     from rich.progress import Progress
@@ -176,7 +184,8 @@ def _run_with_progress(engine, texts: list[str], configs: dict, repeats: int, wa
             bar.update(bar_task, advance=1, description=f"{phase}: {label}")
             if plain:
                 plain(phase, label)
-        return run_bench(engine, texts, configs, repeats, warmup, with_transformers, progress, concurrency, exact)
+        return run_bench(engine, texts, configs, repeats, warmup, with_transformers, progress, concurrency, exact,
+                         costs)
 
 
 def _progress_lines(total: int):
@@ -285,4 +294,7 @@ def _bench_table(report: dict):
     if report["ar_speedup_vs_batch1"]:
         t.caption = (f"ar in batches of {report['concurrency']}: × {format_spread(report['ar_speedup_vs_batch1'])} "
                      f"the throughput of one prompt at a time ({format_spread(report['ar_batch1_tok_s'], 1)} tok/s)")
+    if report.get("costs"):
+        from studio.traces.projection import caption
+        t.caption = "\n".join(filter(None, [t.caption, caption(**report["costs"])]))
     return t

@@ -27,6 +27,7 @@ from studio.files import read_user_text
 from studio.run.compare import first_difference
 from studio.run.config import RunConfig
 from studio.run.session import Run, drive, encode_prompt, kv_length_needed, prepare, run_to_end
+from studio.traces import projection
 
 BUILTIN_PROMPTS = [
     "What is the capital of France?",                                      # chat
@@ -71,6 +72,7 @@ class Samples:
     same_as_ar: list[bool] = field(default_factory=list)   # the baseline's tokens (ar's, where it runs)
     tokens: list[list[int]] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
+    projected: list = field(default_factory=list)   # studio.traces.projection.Projection per repeat (with costs)
 
     def add(self, result, ar_ids: list[int]) -> None:
         """TPF, acceptance and agreement of one repeat, from a run's footer and events (a `RunResult`, or a
@@ -160,7 +162,7 @@ def check_concurrency(runs, concurrency: int) -> None:
 
 def run_bench(engine, prompts: list[str], configs: Mapping[str, RunConfig], repeats: int = 3, warmup: int = 1,
               with_transformers: bool = True, progress=None, concurrency: int = 1,
-              exact: Mapping[str, str] | None = None) -> dict:
+              exact: Mapping[str, str] | None = None, costs=None) -> dict:
     """Returns the --json report:
 
     `model, prompts, repeats, warmup`; `transformers_tok_s` (spread over every transformers sample, None when
@@ -182,9 +184,15 @@ def run_bench(engine, prompts: list[str], configs: Mapping[str, RunConfig], repe
     The first config is the baseline (`baseline`: its label) that the `_vs_ar` fields are against. `exact` maps a
     label to the label of the exact run it approximates (listed in `configs`): `reference` names it,
     `exact_match_vs_reference` is the share of runs whose tokens equal its on the same prompt and repeat, and
-    `reference_first_difference` the first differing token per prompt (first repeat; None where equal)."""
+    `reference_first_difference` the first differing token per prompt (first repeat; None where equal).
+
+    `costs` (studio.traces.projection.DeviceCosts, one prompt at a time only): `costs` names the table and its
+    origin, and every strategy's `projected_vs_ar` is the spread over prompts of its tokens per priced ms over the
+    baseline's (medians over repeats): the forwards' cost on that device, a projection. Without it both are None."""
     if not configs:
         raise BadInput("bench needs a baseline first (compare_configs puts ar there)")
+    if costs is not None and concurrency > 1:
+        raise BadInput("--costs prices runs decoded one at a time: not with --concurrency")
     runs = {label: config.build() for label, config in configs.items()}
     check_concurrency(runs.values(), concurrency)
     if engine.model.parallel is not None:
@@ -226,6 +234,8 @@ def run_bench(engine, prompts: list[str], configs: Mapping[str, RunConfig], repe
                     ar_ids = r.token_ids
                 samples[label][i].tok_s.append(r.footer["tok_s"])
                 samples[label][i].add(r, ar_ids)
+                if costs is not None:
+                    samples[label][i].projected.append(projection.project(r.events, costs))
                 if progress:
                     progress(f"repeat {rep + 1}/{repeats}", label)
             if with_transformers:
@@ -234,7 +244,7 @@ def run_bench(engine, prompts: list[str], configs: Mapping[str, RunConfig], repe
                     hf[i].append(tok_s)
                 if progress:
                     progress(f"repeat {rep + 1}/{repeats}", "transformers")
-    return _report(engine, prompts, runs, samples, hf, repeats, warmup, exact=exact)
+    return _report(engine, prompts, runs, samples, hf, repeats, warmup, exact=exact, costs=costs)
 
 
 def _bench_batched(engine, ids: list[list[int]], runs: dict, repeats: int, warmup: int, concurrency: int, progress):
@@ -285,7 +295,7 @@ def _timed_batch(engine, strategy, settings, prompt_ids: list[list[int]]):
 
 
 def _report(engine, prompts, runs, samples, hf, repeats, warmup, concurrency=1, batches=None,
-            batch_tok_s=None, exact=None) -> dict:
+            batch_tok_s=None, exact=None, costs=None) -> dict:
     # the unit speeds are compared on: a prompt run alone, or a stationary batch
     speed = batch_tok_s or {label: [s.tok_s for s in per_prompt] for label, per_prompt in samples.items()}
     base = next(iter(runs))
@@ -297,7 +307,9 @@ def _report(engine, prompts, runs, samples, hf, repeats, warmup, concurrency=1, 
            "oracle_accept": oracle, "concurrency": concurrency, "batches": batches,
            "transformers_tok_s": spread([x for xs in hf for x in xs]) if hf_med else None,
            "transformers_per_prompt": hf if hf_med else None, "strategies": [],
-           "ar_batch1_tok_s": None, "ar_speedup_vs_batch1": None}   # C > 1: set by run_bench
+           "ar_batch1_tok_s": None, "ar_speedup_vs_batch1": None,   # C > 1: set by run_bench
+           "costs": None if costs is None else {"name": costs.name, "origin": costs.origin}}
+    rates = {label: [_projected_rate(s) for s in per_prompt] for label, per_prompt in samples.items()}
     for label, (strategy, settings) in runs.items():
         per_prompt = samples[label]
         med = [statistics.median(x) for x in speed[label]]
@@ -314,12 +326,20 @@ def _report(engine, prompts, runs, samples, hf, repeats, warmup, concurrency=1, 
                                  sum(x for s in per_prompt for x in s.same_as_ar) / (len(prompts) * repeats),
             **_against(per_prompt, samples.get(exact.get(label)), exact.get(label)),
             "expected_tpf": None if oracle is None else strategy.expected_tpf(oracle),
+            "projected_vs_ar": None if costs is None else
+                               spread([m / a if m and a else None for m, a in zip(rates[label], rates[base])]),
             # the raw samples the numbers above come from: per prompt, one entry per repeat
             "per_prompt": [{"tok_s": None if batches else s.tok_s, "tpf": s.tpf, "accept_rate": s.accept,
                             "same_as_ar": s.same_as_ar, "text": s.texts} for s in per_prompt],
             "batch_tok_s": batch_tok_s[label] if batches else None,
         })
     return out
+
+
+def _projected_rate(s: Samples) -> float | None:
+    """A prompt's tokens per projected ms, the median over its repeats (None: nothing was priced)."""
+    rates = [p.tokens / p.forward_ms for p in s.projected if p.forward_ms > 0]
+    return statistics.median(rates) if rates else None
 
 
 def format_spread(s: dict | None, digits: int = 2) -> str:
@@ -335,8 +355,10 @@ def table_rows(report: dict) -> tuple[list[str], list[list[str]]]:
     base = "ar" if report.get("baseline", "ar") == "ar" else "base"
     exact = any(r.get("reference") for r in report["strategies"])
     task = report.get("task") is not None
+    costs = report.get("costs")
+    projected = [f"× {base} on {costs['name']} (projected)"] if costs else []
     head = ["strategy", *(["accuracy"] if task else []), speed, "TPF", *(["TPF expected"] if oracle else []), "accept",
-            f"× {base}", "× transformers", f"= {base}", *(["= exact"] if exact else [])]
+            f"× {base}", *projected, "× transformers", f"= {base}", *(["= exact"] if exact else [])]
     rows = []
     for r in report["strategies"]:
         expected = ["—" if r["expected_tpf"] is None else f"{r['expected_tpf']:.2f}"] if oracle else []
@@ -344,6 +366,7 @@ def table_rows(report: dict) -> tuple[list[str], list[list[str]]]:
         rows.append([r["label"], *([f"{r['accuracy']:.0%}"] if task else []), format_spread(r["tok_s"], 1),
                      format_spread(r["tpf"]), *expected,
                      format_spread(r["accept_rate"]), format_spread(r["speedup_vs_ar"]),
+                     *([format_spread(r["projected_vs_ar"])] if costs else []),
                      format_spread(r["speedup_vs_transformers"]), same, *([same_as_exact(r)] if exact else [])])
     return head, rows
 
@@ -385,6 +408,7 @@ def write_bench_html(report: dict, path) -> Path:
             f"</style></head><body><h1>{_html.escape(heading)}</h1>"
             f"<p>model {_html.escape(report['model']['name'])} · median [min–max] over prompts and repeats · "
             f"transformers generate: {format_spread(hf, 1)} tok/s</p>{cells}"
+            + (f"<p>{_html.escape(projection.caption(**report['costs']))}</p>" if report.get("costs") else "")
             + pio.to_html(bench_figure(report), full_html=False, include_plotlyjs=True, config={"displaylogo": False})
             + (pio.to_html(accuracy_figure(report), full_html=False, include_plotlyjs=False,
                            config={"displaylogo": False}) if report.get("task") else "")

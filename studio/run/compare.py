@@ -202,10 +202,10 @@ def render_table(table_rows: list[dict], sampled: bool, costs=None):
     """The comparison as a Rich table; with `costs` (the DeviceCosts `rows` projected with) a projected column
     and the table's origin in the caption."""
     from rich.table import Table
-    from studio.traces.projection import label as projected_label
+    from studio.traces import projection
     t = Table(title="compare", title_justify="left")
     label_width = max([len(r["label"]) for r in table_rows] + [8])
-    projected = [] if costs is None else [projected_label(costs)]
+    projected = [] if costs is None else [projection.label(costs)]
     for col in ("strategy", "tokens", "forwards", "TPF", "accept", "tok/s", "× ar", *projected, "same as"):
         # labels are never cut (a narrow terminal wraps "same as" instead)
         extra = {"no_wrap": True, "min_width": label_width} if col == "strategy" else {}
@@ -220,8 +220,7 @@ def render_table(table_rows: list[dict], sampled: bool, costs=None):
     if sampled:
         captions.append("sampled runs: lossless strategies match their reference in distribution, not token for token")
     if costs is not None:
-        captions.append(f"projected: each run's decode forwards priced by the {costs.name} table ({costs.origin}); "
-                        "forwards only, not measured here")
+        captions.append(projection.caption(costs.name, costs.origin))
     t.caption = "\n".join(captions) or None
     return t
 

@@ -80,6 +80,11 @@ def label(costs: DeviceCosts) -> str:
     return f"× ar on {costs.name} (projected)"
 
 
+def caption(name: str, origin: str) -> str:
+    """What a projected column's table says under it: whose costs, and that they are a projection."""
+    return f"projected: each run's decode forwards priced by the {name} table ({origin}); forwards only, not measured"
+
+
 def names() -> list[str]:
     """The tables `--costs` finds by name: shipped ones, then those saved on this machine."""
     found = {p.stem for p in SHIPPED.glob("*.json")} | {p.stem for p in saved_dir().glob("*.json")}

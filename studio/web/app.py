@@ -21,9 +21,10 @@ THEME = gr.themes.Default(font=["ui-sans-serif", "system-ui", "sans-serif"],
                           font_mono=["ui-monospace", "SFMono-Regular", "monospace"])
 
 
-def build_app(engine, choice: RunConfig | None = None, chat_template: bool = True) -> gr.Blocks:
+def build_app(engine, choice: RunConfig | None = None, chat_template: bool = True, costs=None) -> gr.Blocks:
     """The studio for `engine`; `choice`: what the chat form starts with; `chat_template`: wrap messages in
-    the model's chat template (False: concatenate them, the CLI's --raw)."""
+    the model's chat template (False: concatenate them, the CLI's --raw); `costs`: the device table
+    (studio.traces.projection) the compare table projects its runs onto (None: no projected column)."""
     choice = choice or RunConfig()
     choice.build()
     downloads = Downloads()
@@ -34,7 +35,7 @@ def build_app(engine, choice: RunConfig | None = None, chat_template: bool = Tru
             with gr.Tab("Chat", id="chat", elem_id="tab-chat"):
                 chat_tab.build(engine, choice, chat_template, downloads, ENGINE_QUEUE)
             with gr.Tab("Compare", id="compare", elem_id="tab-compare"):
-                compare_tab.build(engine, chat_template, downloads, ENGINE_QUEUE)
+                compare_tab.build(engine, chat_template, downloads, ENGINE_QUEUE, costs)
             with gr.Tab("Traces", id="traces", elem_id="tab-traces"):
                 traces_tab.build(engine, downloads)
     app.downloads = downloads   # keeps the download folder alive as long as the app

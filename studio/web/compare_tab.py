@@ -61,9 +61,9 @@ def measuring_first(engine, names: list[str], settings: dict) -> str | None:
     return measuring_line(engine) if pending else None
 
 
-def build(engine, chat_template: bool, downloads: Downloads, engine_queue: dict) -> None:
+def build(engine, chat_template: bool, downloads: Downloads, engine_queue: dict, costs=None) -> None:
     page = _layout(engine.config)
-    _wire_run(page, engine, chat_template, downloads, engine_queue)
+    _wire_run(page, engine, chat_template, downloads, engine_queue, costs)
     _wire_stop_and_inspect(page)
 
 
@@ -131,7 +131,7 @@ def _layout(model_config) -> _Page:
     return page
 
 
-def _wire_run(p: _Page, engine, chat_template: bool, downloads: Downloads, engine_queue: dict) -> None:
+def _wire_run(p: _Page, engine, chat_template: bool, downloads: Downloads, engine_queue: dict, costs) -> None:
     """Run comparison (or Enter): the runs decode in the engine's queue, side by side; then the table, the figure
     and the report."""
 
@@ -169,7 +169,7 @@ def _wire_run(p: _Page, engine, chat_template: bool, downloads: Downloads, engin
         path = downloads.folder() / "compare-report.html"
         write_html(results, path, title=f"compare: {text[:60]}")
         yield {**p.frame(views, rewind=True), p.status: render.note_html("done"),
-               p.table: render.comparison_html(rows(results)),
+               p.table: render.comparison_html(rows(results, costs), costs),
                p.figure: gr.Plot(comparison_figure([as_trace(r) for r in results.values()], labels), visible=True),
                p.report: gr.File(str(path), visible=True)}
 

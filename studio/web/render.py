@@ -223,19 +223,25 @@ def _acceptance_svg(acc: Acceptance, width: int = 240, height: int = 66) -> str:
 
 
 # -- tables -----------------------------------------------------------------------------------------
-def comparison_html(table_rows: Sequence[Mapping[str, Any]]) -> str:
-    """`studio.run.compare.rows` as a table, each run's text below it."""
+def comparison_html(table_rows: Sequence[Mapping[str, Any]], costs=None) -> str:
+    """`studio.run.compare.rows` as a table, each run's text below it; with `costs` (the DeviceCosts the rows were
+    projected with) the projected column and, under the table, whose costs they are."""
     from studio.run.compare import same_as
-    head = "".join(f"<th>{h}</th>" for h in ("run", "tokens", "forwards", "TPF", "accept", "tok/s", "× ar",
-                                              "same as", "stop"))
+    from studio.traces import projection
+    projected = [] if costs is None else [projection.label(costs)]
+    head = "".join(f"<th>{esc(h)}</th>" for h in ("run", "tokens", "forwards", "TPF", "accept", "tok/s", "× ar",
+                                                   *projected, "same as", "stop"))
+    times = lambda x: "—" if x is None else f"{x:.2f}×"  # noqa: E731
     body = []
     for r in table_rows:
-        speed = None if r["speed_vs_ar"] is None else f"{r['speed_vs_ar']:.2f}×"
+        cells = [] if costs is None else [times(r["projected_vs_ar"])]
         body.append("<tr>" + "".join(f"<td>{x}</td>" for x in (
             esc(r["label"]), r["n_tokens"], r["forwards"], num(r["tpf"], ".2f"), num(r["accept_rate"], ".0%"),
-            num(r["tok_s"], ".1f"), speed or "—", esc(same_as(r)), esc(r["stop_reason"]))) + "</tr>")
+            num(r["tok_s"], ".1f"), times(r["speed_vs_ar"]), *cells, esc(same_as(r)), esc(r["stop_reason"])))
+                    + "</tr>")
+    note = "" if costs is None else f'<p class="note">{esc(projection.caption(costs.name, costs.origin))}</p>'
     texts = "".join(f'<div class="out"><b>{esc(r["label"])}</b> {esc(r["text"])}</div>' for r in table_rows)
-    return f'<table class="tbl">{head and "<tr>" + head + "</tr>"}{"".join(body)}</table>{texts}'
+    return f'<table class="tbl"><tr>{head}</tr>{"".join(body)}</table>{note}{texts}'
 
 
 def trace_info_html(name: str, header: Mapping[str, Any], metrics: Mapping[str, Any], warning: str = "") -> str:

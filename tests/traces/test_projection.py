@@ -121,3 +121,37 @@ def test_models_costs_save_writes_a_table_compare_finds_by_name(monkeypatch):
     assert saved.table.max_rows == 16 and "this-cpu" in projection.names()
     assert saved.table.key["model"] == engine.name and f"{engine.name}, float32" in saved.origin
     (projection.saved_dir() / "this-cpu.json").unlink()
+
+
+def test_bench_costs_projects_every_prompt_as_its_runs_price(monkeypatch, tmp_path):
+    """bench's projected column: per prompt, the strategy's tokens per priced ms over ar's (the same greedy runs
+    priced on their own here), the median over prompts; the table and the HTML page name the table's origin."""
+    import statistics
+
+    from studio.run.config import RunConfig
+    from studio.run.session import encode_prompt, run_to_end
+
+    engine = tiny_engine("llama", vocab=16)
+    monkeypatch.setattr(Engine, "load", staticmethod(lambda spec, adapter=None, **kw: engine))
+    prompts = ["abc", "pon", "hello"]
+    (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n")
+    args = ["bench", "--prompts", str(tmp_path / "p.txt"), "-s", "jacobi", "--repeats", "1", "--warmup", "0",
+            "--max-new-tokens", "10", "--no-transformers", "--costs", "h200"]
+    res = CliRunner().invoke(app, [*args, "--json", "--html", str(tmp_path / "b.html")])
+    assert res.exit_code == 0, (res.output, res.exception)
+    report = json.loads(res.stdout)
+    assert report["costs"]["name"] == "h200" and "2026-11-26" in report["costs"]["origin"]
+    h200 = projection.load("h200")
+
+    def priced(name, prompt):
+        strategy, settings = RunConfig(name, max_new_tokens=10, temperature=0.0).build()
+        return projection.project(run_to_end(engine, strategy, settings, prompt, encode_prompt(engine, prompt)).events,
+                                  h200)
+    by_hand = statistics.median(priced("jacobi", p).vs(priced("ar", p)) for p in prompts)
+    got = {s["label"]: s["projected_vs_ar"] for s in report["strategies"]}
+    assert got["ar"]["median"] == pytest.approx(1.0) and got["jacobi"]["median"] == pytest.approx(by_hand)
+    assert "priced by the h200 table" in (tmp_path / "b.html").read_text()
+    text = CliRunner().invoke(app, args, env={"COLUMNS": "200"}).stdout
+    assert "× ar on h200 (projected)" in text and "priced by the h200 table" in text
+    res = CliRunner().invoke(app, [*args[:-2], "--concurrency", "2", "-s", "isd", "--costs", "h200"])
+    assert isinstance(res.exception, BadInput) and "not with --concurrency" in str(res.exception)

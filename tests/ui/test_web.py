@@ -21,6 +21,7 @@ from gradio_client import Client, handle_file  # noqa: E402
 
 from studio.run.config import RunConfig  # noqa: E402
 from studio.run.compare import compare_configs, make_runs  # noqa: E402
+from studio.traces import projection  # noqa: E402
 from studio.engine.strategies import STRATEGIES, make_strategy  # noqa: E402
 from studio.engine.strategies.params import N, TAU  # noqa: E402
 from studio.errors import BadInput  # noqa: E402
@@ -69,7 +70,7 @@ def free_port() -> int:
 @contextmanager
 def served(engine):
     """The app on a free local port: yields (app, url)."""
-    app = build_app(engine)
+    app = build_app(engine, costs=projection.load("h200"))    # what `dlm-studio web` projects onto by default
     _, url, share_url = serve(app, port=free_port(), block=False)
     assert share_url is None and url.startswith("http://127.0.0.1:")
     try:
@@ -382,6 +383,10 @@ def test_compare_advances_runs_in_lock_step_then_reports(server, engine, tmp_pat
     for label, r in zip(["ar", "isd", "jacobi"], runs):
         assert f"<td>{label}</td>" in table and render.esc(r.result.footer["text"]) in table
     assert "<td>jacobi</td><td>24</td>" in table and table.count("<td>yes (ar)</td>") >= 2   # greedy jacobi == ar
+    h200 = projection.load("h200")
+    projected = projection.project(runs[2].result.events, h200).vs(projection.project(runs[0].result.events, h200))
+    assert "<th>× ar on h200 (projected)</th>" in table and f"<td>{projected:.2f}×</td>" in table
+    assert "priced by the h200 table (one NVIDIA H200, 2026-11-26" in table
     slots = len(runs[2].result.footer["accept_by_pos"])   # jacobi's acceptance chart names each of its slots
     assert slots > 1 and all(f'text-anchor="middle">{i}</text>' in final["cmp-metrics-2"] for i in range(1, slots + 1))
     assert final["cmp-trajectory-0"].get("rewind") and final["cmp-trajectory-2"].get("rewind")   # panes start level
