@@ -32,6 +32,9 @@ def bench(
     prompts: Optional[Path] = PROMPTS,
     task: Optional[str] = typer.Option(None, "--task", help="A question set (a shipped name: quick; or a JSONL file "
                                        "of prompt and answer): accuracy beside speed, and its figure in --html."),
+    sweep: list[str] = typer.Option([], "--sweep", help="KEY=V1,V2,...: every strategy that has parameter KEY at "
+                                    "each value (repeatable: every combination); with --task, each strategy's AUP "
+                                    "and its accuracy-TPF curve in --html."),
     repeats: int = REPEATS,
     warmup: int = typer.Option(1, "--warmup", help="Untimed runs first (each strategy on the first prompt)."),
     no_transformers: bool = typer.Option(False, "--no-transformers", help="Skip the transformers baseline."),
@@ -71,9 +74,10 @@ def bench(
     if clients:
         return _bench_clients(model, config, strategies, load_prompts(prompts), clients, repeats, as_json,
                               conflicts={"--task": task, "--concurrency": concurrency > 1, "--html": html,
-                                         "--oracle-accept": oracle_accept is not None, "--costs": costs})
+                                         "--oracle-accept": oracle_accept is not None, "--costs": costs,
+                                         "--sweep": sweep})
     _bench_strategies(model, config, strategies, prompts, task, repeats, warmup, no_transformers, oracle_accept,
-                      concurrency, html, as_json, force, costs)
+                      concurrency, html, as_json, force, costs, sweep)
 
 
 @bench_app.command("forwards")
@@ -118,12 +122,14 @@ def bench_clients(
 
 def _bench_strategies(model: ModelChoice, config: RunConfig, strategies: str, prompts: Path | None, task: str | None,
                       repeats: int, warmup: int, no_transformers: bool, oracle_accept: float | None,
-                      concurrency: int, html: Path | None, as_json: bool, force: bool, costs: str | None = None) -> None:
+                      concurrency: int, html: Path | None, as_json: bool, force: bool, costs: str | None = None,
+                      sweep: list[str] = ()) -> None:
     """The strategies decoding the prompts (or a task's questions), against the baseline: the report as JSON or a
     table, and its HTML page."""
     from rich.console import Console
     from studio.run.bench import check_concurrency, load_prompts
     from studio.run.compare import compare_configs, fit_baseline, with_references
+    from studio.run.sweep import add_aup, expand, parse_sweep
 
     if task and prompts:
         raise BadInput("give --prompts or --task, not both")
@@ -140,6 +146,7 @@ def _bench_strategies(model: ModelChoice, config: RunConfig, strategies: str, pr
     preset = config.resolved()[1]   # the --preset, or the strategy preset a model preset recommends
     configs = compare_configs(strategies + (f",{preset}" if preset else ""), config,
                               ar_alone=True)   # `-s ar`: ar's own speed (beside transformers generate unless skipped)
+    configs, curves = expand(configs, [parse_sweep(s) for s in sweep])
     if task:
         from studio.evaluation.questions import load_task, score
         task_name, questions = load_task(task)
@@ -151,12 +158,14 @@ def _bench_strategies(model: ModelChoice, config: RunConfig, strategies: str, pr
         check_writable(html, force)
     engine = model.load()
     configs, exact = with_references(fit_baseline(engine, configs))
+    for label, twin in exact.items():   # a swept run's exact twin is a point of its curve's twin
+        curves[twin] = curves.get(label, label) + twin.removeprefix(label)
     check_concurrency([c.build() for c in configs.values()], concurrency)
     with_transformers = with_transformers and engine.config.attention == "causal"   # it generates causally
     report = _run_with_progress(engine, texts, configs, repeats, warmup, with_transformers, concurrency, exact,
                                 device_costs)
     if task:
-        score(report, task_name, questions)
+        add_aup(score(report, task_name, questions), curves)
     if html:
         from studio.run.bench import write_bench_html
         typer.echo(f"report: {write_bench_html(report, html)}", err=True)
@@ -297,4 +306,7 @@ def _bench_table(report: dict):
     if report.get("costs"):
         from studio.traces.projection import caption
         t.caption = "\n".join(filter(None, [t.caption, caption(**report["costs"])]))
+    if report.get("aup"):
+        from studio.run.sweep import aup_line
+        t.caption = "\n".join(filter(None, [t.caption, aup_line(report)]))
     return t

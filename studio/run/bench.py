@@ -27,6 +27,7 @@ from studio.files import read_user_text
 from studio.run.compare import first_difference
 from studio.run.config import RunConfig
 from studio.run.session import Run, drive, encode_prompt, kv_length_needed, prepare, run_to_end
+from studio.run.sweep import aup_line
 from studio.traces import projection
 
 BUILTIN_PROMPTS = [
@@ -394,7 +395,7 @@ def write_bench_html(report: dict, path) -> Path:
     """A self-contained HTML page (plotly.js inlined, opens offline): the bench table and its figure."""
     import html as _html
     import plotly.io as pio
-    from studio.viz.figures import accuracy_figure, bench_figure
+    from studio.viz.figures import accuracy_figure, bench_figure, parallelism_figure
 
     hf = report["transformers_tok_s"]
     head, rows = table_rows(report)
@@ -412,6 +413,9 @@ def write_bench_html(report: dict, path) -> Path:
             + pio.to_html(bench_figure(report), full_html=False, include_plotlyjs=True, config={"displaylogo": False})
             + (pio.to_html(accuracy_figure(report), full_html=False, include_plotlyjs=False,
                            config={"displaylogo": False}) if report.get("task") else "")
+            + (f"<p>{_html.escape(aup_line(report))}</p>" + pio.to_html(
+                parallelism_figure(report), full_html=False, include_plotlyjs=False, config={"displaylogo": False})
+               if report.get("aup") else "")
             + "<h2>Prompts</h2><ol>" + "".join(f"<li>{_html.escape(p)}</li>" for p in report["prompts"])
             + "</ol></body></html>")
     path = Path(path)

@@ -386,6 +386,24 @@ def accuracy_figure(report: dict) -> go.Figure:
     return fig
 
 
+def parallelism_figure(report: dict) -> go.Figure:
+    """`bench --task --sweep`: accuracy against tokens per forward, a curve per strategy through its settings (sorted
+    by TPF), its AUP in the legend: the accuracy-parallelism trade-off d3LLM scores."""
+    fig = go.Figure()
+    fig.update_layout(**_BASE_LAYOUT, title=f"Accuracy under parallelism on {report['task']['name']}",
+                      xaxis_title="tokens per forward (median over questions)", yaxis_title="accuracy",
+                      yaxis_tickformat=".0%")
+    for i, (curve, score) in enumerate(report["aup"].items()):
+        runs = sorted((r for r in report["strategies"] if r["curve"] == curve), key=lambda r: r["tpf"]["median"])
+        aup = "—" if score is None else f"{score:.2f}"
+        fig.add_trace(go.Scatter(
+            x=[r["tpf"]["median"] for r in runs], y=[r["accuracy"] for r in runs], mode="lines+markers",
+            name=f"{curve} (AUP {aup})", text=[r["label"] for r in runs],
+            marker=dict(size=10, color=RUN_COLORS[i % len(RUN_COLORS)]),
+            hovertemplate="%{text}<br>TPF %{x:.2f}<br>accuracy %{y:.0%}<extra></extra>"))
+    return fig
+
+
 def bench_figure(report: dict) -> go.Figure:
     """`dlm-studio bench` at a glance: speed vs ar and TPF per strategy, bars at the median with
     min–max whiskers (the spread over prompts and repeats)."""
