@@ -55,8 +55,10 @@ EVENT_FIELDS: dict[str, dict[str, Any]] = {
 # Optional fields (added in 1.x, so readers must not require them). emit.pieces: the text of each
 # token on its own, for per-token displays (`text` alone cannot always be split back into tokens).
 # forward.experts: on a mixture-of-experts model, how many distinct experts each MoE layer ran (what a wide
-# forward pays for: every expert it touches is read).
-OPTIONAL_FIELDS: dict[str, dict[str, Any]] = {"emit": {"pieces": list[str]}, "forward": {"experts": list[int]}}
+# forward pays for: every expert it touches is read). accept.h / reject.h: the target's entropy (nats, softmax of
+# its raw logits at temperature 1) at each verified position, where the strategy verified from raw logits.
+OPTIONAL_FIELDS: dict[str, dict[str, Any]] = {"emit": {"pieces": list[str]}, "forward": {"experts": list[int]},
+                                              "accept": {"h": list[float]}, "reject": {"h": float}}
 ROLES: tuple[str, ...] = get_args(EVENT_FIELDS["forward"]["role"])
 SOURCES: tuple[str, ...] = get_args(EVENT_FIELDS["propose"]["src"])
 
@@ -179,7 +181,7 @@ def validate_event(event: Any, where: str = "event") -> None:
         raise bad_trace(f"{where}: {kind} event: {problem}")
     if event["step"] < 0:
         raise bad_trace(f"{where}: {kind} event: field 'step' must be >= 0, got {event['step']}")
-    lists = _LIST_FIELDS[kind]
+    lists = [*_LIST_FIELDS[kind], *(k for k, spec in present.items() if get_origin(spec) is list)]
     if len(lists) > 1 and len({len(event[n]) for n in lists}) > 1:
         lens = ", ".join(f"{n}={len(event[n])}" for n in lists)
         raise bad_trace(f"{where}: {kind} event: fields {'/'.join(lists)} must have the same length ({lens})")

@@ -1,4 +1,4 @@
-"""`dlm-studio trace info|export|replay|project FILE`: a Typer sub-app (registered by studio.cli as `trace`).
+"""`dlm-studio trace info|export|replay|project|analyze FILE`: a Typer sub-app (registered by studio.cli as `trace`).
 
 Every malformed or wrong-version trace raises `studio.errors.BadInput` (from `studio.events.read_trace`),
 which the `dlm-studio` entry point prints as one line with exit code 2. A truncated trace (no footer: the
@@ -200,3 +200,47 @@ def project(files: list[Path] = typer.Argument(..., help="Trace files (.jsonl)."
         line = (f"{str(file)[-34:]:<34} {str(t.header.get('strategy'))[:12]:<12} {p.tokens:>7} {p.forwards:>9} "
                 f"{p.forward_ms:>10.1f} {_fmt(p.vs_steps, '>15.2f')}")
         typer.echo(line + (f" {_fmt(p.vs(ar), '>15.2f')}" if ar else ""))
+
+
+@trace_app.command()
+def analyze(files: list[Path] = typer.Argument(..., help="Trace files (.jsonl)."),
+            reference: Optional[Path] = typer.Option(None, "--reference", help="The exact run's trace: the "
+                                                     "calibration of the unmasking confidence is measured against "
+                                                     "its tokens."),
+            html: Optional[Path] = typer.Option(None, "--html", help="Write the figures to this HTML page."),
+            json_out: bool = typer.Option(False, "--json", help="Print one JSON object per trace instead of text."),
+            force: bool = typer.Option(False, "--force", help="Overwrite the --html file if it exists."),
+            allow_truncated: bool = _ALLOW_TRUNCATED) -> None:
+    """Across each run's steps: acceptance by draft slot, by position, by the target's entropy and by the draft's
+    confidence; the unmasking confidence's calibration (with --reference); tokens per forward by role; where the
+    decode time went."""
+    from studio.traces import analysis
+    from studio.traces.export.analysis_html import write_analysis_html
+
+    if html is not None:
+        check_writable(html, force)
+    traces = [_read(file) for file in files]
+    ref = None if reference is None else _read(reference)
+    results = [analysis.analyze(t, ref) for t in traces]
+    labels = [file.stem for file in files]
+    if html is not None:
+        typer.echo(f"report: {write_analysis_html(labels, results, html, 'trace analysis')}", err=True)
+    if json_out:
+        for file, label, a in zip(files, labels, results):
+            typer.echo(json.dumps({"file": str(file), "label": label, **a}, default=str))
+        return
+    for file, label, a in zip(files, labels, results):
+        typer.echo(f"{label} ({file}): {a['tokens']} tokens, {a['forwards']} forwards, TPF {_fmt(a['tpf'], '.2f')}, "
+                   f"{a['verified']} verified, accepted {_fmt(a['rate'], '.0%')}")
+        if a["by_slot"]:
+            typer.echo("  by slot:     " + " ".join(f"{_fmt(r['rate'], '.0%')}" for r in a["by_slot"]))
+        if a["by_entropy"]:
+            typer.echo("  by entropy:  " + " ".join(f"[{r['from']:g},{'' if r['to'] is None else format(r['to'], 'g')})"
+                                                   f" {_fmt(r['rate'], '.0%')}" for r in a["by_entropy"]))
+        if a["calibration"]:
+            typer.echo("  calibration: " + " ".join(f"≥{r['confidence']:g} {_fmt(r['share'], '.0%')}"
+                                                   for r in a["calibration"]))
+        roles = " ".join(f"{role} {_fmt(r['tpf'], '.2f')}" for role, r in a["by_role"].items())
+        t = a["time"]
+        typer.echo(f"  TPF by role: {roles or '–'}\n  time:        forwards {t['forward_ms']:.0f} ms, the rest "
+                   f"{_fmt(t['other_ms'], '.0f')} ms")

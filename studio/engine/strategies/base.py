@@ -257,18 +257,23 @@ class DecodeContext:
             res = kernels.verify_logits(drafts, logits[0], logits[1], proposal, sampling, self.gen, **rule)
         else:
             res = verify_chain(drafts, p, q, proposal, sampling, self.gen, **rule)
-        self._report_chain(pos, drafts, res, forced)
+        self._report_chain(pos, drafts, res, forced, None if logits is None else logits[0])
         return res
 
-    def _report_chain(self, pos: list[int], drafts: list[int], res: ChainResult, forced: int) -> None:
+    def _report_chain(self, pos: list[int], drafts: list[int], res: ChainResult, forced: int,
+                      target_logits: torch.Tensor | None) -> None:
         """Accept for the accepted prefix (forced drafts left out), then reject + resample at the first rejection
-        (a forced draft rejected over numerical noise included: it was verified and failed)."""
+        (a forced draft rejected over numerical noise included: it was verified and failed). With the raw target
+        rows, each verdict carries the target's entropy there (`h`, what acceptance is analysed against)."""
         a = res.n_accepted
+        verified = a + (res.correction is not None)
+        h = [] if target_logits is None else _entropy(target_logits[:verified])
         if a > forced:
             self.event("accept", pos=pos[forced:a], tok=drafts[forced:a], p=res.p_draft[forced:a],
-                       q=res.q_draft[forced:a])
+                       q=res.q_draft[forced:a], **({"h": h[forced:a]} if h else {}))
         if res.correction is not None:
-            self.event("reject", pos=pos[a], tok=drafts[a], p=res.p_draft[a], q=res.q_draft[a])
+            self.event("reject", pos=pos[a], tok=drafts[a], p=res.p_draft[a], q=res.q_draft[a],
+                       **({"h": h[a]} if h else {}))
             self.event("resample", pos=pos[a], tok=res.correction)
 
     # -- output ---------------------------------------------------------------------------
@@ -401,3 +406,9 @@ class Strategy:
     def plans_drafts(self) -> bool:
         """Whether this run sizes its drafts by the measured forward costs (`drafting="auto"`, drafting.py)."""
         return getattr(self.params, "drafting", None) == "auto"
+
+
+def _entropy(logits: torch.Tensor) -> list[float]:
+    """Each row's entropy in nats, of the softmax of its raw logits (temperature 1)."""
+    logp = torch.log_softmax(logits.detach().float(), dim=-1)
+    return (-(logp.exp() * logp).sum(-1)).tolist()
