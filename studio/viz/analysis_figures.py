@@ -81,7 +81,7 @@ def analysis_svgs(labels: Sequence[str], analyses: Sequence[Mapping[str, Any]]) 
                        [f"{r['right']}/{r['filled']} equal the reference's token" for r in rows]))
     out.append(grouped_bars("Calibration of the unmasking confidence", "filled at confidence ≥",
                             "share equal to the reference's token", [f"{r['confidence']:g}" for r in calibration],
-                            series, percent=True, empty="no unmasked tokens, or no --reference run"))
+                            series, percent=True, empty="no unmasked tokens, or no reference run"))
     roles = list(dict.fromkeys(role for a in analyses for role in a["by_role"]))
     out.append(grouped_bars("Tokens per forward by the forward's role", "role of the step's last forward",
                             "tokens / forward", roles,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import gradio as gr
 
 from studio.run.config import RunConfig
-from studio.web import chat_tab, compare_tab, render, traces_tab
+from studio.web import analysis_tab, chat_tab, compare_tab, render, traces_tab
 from studio.web.files import MAX_UPLOAD_BYTES, Downloads
 
 ENGINE_QUEUE = {"concurrency_id": "engine", "concurrency_limit": 1}
@@ -38,6 +38,8 @@ def build_app(engine, choice: RunConfig | None = None, chat_template: bool = Tru
                 compare_tab.build(engine, chat_template, downloads, ENGINE_QUEUE, costs)
             with gr.Tab("Traces", id="traces", elem_id="tab-traces"):
                 traces_tab.build(engine, downloads)
+            with gr.Tab("Analysis", id="analysis", elem_id="tab-analysis"):
+                analysis_tab.build()
     app.downloads = downloads   # keeps the download folder alive as long as the app
     app.queue(default_concurrency_limit=1, max_size=64)
     return app

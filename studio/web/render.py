@@ -310,6 +310,12 @@ def _state_rules() -> str:
 
 
 CSS = f"""
+.analysis .card {{ background: #fff; color: #111; border: 1px solid #e3e3e3; border-radius: 8px; padding: 10px 14px;
+                  margin: 8px 0; overflow-x: auto; }}
+.analysis .grid2 {{ display: grid; grid-template-columns: 1fr 1fr; gap: 10px; }}
+.analysis svg {{ max-width: 100%; height: auto; }}
+@media (max-width: 1100px) {{ .analysis .grid2 {{ grid-template-columns: 1fr; }} }}
+.analysis table.cmp td.num {{ text-align: right; font-variant-numeric: tabular-nums; }}
 .traj {{ font-family: ui-monospace, SFMono-Regular, Menlo, monospace; font-size: 11px; }}
 .traj .rows {{ position: relative; max-height: 440px; overflow: auto; border-radius: 6px;
               border: 1px solid var(--border-color-primary, #ddd); padding: 4px 4px 4px 0;

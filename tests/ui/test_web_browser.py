@@ -336,3 +336,23 @@ def test_the_html_report_shows_a_long_trajectory_whole(browser, tmp_path):
     scroll, client, svg = box.evaluate("e => [e.scrollHeight, e.clientHeight, e.querySelector('svg').getBBox().height]")
     context.close()
     assert svg > 900 and scroll <= client + 1, (scroll, client, svg)   # taller than the window, none of it hidden
+
+
+def test_the_analysis_tab_draws_every_figure_for_uploaded_traces(page, site, shots, tmp_path):
+    engine, _ = site
+    pg = page
+    traces = []
+    for name in ("jacobi", "ar"):
+        path = tmp_path / f"{name}-run.jsonl"
+        strat, settings = RunConfig(name, max_new_tokens=40).build()
+        run_to_end(engine, strat, settings, "bcdefg", encode_prompt(engine, "bcdefg"), trace_path=str(path))
+        traces.append(str(path))
+    pg.click("#tab-analysis-button")
+    pg.set_input_files("#analysis-upload input[type=file]", traces)
+    pg.wait_for_function("document.querySelectorAll('#analysis-report svg').length === 8")
+    report = pg.inner_text("#analysis-report")
+    for title in ("Acceptance by draft slot", "Acceptance by the target's entropy", "Where the decode time went",
+                  "jacobi-run", "ar-run"):
+        assert title in report, title
+    assert "analysed 2 trace(s)" in pg.inner_text("#analysis-status")
+    pg.screenshot(path=str(shots / "analysis.png"), full_page=True)
