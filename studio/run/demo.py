@@ -13,6 +13,7 @@ and the twin against `ar` on the base model, labelled so.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import typer
@@ -21,6 +22,7 @@ from studio.engine.strategies import STRATEGIES
 from studio.run.compare import compare_configs, progress_display, render_table, rows, run_compare, trace_path, \
     write_html
 from studio.run.config import RunConfig
+from studio.traces import projection
 
 # a prompt long enough for 64 greedy tokens, whose repetitive structure lets parallel decoding show: r-isd (shipped
 # adapter) reaches TPF ~2.2 on it, jacobi-mr-cpu ~1.9
@@ -29,18 +31,29 @@ TRACE_PREFIX = "demo-"
 REPORT_NAME = "demo-report.html"
 
 
+FIXED = " · fixed"
+PAPERS_LAYOUT = {"drafting": "fixed", "lookup": 0}   # the strategy's own drafts every step, none copied
+COSTS = "h200"       # the device table the demo projects its runs onto
+
+
 def demo_configs(strategies: str | None, max_new_tokens: int, model: str = "default") -> dict[str, RunConfig]:
     """The demo's runs, greedy, seed 0: `None` or `all` is every registered strategy that decodes `model` (the
     embedded AR model, or what an adapter shipped for a strategy on it makes of it: canvas with smollm2-mdm), in
     registry order (ar first), a strategy's `NAME-cpu` preset in its place where one exists; otherwise a comma
-    list as for compare."""
+    list as for compare. Every run that drafts cost-aware (`drafting = auto`) is followed by its twin in the
+    papers' layout, `LABEL · fixed` (`PAPERS_LAYOUT`): what the algorithm does, beside what it buys here."""
     from studio.presets import list_presets
     from studio.presets.shipped import shipped_for
     if strategies is None or strategies.strip() in ("", "all"):
         presets = set(list_presets("strategies"))
         strategies = ",".join(f"{name}-cpu" if f"{name}-cpu" in presets else name
                               for name, cls in STRATEGIES.items() if cls.decodes_ar_models or shipped_for(model, name))
-    return compare_configs(strategies, RunConfig(temperature=0.0, max_new_tokens=max_new_tokens))
+    out: dict[str, RunConfig] = {}
+    for label, config in compare_configs(strategies, RunConfig(temperature=0.0, max_new_tokens=max_new_tokens)).items():
+        out[label] = config
+        if getattr(config.build()[0].params, "drafting", None) == "auto":
+            out[label + FIXED] = dataclasses.replace(config, params={**config.params, **PAPERS_LAYOUT})
+    return out
 
 
 def run_demo(engine, prompt: str = DEMO_PROMPT, strategies: str | None = None, max_new_tokens: int = 64,
@@ -74,8 +87,13 @@ def run_demo(engine, prompt: str = DEMO_PROMPT, strategies: str | None = None, m
     with progress_display({label: max_new_tokens for label in configs}, err) as progress:
         results = run_compare(engine, prompt, ids, configs, trace_dir=trace_dir, progress=progress,
                               trace_prefix=TRACE_PREFIX, on_done=done)
-    table = rows(results)
-    console.print(render_table(table, sampled=False))
+    costs = projection.load(COSTS)
+    table = rows(results, costs)
+    shown = render_table(table, sampled=False, costs=costs)
+    if any(label.endswith(FIXED) for label in results):
+        shown.caption = (f"LABEL: cost-aware drafting, what the strategy buys on this machine; LABEL{FIXED}: the "
+                         "papers' layout (drafting=fixed, lookup=0), what the algorithm does\n" + shown.caption)
+    console.print(shown)
     text = {r["label"]: r["text"].strip() for r in table}
     for r in table:   # each distinct output once, with the runs identical to it
         if r["identical_to_reference"] and r["reference"] != r["label"]:

@@ -2,6 +2,7 @@
 ar and with each run's reference (ar on the model it decodes), traces, the self-contained HTML report. The CLI runs in-process with `Engine.load` swapped for a tiny engine."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -11,7 +12,7 @@ from typer.testing import CliRunner
 from studio.cli import app
 from studio.run.config import RunConfig
 from studio.run.compare import (agreement, compare_configs, first_difference, make_runs, render_table, rows,
-                                run_compare, same_as, settings_text)
+                                run_compare, same_as, settings_text, trace_path)
 from studio.engine.engine import Engine
 from studio.engine.lora import attach_adapter
 from studio.engine.strategies import STRATEGIES
@@ -300,9 +301,10 @@ def test_compare_cli_and_demo_run_and_show_the_references(shipped_engine, monkey
     res = CliRunner().invoke(app, ["demo", "--prompt", PROMPT, "-s", "isd,r-isd", "--max-new-tokens", "8",
                                    "--trace-dir", str(d), "--no-html"])
     assert res.exit_code == 0, (res.output, res.exception)
-    assert sorted(p.name for p in d.iterdir()) == ["demo-ar-every.jsonl", "demo-ar.jsonl", "demo-isd.jsonl",
-                                                  "demo-r-isd.jsonl"]
-    assert "── ar, r-isd (identical output):" in res.stdout and "── ar · every, isd (identical output):" in res.stdout
+    assert sorted(p.name for p in d.iterdir()) == ["demo-ar-every.jsonl", "demo-ar.jsonl", "demo-isd-fixed.jsonl",
+                                                  "demo-isd.jsonl", "demo-r-isd-fixed.jsonl", "demo-r-isd.jsonl"]
+    assert "── ar, r-isd, r-isd · fixed (identical output):" in res.stdout
+    assert "── ar · every, isd, isd · fixed (identical output):" in res.stdout
     assert read_trace(d / "demo-ar-every.jsonl").header["strategy"] == "ar"
 
 
@@ -337,16 +339,22 @@ def test_html_report_self_contained(cli, tmp_path):
 def test_demo_every_strategy_cpu_presets_traces_and_report(cli, tmp_path):
     from studio.run.demo import demo_configs
     configs = demo_configs(None, 8, "tiny-llama")   # nothing is shipped for canvas on the tiny model
-    expected = [f"{n}-cpu" if n in ("jacobi-mr", "s2d2", "simsd") else n for n, c in STRATEGIES.items()
-                if c.decodes_ar_models]
+    runs = [f"{n}-cpu" if n in ("jacobi-mr", "s2d2", "simsd") else n for n, c in STRATEGIES.items()
+            if c.decodes_ar_models]
+    cost_aware = ("isd", "r-isd", "jacobi", "jacobi-mr-cpu", "s2d2-cpu", "simsd-cpu")
+    expected = [x for n in runs for x in ([n, f"{n} · fixed"] if n in cost_aware else [n])]
     assert list(configs) == expected and expected[0] == "ar"             # every registered strategy, CPU-sized
     assert all(c.temperature == 0.0 and c.max_new_tokens == 8 and c.seed == 0 for c in configs.values())
+    for n in cost_aware:                   # the papers' layout beside the cost-aware run: the same run but drafting
+        fixed, auto = configs[f"{n} · fixed"].build()[0].params, configs[n].build()[0].params
+        assert (fixed.drafting, fixed.lookup, auto.drafting) == ("fixed", 0, "auto")
+        assert dataclasses.replace(fixed, drafting="auto", lookup=auto.lookup) == auto
     d = tmp_path / "tr"
     res = cli("demo", "--prompt", PROMPT, "--max-new-tokens", "8", "--trace-dir", str(d))
     assert res.exit_code == 0, (res.output, res.exception)
     assert cli.loads == ["default"]
     traces = sorted(d.glob("demo-*.jsonl"))
-    assert sorted(p.name for p in traces) == sorted(f"demo-{lab}.jsonl" for lab in expected)
+    assert sorted(p.name for p in traces) == sorted(trace_path(d, lab, "demo-").name for lab in expected)
     for p in traces:
         t = read_trace(p)
         assert t.header["params"]["temperature"] == 0.0 and t.footer["n_tokens"] == 8
@@ -356,14 +364,17 @@ def test_demo_every_strategy_cpu_presets_traces_and_report(cli, tmp_path):
     assert all(read_trace(p).header["run_id"] in doc for p in traces)   # built from the trace files
     for lab in expected:
         assert re.search(rf"│ {re.escape(lab)}\s+│\s+8 │", res.stdout), lab
-        assert str(d / f"demo-{lab}.jsonl") in res.stdout
+        assert str(trace_path(d, lab, "demo-")) in res.stdout
+    flat = " ".join(res.stdout.split())   # the table's head and caption wrap at the console's width
+    assert "(projected)" in flat and "priced by the h200 table" in flat
+    assert "the papers' layout (drafting=fixed, lookup=0)" in flat
     assert f"report: {report}" in res.stdout
-    toks = {lab: [t for e in read_trace(d / f"demo-{lab}.jsonl").events if e["t"] == "emit" for t in e["tok"]]
+    toks = {lab: [t for e in read_trace(trace_path(d, lab, "demo-")).events if e["t"] == "emit" for t in e["tok"]]
             for lab in expected}
     same = [lab for lab in expected if toks[lab] == toks["ar"]]
-    assert f"── {', '.join(same)} (identical output):" in res.stdout
+    assert f"── {', '.join(same)} (identical output):" in flat
     for lab in set(expected) - set(same):
-        assert f"── {lab} (differs from ar at token {first_difference(toks['ar'], toks[lab])}):" in res.stdout
+        assert f"── {lab} (differs from ar at token {first_difference(toks['ar'], toks[lab])}):" in flat
     jmr = read_trace(d / "demo-jacobi-mr-cpu.jsonl")
     assert jmr.header["strategy"] == "jacobi-mr" and jmr.header["params"]["block_size"] == 8  # the CPU preset
 
@@ -372,7 +383,7 @@ def test_demo_explicit_strategies_and_bad_list(cli, tmp_path):
     res = cli("demo", "--prompt", PROMPT, "-s", "isd", "--max-new-tokens", "4", "--trace-dir", str(tmp_path),
               "--no-html")
     assert res.exit_code == 0, (res.output, res.exception)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-ar.jsonl", "demo-isd.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-ar.jsonl", "demo-isd-fixed.jsonl", "demo-isd.jsonl"]
     res = cli("demo", "-s", "isd,warp")
     assert isinstance(res.exception, BadInput) and "warp" in str(res.exception)
 

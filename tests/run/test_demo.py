@@ -40,7 +40,8 @@ def test_the_demo_runs_canvas_on_the_shipped_mdm_adapter_against_ar_on_the_base_
     out = run_demo(mdm_shipped, "abcab", "isd,canvas-cpu", max_new_tokens=8, trace_dir=tmp_path / "tr", html=False,
                    console=console, err_console=Console(file=io.StringIO()))
     twin = "canvas-cpu · cache=none"   # the cached canvas run's exact reference, beside it
-    assert list(out["results"]) == ["ar", "isd", "canvas-cpu", twin]   # no ar reference for a bidirectional model
+    assert list(out["results"]) == ["ar", "isd", "isd · fixed", "canvas-cpu", twin]   # no ar reference for a
+    # bidirectional model
     rows = {r["label"]: r for r in out["rows"]}
     cached, exact = rows["canvas-cpu"], rows[twin]
     assert cached["reference"] == twin and cached["identical_to_reference"] is not None
