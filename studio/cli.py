@@ -45,6 +45,7 @@ try:   # Ctrl+C while the CLI is still importing: the same one line and exit 130
 
     from studio.commands.bench import bench_app
     from studio.commands.models import models_app
+    from studio.commands.tune import tune as tune_command
     from studio.errors import BadInput, RankLost
     from studio.files import Interrupted, check_writable
     from studio.interrupts import must_wait
@@ -320,6 +321,7 @@ def compare(
 
 
 app.add_typer(bench_app, name="bench")   # studio/commands/bench.py
+app.command("tune")(tune_command)         # studio/commands/tune.py
 
 
 @app.command()

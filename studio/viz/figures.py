@@ -404,6 +404,26 @@ def parallelism_figure(report: dict) -> go.Figure:
     return fig
 
 
+def pareto_figure(points: Sequence[Mapping[str, Any]], chosen: int, title: str, x_title: str,
+                  y_title: str) -> go.Figure:
+    """`dlm-studio tune`: every trial (speed, quality), the Pareto front through the ones no other beats on both,
+    and the chosen trial; a trial's parameters in its hover."""
+    fig = go.Figure()
+    fig.update_layout(**_BASE_LAYOUT, title=title, xaxis_title=x_title, yaxis_title=y_title)
+    hover = [" · ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in p["params"].items())
+             for p in points]
+    fig.add_trace(go.Scatter(x=[p["speed"] for p in points], y=[p["quality"] for p in points], mode="markers",
+                             name="trials", text=[f"trial {p['number']}: {h}" for p, h in zip(points, hover)],
+                             marker=dict(size=9, color=RUN_COLORS[1]), hovertemplate="%{text}<extra></extra>"))
+    front = sorted((p for p in points if p["front"]), key=lambda p: p["speed"])
+    fig.add_trace(go.Scatter(x=[p["speed"] for p in front], y=[p["quality"] for p in front], mode="lines+markers",
+                             name="Pareto front", line=dict(color=RUN_COLORS[0]), hoverinfo="skip"))
+    best = next(p for p in points if p["number"] == chosen)
+    fig.add_trace(go.Scatter(x=[best["speed"]], y=[best["quality"]], mode="markers", name=f"chosen: trial {chosen}",
+                             marker=dict(size=16, symbol="star", color=RUN_COLORS[2]), hoverinfo="skip"))
+    return fig
+
+
 def bench_figure(report: dict) -> go.Figure:
     """`dlm-studio bench` at a glance: speed vs ar and TPF per strategy, bars at the median with
     min–max whiskers (the spread over prompts and repeats)."""

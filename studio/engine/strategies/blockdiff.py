@@ -67,7 +67,7 @@ class BlockDiffusion(Strategy):
         steps: int = param(0, "S denoising steps per block; 0 = B (one token per step at least)")
         schedule: str = param("dynamic", "dynamic (threshold + quota) | static (quota only)", choices=SCHEDULES)
         threshold: float = param(0.9, "τ: the confidence that unmasks a slot; Fast-dLLM / dInfer serving default "
-                                      "(S2D2's SDAR configs use 0.85)", role=TAU)
+                                      "(S2D2's SDAR configs use 0.85)", role=TAU, tune=(0.3, 0.99))
         cache: str = param("auto", "prefill/commit attention: block (bidirectional in a block) | causal (S2D2 "
                                    'cache_ver, "AR-like caching") | auto: block for native dLLMs (the model has a '
                                    "block_size), causal for an AR model + adapter", choices=CACHES)

@@ -53,7 +53,7 @@ class Canvas(Strategy):
     @dataclass
     class Params(DecoderParams):
         block_size: int = param(0, "B: the canvas is filled block by block; 0 = the model's block size, else the "
-                                   "whole canvas (LLaDA's block_length)", role=N)
+                                   "whole canvas (LLaDA's block_length)", role=N, tune=(4, 32))
         steps: int = param(0, "denoising steps over the whole canvas, shared equally by its blocks; 0 = one per "
                               "token (LLaDA's steps)")
         remasking: str = param("low_confidence", "which MASKs a scheduled step fills: the most confident (LLaDA; "
@@ -68,14 +68,14 @@ class Canvas(Strategy):
         alg_temp: float = param(0.0, "Dream: 0 = the k best scores; > 0 = k positions drawn by softmax(score / "
                                      "alg_temp)")
         threshold: float = param(0.0, "Fast-dLLM: fill every MASK of the block above this confidence, at least "
-                                      "the best one (0 = the fixed schedule)", role=TAU)
+                                      "the best one (0 = the fixed schedule)", role=TAU, tune=(0.3, 0.99))
         factor: float = param(0.0, "Fast-dLLM factor rule (0 = off; e.g. 1.0)")
         cfg_scale: float = param(0.0, "classifier-free guidance: logits = un + (cfg+1)(cond - un), un with the prompt "
                                       "masked (LLaDA; 0 = off, one forward per step)")
         cache: str = param("none", "none: every step recomputes the prompt and canvas K/V (exact) | prefix: the K/V "
                                    "before the open block kept from its first step, each step forwards the block and "
                                    "the canvas after it | dual: the K/V after it kept too, each step forwards the block "
-                                   "(Fast-dLLM)", choices=CACHES)
+                                   "(Fast-dLLM)", choices=CACHES, tune=True)
         refresh_every: int = param(0, "prefix/dual: also rebuild the cache every n steps of a block (dInfer's "
                                       "cache_update_freq; 0 = at block starts only; 1 = every step, as cache=none)")
         prefix_look: int = param(0, "prefix/dual: dInfer's vicinity refresh -- every step also recomputes the K/V of "

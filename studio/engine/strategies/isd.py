@@ -27,13 +27,13 @@ class ISD(Strategy):
 
     @dataclass
     class Params:
-        stride: int = param(4, "N: tokens committed per forward when every draft is accepted", role=N)
+        stride: int = param(4, "N: tokens committed per forward when every draft is accepted", role=N, tune=(2, 8))
         proposal: str = param("sample", "sample (d ~ q) | argmax (deterministic draft, exact rule p(d))",
                               choices=PROPOSALS)
         tau: float = param(0.0, "relaxed acceptance (lossy; 0 = exact)", role=TAU)
         mode: str = param("exact", "exact | reference (the I-DLM code's biased argmax + softmax-q scoring)",
                           choices=MODES)
-        drafting: str = param("auto", drafting.HELP + " (stride - 1 drafts)", choices=drafting.DRAFTING)
+        drafting: str = param("auto", drafting.HELP + " (stride - 1 drafts)", choices=drafting.DRAFTING, tune=True)
         lookup: int = param(2, prompt_lookup.HELP + " (a cold round's, up to stride - 1; exact mode, not under "
                                "bench's oracle)")
 

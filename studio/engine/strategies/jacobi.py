@@ -127,12 +127,12 @@ class Jacobi(_JacobiBase):
 
     @dataclass
     class Params:
-        block_size: int = param(16, "n: drafts verified per forward", role=N)
+        block_size: int = param(16, "n: drafts verified per forward", role=N, tune=(2, 16))
         init: str = param("context", "context (reference: tokens drawn from prompt + output) | repeat-last",
                           choices=INITS)
         max_iters: int = param(128, "safety cap: iterations without a fully accepted window before the drafts "
                                     "are re-initialised (each iteration commits >= 1 token anyway)")
-        drafting: str = param("auto", drafting.HELP + " (of the n drafts)", choices=drafting.DRAFTING)
+        drafting: str = param("auto", drafting.HELP + " (of the n drafts)", choices=drafting.DRAFTING, tune=True)
         lookup: int = param(2, prompt_lookup.HELP + " (the window's first)")
 
     @staticmethod
@@ -187,9 +187,10 @@ class JacobiMR(_JacobiBase):
 
     @dataclass
     class Params:
-        block_size: int = param(64, "n: the size of each block", role=N)
-        blocks: int = param(2, "K: real-active + up to K-1 pseudo-active blocks")
-        spawn_ratio: float = param(0.85, "r: spawn a pseudo block when the newest block has ceil(r n) accepted")
+        block_size: int = param(64, "n: the size of each block", role=N, tune=(2, 16))
+        blocks: int = param(2, "K: real-active + up to K-1 pseudo-active blocks", tune=(1, 4))
+        spawn_ratio: float = param(0.85, "r: spawn a pseudo block when the newest block has ceil(r n) accepted",
+                                   tune=(0.5, 0.95))
         pool_size: int = param(4, "n-gram pool entries kept = most candidates verified per forward (0 = off)")
         init: str = param("context", "context | repeat-last: how a new block's drafts start", choices=INITS)
         mode: str = param("intended", "intended | reference (drop the promoted block's progress and the pool)",
@@ -198,7 +199,7 @@ class JacobiMR(_JacobiBase):
                                     "are re-initialised")
         drafting: str = param("auto", drafting.HELP + ": the whole layout (the real-active block's open drafts, the "
                                       "pseudo blocks, the candidates), or the first drafts of the real-active block "
-                                      "alone", choices=drafting.DRAFTING)
+                                      "alone", choices=drafting.DRAFTING, tune=True)
         lookup: int = param(2, prompt_lookup.HELP + " (the real-active block's first)")
 
     @staticmethod

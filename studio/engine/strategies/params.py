@@ -23,12 +23,16 @@ ROLE_LABELS = {N: "N", TAU: "τ"}
 
 
 def param(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
-          choices: tuple[str, ...] | None = None, role: str | None = None) -> Any:
+          choices: tuple[str, ...] | None = None, role: str | None = None,
+          tune: tuple[float, float] | bool | None = None) -> Any:
     """A `Params` field: its default (or `factory` for a mutable one) and its metadata. `choices`: the
-    values a text field accepts (the strategy's validation must accept exactly these); `role`: N or TAU."""
+    values a text field accepts (the strategy's validation must accept exactly these); `role`: N or TAU;
+    `tune`: what `dlm-studio tune` searches -- (low, high) for a number, True for every choice."""
     if role is not None and role not in ROLE_LABELS:
         raise ValueError(f"unknown parameter role {role!r}")
-    metadata = {"help": help, "choices": tuple(choices) if choices else None, "role": role}
+    if tune is True and not choices or isinstance(tune, tuple) and not tune[0] < tune[1]:
+        raise ValueError(f"tune is (low, high) for a number or True for a parameter with choices, got {tune!r}")
+    metadata = {"help": help, "choices": tuple(choices) if choices else None, "role": role, "tune": tune}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -43,6 +47,7 @@ class ParamSpec:
     help: str
     choices: tuple[str, ...] | None  # the values a text field accepts; None: any text (or not text)
     role: str | None                 # N, TAU or None
+    tune: tuple[float, float] | bool | None = None   # what `tune` searches: a range, every choice, or nothing
 
 
 def param_specs(params_cls) -> tuple[ParamSpec, ...]:
@@ -51,7 +56,7 @@ def param_specs(params_cls) -> tuple[ParamSpec, ...]:
     for f in dataclasses.fields(params_cls):
         default = _default(f)
         out.append(ParamSpec(f.name, type(default), default, f.metadata.get("help", ""),
-                             f.metadata.get("choices"), f.metadata.get("role")))
+                             f.metadata.get("choices"), f.metadata.get("role"), f.metadata.get("tune")))
     return tuple(out)
 
 
