@@ -71,7 +71,7 @@ def expand(configs: Mapping[str, RunConfig], sweeps: list[Sweep]) -> tuple[dict[
     unknown = [s.key for s in sweeps if s.key not in used]
     if unknown:
         raise BadInput(f"--sweep {unknown[0]}: no listed strategy has that parameter "
-                       f"({', '.join(l for l in configs if l != next(iter(configs))) or 'only the baseline'})")
+                       f"({', '.join(label for label in list(configs)[1:]) or 'only the baseline'})")
     return out, curves
 
 

@@ -6,6 +6,7 @@ the last ones are copied to /tmp/web-shots/ to be looked at.
 """
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -356,3 +357,25 @@ def test_the_analysis_tab_draws_every_figure_for_uploaded_traces(page, site, sho
         assert title in report, title
     assert "analysed 2 trace(s)" in pg.inner_text("#analysis-status")
     pg.screenshot(path=str(shots / "analysis.png"), full_page=True)
+
+
+def test_the_analysis_tab_draws_a_swept_bench_report_s_curves(page, tmp_path):
+    from studio.run.sweep import add_aup
+    report = {"task": {"name": "quick", "answers": []}, "strategies": [
+        {"label": "ar", "tpf": {"median": 1.0}, "accuracy": 0.5},
+        {"label": "canvas · threshold=0.5", "tpf": {"median": 2.0}, "accuracy": 0.3},
+        {"label": "canvas · threshold=0.9", "tpf": {"median": 1.2}, "accuracy": 0.45}]}
+    add_aup(report, {"ar": "ar", "canvas · threshold=0.5": "canvas", "canvas · threshold=0.9": "canvas"})
+    good, bad = tmp_path / "sweep.json", tmp_path / "other.json"
+    good.write_text(json.dumps(report))
+    bad.write_text(json.dumps({"strategies": []}))
+    pg = page
+    pg.click("#tab-analysis-button")
+    pg.set_input_files("#analysis-bench input[type=file]", str(good))
+    pg.wait_for_function("document.querySelector('#analysis-curves .js-plotly-plot') !== null")
+    legend = pg.inner_text("#analysis-curves")
+    assert "canvas (AUP" in legend and "ar (AUP" in legend
+    pg.reload()                              # (a loaded file replaces the upload box: a fresh page for the next)
+    pg.click("#tab-analysis-button")
+    pg.set_input_files("#analysis-bench input[type=file]", str(bad))
+    pg.wait_for_function("document.querySelector('#analysis-bench-status').innerText.includes('no accuracy curves')")

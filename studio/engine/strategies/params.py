@@ -47,7 +47,7 @@ class ParamSpec:
     help: str
     choices: tuple[str, ...] | None  # the values a text field accepts; None: any text (or not text)
     role: str | None                 # N, TAU or None
-    tune: tuple[float, float] | bool | None = None   # what `tune` searches: a range, every choice, or nothing
+    tune: tuple[float, float] | bool | None   # what `tune` searches: a range, every choice, or nothing
 
 
 def param_specs(params_cls) -> tuple[ParamSpec, ...]:
