@@ -120,14 +120,16 @@ def time_split(events: list[Mapping[str, Any]]) -> dict:
 
 
 def analyze(trace, reference=None) -> dict:
-    """The analysis of one trace (a `studio.events.Trace`); `reference`: the exact run's trace for calibration."""
+    """The analysis of one trace (a `studio.events.Trace`); `reference`: the exact run's trace for calibration,
+    used for a trace of its own strategy (a cached canvas run and its cache=none twin) or when it is an `ar` run
+    (the exact output of every lossless rule)."""
     events = trace.events
     vs = verdicts(events)
     slots = max((v["slot"] for v in vs), default=0)
     positions = max((v["pos"] for v in vs), default=-1) // POSITION_BIN + 1
     footer = trace.footer or {}
     ref_tokens = None
-    if reference is not None:
+    if reference is not None and reference.header.get("strategy") in ("ar", trace.header.get("strategy")):
         ref_tokens = [t for e in reference.events if e["t"] == "emit" for t in e["tok"]]
     return {
         "strategy": trace.header.get("strategy"), "params": trace.header.get("params", {}),

@@ -206,7 +206,8 @@ def project(files: list[Path] = typer.Argument(..., help="Trace files (.jsonl)."
 def analyze(files: list[Path] = typer.Argument(..., help="Trace files (.jsonl)."),
             reference: Optional[Path] = typer.Option(None, "--reference", help="The exact run's trace: the "
                                                      "calibration of the unmasking confidence is measured against "
-                                                     "its tokens."),
+                                                     "its tokens, for the runs of its own strategy (or of every "
+                                                     "strategy, for an ar trace)."),
             html: Optional[Path] = typer.Option(None, "--html", help="Write the figures to this HTML page."),
             json_out: bool = typer.Option(False, "--json", help="Print one JSON object per trace instead of text."),
             force: bool = typer.Option(False, "--force", help="Overwrite the --html file if it exists."),

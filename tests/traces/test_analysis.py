@@ -64,9 +64,12 @@ def test_calibration_counts_the_last_fill_of_each_position_against_the_reference
     rows = {r["confidence"]: r for r in analysis.calibration(events, [7, 1, 3])}
     assert (rows[0.5]["filled"], rows[0.5]["right"]) == (3, 2)                # 0.95 right, 0.6 wrong, 0.99 right
     assert (rows[0.9]["filled"], rows[0.9]["right"]) == (2, 2) and rows[0.99]["share"] == 1.0
-    trace = Trace(header={}, footer=None, events=events)
-    assert analysis.analyze(trace, Trace(header={}, footer=None, events=reference))["calibration"] == \
-        analysis.calibration(events, [7, 1, 3])
+    trace = Trace(header={"strategy": "canvas"}, footer=None, events=events)
+    for strategy in ("canvas", "ar"):      # its own exact twin, or ar: the exact output of every lossless rule
+        ref = Trace(header={"strategy": strategy}, footer=None, events=reference)
+        assert analysis.analyze(trace, ref)["calibration"] == analysis.calibration(events, [7, 1, 3])
+    other = Trace(header={"strategy": "jacobi-mr"}, footer=None, events=reference)
+    assert analysis.analyze(trace, other)["calibration"] is None     # another rule's run is no reference
 
 
 def test_the_verifier_records_the_target_entropy_of_each_verified_position():
