@@ -41,7 +41,7 @@ import torch
 from studio import events as ev
 from studio.engine.kv_cache import SlotView
 from studio.engine.gated_lora import RowGate
-from studio.engine.strategies.base import Output
+from studio.engine.strategies.base import Output, entropy
 from studio.engine.strategies.isd import ISD, expected_tpf
 from studio.errors import BadInput
 
@@ -49,6 +49,7 @@ BATCHED = ("ar", "isd", "r-isd")
 PRIOR_ACCEPTANCE = 0.5   # what the cost-aware planner expects of a draft slot before any verdict (drafting.py)
 
 Row = tuple[list[int], list[bool]]     # one sequence's tokens in a batched forward, and their LoRA gate
+_Rows = tuple[list[int], list[float]]  # what a forward gives one sequence: each row's argmax and entropy
 
 
 @dataclass
@@ -113,34 +114,37 @@ class _Sequence:
         return gate + [False] * (width - len(gate))
 
     # -- what a forward's row gives -------------------------------------------------------------------------
-    def take_prefill(self, targets: list[int], gate: list[bool], wall_ms: float) -> None:
+    def take_prefill(self, rows: "_Rows", gate: list[bool], wall_ms: float) -> None:
         """The argmax of the last prompt row and of the MASK rows."""
         self._forwarded("prefill", len(self.prompt), gate, wall_ms)
-        self._absorb(targets, clean=len(self.prompt))
+        self._absorb(rows, clean=len(self.prompt))
 
-    def take_round(self, targets: list[int], gate: list[bool], wall_ms: float) -> None:
-        """The argmax of every row of this sequence's round."""
+    def take_round(self, rows: "_Rows", gate: list[bool], wall_ms: float) -> None:
+        """The argmax (and entropy) of every row of this sequence's round."""
         self.step += 1
         role = "verify" if self.drafts else "cold" if self.n_mask else "extend"
         self._forwarded(role, 1 + len(self.drafts), gate, wall_ms)
-        self._absorb(targets, clean=1)
+        self._absorb(rows, clean=1)
 
     def _forwarded(self, role: str, n_clean: int, gate: list[bool], wall_ms: float) -> None:
         self._event("forward", role=role, n_tokens=n_clean + self.n_mask,
                     lora_rows=sum(gate) if self.lora else 0, wall_ms=wall_ms)
 
-    def _absorb(self, targets: list[int], clean: int) -> None:
+    def _absorb(self, rows: "_Rows", clean: int) -> None:
         """Batch-1 ISD's round on this row's argmaxes (targets[0]: the last clean row's, then the drafts' and
         the MASK rows'): verify the drafts, commit the `clean` rows and the accepted drafts, take the MASK rows'
-        proposals when every draft was accepted, emit the accepted drafts + the bonus or the correction."""
+        proposals when every draft was accepted, emit the accepted drafts + the bonus or the correction. Each
+        verdict carries the target's entropy at its row (`h`), as batch 1's do."""
+        targets, h = rows
         k, n = len(self.drafts), len(self.out.token_ids)    # n: the output position of the first draft
         a = 0
         while a < k and self.drafts[a] == targets[a]:
             a += 1
         if a:
-            self._event("accept", pos=list(range(n, n + a)), tok=self.drafts[:a], p=[1.0] * a, q=[1.0] * a)
+            self._event("accept", pos=list(range(n, n + a)), tok=self.drafts[:a], p=[1.0] * a, q=[1.0] * a,
+                        h=h[:a])
         if a < k:
-            self._event("reject", pos=n + a, tok=self.drafts[a], p=0.0, q=1.0)
+            self._event("reject", pos=n + a, tok=self.drafts[a], p=0.0, q=1.0, h=h[a])
             self._event("resample", pos=n + a, tok=targets[a])
         kv_len = self.length - self.pad
         self._event("kv", op="commit", from_len=kv_len, to_len=kv_len + clean + a)
@@ -196,9 +200,10 @@ class _BatchForward:
         self.pad = torch.cat([self.pad, other.pad])
 
     def __call__(self, batch: list[Row], starts: list[int],
-                 rows: torch.Tensor | None = None) -> tuple[list[list[int]], float]:
-        """The argmax of every row in `rows` (all if None) of one forward, and its wall time in ms: batch row b's
-        tokens written at slots starts[b].., under causal attention over its own real slots."""
+                 rows: torch.Tensor | None = None) -> tuple[list[_Rows], float]:
+        """The argmax and entropy of every row in `rows` (all if None) of one forward, per batch row, and its
+        wall time in ms: batch row b's tokens written at slots starts[b].., under causal attention over its own
+        real slots."""
         t = time.perf_counter()
         dev = self.device
         tokens = torch.tensor([tokens for tokens, _ in batch], device=dev)
@@ -211,7 +216,9 @@ class _BatchForward:
         logits = self.model.run(tokens, positions, SlotView(self.kv, slots, n_visible), mask[:, None],
                                 RowGate(g) if bool(g.any()) else None, rows)
         targets = logits.argmax(-1).tolist()      # waits for the device: the wall time is the forward's
-        return targets, (time.perf_counter() - t) * 1000.0
+        wall_ms = (time.perf_counter() - t) * 1000.0
+        entropies = [entropy(row) for row in logits]
+        return list(zip(targets, entropies)), wall_ms
 
 
 @torch.inference_mode()
@@ -237,8 +244,8 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids, 
             for p in prompts]
     # the last prompt row and the MASK rows give logits
     batch = [s.prefill_row(mask_id) for s in seqs]
-    targets, wall_ms = forward(batch, [0] * len(seqs), rows=torch.arange(P - 1, P + n_mask, device=forward.device))
-    for s, t, (_, gate) in zip(seqs, targets, batch):
+    outs, wall_ms = forward(batch, [0] * len(seqs), rows=torch.arange(P - 1, P + n_mask, device=forward.device))
+    for s, t, (_, gate) in zip(seqs, outs, batch):
         s.take_prefill(t, gate, wall_ms)
     rows = list(range(len(prompts)))       # the sequence in each batch row
     while True:
@@ -251,8 +258,8 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids, 
             rows = [rows[j] for j in keep]
         running = [seqs[i] for i in rows]
         batch = [s.round_row(mask_id, width) for s in running]
-        targets, wall_ms = forward(batch, [s.length for s in running])
-        for s, t, (_, gate) in zip(running, targets, batch):
+        outs, wall_ms = forward(batch, [s.length for s in running])
+        for s, t, (_, gate) in zip(running, outs, batch):
             if s.live:
                 s.take_round(t, gate, wall_ms)
     return [s.result() for s in seqs]
@@ -346,9 +353,9 @@ class ContinuousBatch:
                         0, self.lora, lambda: (time.perf_counter() - start) * 1000.0)
         alone = _BatchForward(self.engine.model, self.engine.model.new_cache(need), [0])
         row = seq.prefill_row(self.mask_id)
-        targets, wall_ms = alone([row], [0], rows=torch.arange(len(prompt) - 1, len(prompt) + self.n_mask,
+        outs, wall_ms = alone([row], [0], rows=torch.arange(len(prompt) - 1, len(prompt) + self.n_mask,
                                                               device=alone.device))
-        seq.take_prefill(targets[0], row[1], wall_ms)
+        seq.take_prefill(outs[0], row[1], wall_ms)
         if seq.live:
             self._max_len = max(self._max_len, need)
             if self._forward is None:
@@ -365,8 +372,8 @@ class ContinuousBatch:
             return []
         self.engine.activate()
         batch = [s.round_row(self.mask_id, self.width) for s in self.sequences]
-        targets, wall_ms = self._forward(batch, [s.length for s in self.sequences])
-        for s, t, (_, gate) in zip(self.sequences, targets, batch):
+        outs, wall_ms = self._forward(batch, [s.length for s in self.sequences])
+        for s, t, (_, gate) in zip(self.sequences, outs, batch):
             s.take_round(t, gate, wall_ms)
         finished = [s for s in self.sequences if not s.live]
         self._leave(finished)

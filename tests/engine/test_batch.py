@@ -87,9 +87,12 @@ def test_every_sequence_decodes_as_it_would_alone(tmp_path, family, name, params
         assert [r.token_ids for r in batched] == [alone(base, "ar", None, p).token_ids for p in PROMPTS]
 
 
-def without_clock(events: list[dict]) -> list[dict]:
-    """Events less the fields a batch stamps with its own clock."""
-    return [{k: v for k, v in e.items() if k not in ("ms", "wall_ms")} for e in events]
+def without_clock(events: list[dict], entropy_tolerance: bool = False) -> list[dict]:
+    """Events less the fields a batch stamps with its own clock; with `entropy_tolerance`, each target entropy
+    (`h`) compares within 1e-4: a batched forward reduces in another order than batch 1's, which moves the last
+    bits of a float, never an argmax."""
+    return [{k: (pytest.approx(v, abs=1e-4) if k == "h" and entropy_tolerance else v)
+             for k, v in e.items() if k not in ("ms", "wall_ms")} for e in events]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -98,7 +101,7 @@ def test_every_sequence_records_the_events_and_footer_of_its_batch_1_run(tmp_pat
     _, batched, alone_runs = batch_and_alone(tmp_path, family, name, params)
     for got, want in zip(batched, alone_runs):
         # every field but the clock's: kinds, order, step, pos, tok, role, n_tokens, lora_rows, p, q, kv lengths, texts
-        assert without_clock(got.events) == without_clock(want.events)
+        assert without_clock(got.events) == without_clock(want.events, entropy_tolerance=True)
         # n_tokens, forwards, tpf, accept_rate, accept_by_pos and text, counted from the events as batch 1 counts
         summary = ev.summarize(got.events)
         assert {k: got.footer[k] for k in summary} == summary == {k: want.footer[k] for k in summary}
@@ -171,7 +174,7 @@ def test_sequences_joining_and_leaving_a_running_batch_decode_as_alone(tmp_path,
             assert got.footer["stop_reason"] == "cancelled"
             assert got.token_ids == alone_run.token_ids[:len(got.token_ids)]
         else:
-            assert without_clock(got.events) == without_clock(alone_run.events)
+            assert without_clock(got.events) == without_clock(alone_run.events, entropy_tolerance=True)
             assert got.footer["stop_reason"] == alone_run.footer["stop_reason"]
 
 

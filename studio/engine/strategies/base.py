@@ -267,7 +267,7 @@ class DecodeContext:
         rows, each verdict carries the target's entropy there (`h`, what acceptance is analysed against)."""
         a = res.n_accepted
         verified = a + (res.correction is not None)
-        h = [] if target_logits is None else _entropy(target_logits[:verified])
+        h = [] if target_logits is None else entropy(target_logits[:verified])
         if a > forced:
             self.event("accept", pos=pos[forced:a], tok=drafts[forced:a], p=res.p_draft[forced:a],
                        q=res.q_draft[forced:a], **({"h": h[forced:a]} if h else {}))
@@ -408,7 +408,7 @@ class Strategy:
         return getattr(self.params, "drafting", None) == "auto"
 
 
-def _entropy(logits: torch.Tensor) -> list[float]:
+def entropy(logits: torch.Tensor) -> list[float]:
     """Each row's entropy in nats, of the softmax of its raw logits (temperature 1)."""
     logp = torch.log_softmax(logits.detach().float(), dim=-1)
     return (-(logp.exp() * logp).sum(-1)).tolist()
