@@ -68,12 +68,18 @@ def tune(
     search.write_preset(out, base, chosen, how)
     figure = _figure(points, chosen, objective, quality, base.label, out.with_suffix(".html"))
     front = {p.number for p in search.pareto(points)}
-    typer.echo(f"{'trial':>5} {objective:>7} {'× ar':>6} {'TPF':>5} {quality:>18}  parameters")
+    typer.echo(f"{'trial':>5} {objective:>7} {'× ar':>6} {'TPF':>5} {quality:>18} {'= ar':>5}  parameters")
     for p in sorted(points, key=lambda p: -p.speed):
         mark = "*" if p.number == chosen.number else ("+" if p.number in front else " ")
         params = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in p.params.items())
-        typer.echo(f"{p.number:>4}{mark} {p.speed:>7.2f} {p.speedup:>6.2f} {p.tpf:>5.2f} {p.quality:>18.2f}  {params}")
-    typer.echo(f"(* chosen, + on the Pareto front)\npreset: {out}\nfigure: {figure}\ntrials: {storage}")
+        typer.echo(f"{p.number:>4}{mark} {p.speed:>7.2f} {p.speedup:>6.2f} {p.tpf:>5.2f} {p.quality:>18.2f} "
+                   f"{p.agreement:>5.0%}  {params}")
+    typer.echo(f"(* chosen, + on the Pareto front; = ar: outputs identical to ar's)\npreset: {out}\n"
+               f"figure: {figure}\ntrials: {storage}")
+    for p in search.departures(base, points):
+        typer.echo(f"warning: {base.label} is lossless, but trial {p.number} gave ar's output on only "
+                   f"{p.agreement:.0%} of the prompts: beyond a near-tie of float reduction order this is a bug "
+                   "(check it with `dlm-studio compare`)", err=True)
 
 
 def _data(task: str | None, prompts: Path | None):

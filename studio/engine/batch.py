@@ -277,7 +277,7 @@ def unbatchable(strategy, sampling) -> str | None:
         return f"batched decoding supports {', '.join(BATCHED)}, not {strategy.name!r}"
     if not sampling.greedy:
         return f"batched decoding is greedy only: temperature must be 0, got {sampling.temperature:g}"
-    if isinstance(strategy, ISD) and (strategy.params.tau > 0 or strategy.params.mode != "exact"):
+    if not strategy.lossless():
         return "batched decoding verifies exactly: tau must be 0 and mode 'exact'"
     return None
 

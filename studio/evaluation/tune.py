@@ -7,6 +7,10 @@ median × ar over the prompts, or `tpf`) and quality (a task's accuracy, else th
 ar's). Optuna's multi-objective TPE sampler is seeded and every trial lives in the SQLite storage, so a second
 call with the same storage goes on where the first stopped. The chosen point is the fastest trial whose quality
 meets the constraint (`--min-accuracy`, `--min-agreement`; by default agreement 1.0: only exact points).
+
+Every trial also records its agreement with ar. A lossless strategy (`Strategy.lossless`: ar, isd and r-isd at
+tau 0 in exact mode, jacobi, jacobi-mr) is tuned for speed alone, its exactness asserted: `departures` names
+each of its trials whose outputs were not all ar's, which only a near-tie of float reduction order may explain.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ class Point:
     quality: float
     tpf: float
     speedup: float
+    agreement: float    # the share of outputs identical to ar's
 
 
 def space(config: RunConfig) -> list:
@@ -81,6 +86,7 @@ def run(engine, base: RunConfig, texts: list[str], score: Callable[[dict], dict]
         quality = row["accuracy"] if score is not None else row["exact_match_vs_ar"]
         trial.set_user_attr("tpf", row["tpf"]["median"])
         trial.set_user_attr("speedup", row["speedup_vs_ar"]["median"])
+        trial.set_user_attr("agreement", row["exact_match_vs_ar"])
         speed = row["speedup_vs_ar"]["median"] if objective == "tok_s" else row["tpf"]["median"]
         return speed, quality
 
@@ -89,8 +95,14 @@ def run(engine, base: RunConfig, texts: list[str], score: Callable[[dict], dict]
         study.optimize(one, n_trials=1)
         if progress:
             progress(k + 1, n_trials)
-    return [Point(t.number, dict(t.params), t.values[0], t.values[1], t.user_attrs["tpf"], t.user_attrs["speedup"])
-            for t in study.trials if t.state.name == "COMPLETE"]
+    return [Point(t.number, dict(t.params), t.values[0], t.values[1], t.user_attrs["tpf"], t.user_attrs["speedup"],
+                  t.user_attrs["agreement"]) for t in study.trials if t.state.name == "COMPLETE"]
+
+
+def departures(base: RunConfig, points: list[Point]) -> list[Point]:
+    """The trials of a lossless strategy whose outputs were not all ar's (none for a lossy one)."""
+    strategy, _ = base.build()
+    return [p for p in points if p.agreement < 1] if strategy.lossless() else []
 
 
 def pareto(points: list[Point]) -> list[Point]:

@@ -2,6 +2,7 @@
 resumed, the chosen point written as a preset that loads and runs, the Pareto front drawn."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 
@@ -25,12 +26,21 @@ def test_the_search_space_is_what_the_params_declare():
 
 
 def test_pareto_and_the_constraint_pick_the_fastest_point_good_enough():
-    pts = [tune.Point(0, {}, 1.0, 1.0, 1.0, 1.0), tune.Point(1, {}, 2.0, 0.8, 2.0, 2.0),
-           tune.Point(2, {}, 1.5, 0.7, 1.5, 1.5), tune.Point(3, {}, 3.0, 0.5, 3.0, 3.0)]
+    pts = [tune.Point(0, {}, 1.0, 1.0, 1.0, 1.0, 1.0), tune.Point(1, {}, 2.0, 0.8, 2.0, 2.0, 1.0),
+           tune.Point(2, {}, 1.5, 0.7, 1.5, 1.5, 1.0), tune.Point(3, {}, 3.0, 0.5, 3.0, 3.0, 1.0)]
     assert [p.number for p in tune.pareto(pts)] == [0, 1, 3]                # 2 is beaten by 1 on both
     assert tune.choose(pts, 0.75).number == 1 and tune.choose(pts, 0.0).number == 3
     with pytest.raises(BadInput, match="no trial reached quality 1.1"):
         tune.choose(pts, 1.1)
+
+
+def test_a_lossless_strategys_trials_that_leave_ar_are_named_and_a_lossy_ones_are_not():
+    pts = [tune.Point(0, {}, 1.0, 1.0, 1.0, 1.0, 1.0), tune.Point(1, {}, 2.0, 0.5, 2.0, 2.0, 0.5)]
+    for lossless in ("ar", "jacobi-mr-cpu", "r-isd-n4", "isd-n4"):
+        assert [p.number for p in tune.departures(RunConfig().use(lossless), pts)] == [1], lossless
+    relaxed = RunConfig().use("isd-n4")
+    for lossy in (RunConfig().use("canvas-cpu"), dataclasses.replace(relaxed, params={**relaxed.params, "tau": 0.3})):
+        assert tune.departures(lossy, pts) == [], lossy.label
 
 
 def test_tune_writes_a_preset_that_runs_a_front_and_resumes(monkeypatch, tmp_path):
@@ -52,6 +62,7 @@ def test_tune_writes_a_preset_that_runs_a_front_and_resumes(monkeypatch, tmp_pat
     preset = load_strategy_preset(str(out))
     assert preset.strategy == "jacobi" and "tuned by dlm-studio tune on 3 prompts of p.txt" in preset.description
     assert "agreement with ar >= 1" in preset.description          # jacobi is exact: every point qualifies
+    assert "warning" not in res.output                                # and no trial left ar's output
     run = CliRunner().invoke(app, ["run", "abc", "--preset", str(out), "--max-new-tokens", "6", "--json"])
     assert run.exit_code == 0, (run.output, run.exception)
     assert json.loads(run.stdout)["strategy"] == "jacobi"

@@ -26,6 +26,9 @@ class AR(Strategy):
     wide_forwards = False
     needs_causal_model = False   # the AR mode of a diffusion model too (check_run)
 
+    def lossless(self) -> bool:
+        return True
+
     @dataclass
     class Params:
         pass

@@ -391,6 +391,11 @@ class Strategy:
         """Optional header fields a run of this strategy adds (a canvas strategy: `canvas`)."""
         return {}
 
+    def lossless(self) -> bool:
+        """Whether these parameters verify every token exactly, so the greedy output is greedy `ar`'s on the same
+        model (up to near-ties of float reduction order) and a sampled run keeps its law. `tune` asserts it."""
+        return False
+
     def exact_reference(self) -> dict | None:
         """Parameter overrides that turn this run into the exact decode it approximates (a canvas cache: cache=none),
         which a comparison runs beside it; None when the run is exact itself."""

@@ -56,6 +56,9 @@ class ISD(Strategy):
     def causal_kv(self, config) -> bool:
         return True   # MASK-row KV is never committed
 
+    def lossless(self) -> bool:
+        return self.params.tau == 0 and self.params.mode == "exact"
+
     # -- rounds ---------------------------------------------------------------------------
     def start(self, ctx: DecodeContext, prompt: list[int]) -> None:
         p = self.params

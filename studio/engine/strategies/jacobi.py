@@ -33,6 +33,9 @@ class _JacobiBase(Strategy):
     def causal_kv(self, config) -> bool:
         return True   # only verified tokens are committed, each over its causal prefix
 
+    def lossless(self) -> bool:
+        return True   # every committed token passed the exact rule (reference mode drops progress, not exactness)
+
     def _setup(self, ctx: DecodeContext, prompt: list[int]) -> None:
         cfg = getattr(ctx.model, "config", None)
         if cfg is not None and not getattr(cfg, "logit_shift", True):
