@@ -127,7 +127,7 @@ def _bench_strategies(model: ModelChoice, config: RunConfig, strategies: str, pr
     """The strategies decoding the prompts (or a task's questions), against the baseline: the report as JSON or a
     table, and its HTML page."""
     from rich.console import Console
-    from studio.run.bench import check_concurrency, load_prompts
+    from studio.run.bench import bench_length, check_concurrency, load_prompts
     from studio.run.compare import compare_configs, fit_baseline, with_references
     from studio.run.sweep import add_aup, expand, parse_sweep
 
@@ -139,9 +139,7 @@ def _bench_strategies(model: ModelChoice, config: RunConfig, strategies: str, pr
         raise BadInput("--costs prices runs decoded one at a time: not with --concurrency")
     from studio.traces import projection
     device_costs = None if costs is None else projection.load(costs)   # a bad name fails before the model loads
-    given = config.length_given()
-    limit = (32 if task else 64) if given is None else given   # None: unset
-    config = dataclasses.replace(config, max_new_tokens=limit, oracle_accept=oracle_accept)
+    config = dataclasses.replace(config, max_new_tokens=bench_length(config, bool(task)), oracle_accept=oracle_accept)
     with_transformers = not no_transformers and concurrency == 1
     preset = config.resolved()[1]   # the --preset, or the strategy preset a model preset recommends
     configs = compare_configs(strategies + (f",{preset}" if preset else ""), config,

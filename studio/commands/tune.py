@@ -1,6 +1,7 @@
 """`dlm-studio tune`: its options, checks and output (the search is studio.evaluation.tune's)."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional
 
@@ -53,7 +54,9 @@ def tune(
     if out.suffix != ".toml":
         raise BadInput(f"--out is a strategy preset: a .toml file, got {out}")
     check_writable(out, force)
+    from studio.run.bench import bench_length
     base = config.use(strategy)
+    base = dataclasses.replace(base, max_new_tokens=bench_length(base, task is not None))   # each trial a bench
     search.space(base)                       # something to tune, before the model loads
     storage = storage or out.with_suffix(".db")
     texts, score, data = _data(task, prompts)

@@ -55,6 +55,8 @@ def space(config: RunConfig) -> list:
 def _suggest(trial, spec):
     if spec.tune is True:
         return trial.suggest_categorical(spec.name, list(spec.choices))
+    if isinstance(spec.tune, list):
+        return trial.suggest_categorical(spec.name, spec.tune)
     low, high = spec.tune
     if spec.kind is int:
         return trial.suggest_int(spec.name, int(low), int(high))

@@ -38,6 +38,13 @@ BUILTIN_PROMPTS = [
 ]
 
 
+def bench_length(config, scored: bool) -> int:
+    """The answer length of a bench (and of each tune trial): what the command line or model preset gives, else
+    32 tokens for a question set's short answers and 64 for prompts."""
+    given = config.length_given()
+    return (32 if scored else 64) if given is None else given
+
+
 def load_prompts(path: Path | None) -> list[str]:
     """One prompt per line, or JSON Lines with a "prompt" field."""
     if path is None:

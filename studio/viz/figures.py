@@ -397,11 +397,17 @@ def parallelism_figure(report: dict) -> go.Figure:
         runs = sorted((r for r in report["strategies"] if r["curve"] == curve), key=lambda r: r["tpf"]["median"])
         aup = "—" if score is None else f"{score:.2f}"
         fig.add_trace(go.Scatter(
-            x=[r["tpf"]["median"] for r in runs], y=[r["accuracy"] for r in runs], mode="lines+markers",
-            name=f"{curve} (AUP {aup})", text=[r["label"] for r in runs],
-            marker=dict(size=10, color=RUN_COLORS[i % len(RUN_COLORS)]),
-            hovertemplate="%{text}<br>TPF %{x:.2f}<br>accuracy %{y:.0%}<extra></extra>"))
+            x=[r["tpf"]["median"] for r in runs], y=[r["accuracy"] for r in runs], mode="lines+markers+text",
+            name=f"{curve} (AUP {aup})", text=[_setting(r["label"], curve) for r in runs], textposition="top center",
+            customdata=[r["label"] for r in runs], marker=dict(size=10, color=RUN_COLORS[i % len(RUN_COLORS)]),
+            hovertemplate="%{customdata}<br>TPF %{x:.2f}<br>accuracy %{y:.0%}<extra></extra>"))
     return fig
+
+
+def _setting(label: str, curve: str) -> str:
+    """What a swept run's label adds to its curve's: the setting a point of the curve stands for."""
+    shared = set(curve.split(" · "))
+    return " · ".join(part for part in label.split(" · ") if part not in shared)
 
 
 def pareto_figure(points: Sequence[Mapping[str, Any]], chosen: int, title: str, x_title: str,

@@ -25,6 +25,14 @@ def test_the_search_space_is_what_the_params_declare():
         tune.space(RunConfig().use("ar"))
 
 
+def test_a_canvas_block_size_is_searched_over_sizes_that_divide_its_canvas():
+    import optuna
+    spec = {s.name: s for s in tune.space(RunConfig().use("canvas-cpu"))}["block_size"]
+    assert isinstance(spec.tune, list) and all(n % b == 0 for b in spec.tune for n in (32, 64, 128))
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    assert {tune._suggest(study.ask(), spec) for _ in range(20)} == set(spec.tune)
+
+
 def test_pareto_and_the_constraint_pick_the_fastest_point_good_enough():
     pts = [tune.Point(0, {}, 1.0, 1.0, 1.0, 1.0, 1.0), tune.Point(1, {}, 2.0, 0.8, 2.0, 2.0, 1.0),
            tune.Point(2, {}, 1.5, 0.7, 1.5, 1.5, 1.0), tune.Point(3, {}, 3.0, 0.5, 3.0, 3.0, 1.0)]

@@ -14,6 +14,7 @@ from studio.errors import BadInput
 from studio.run.compare import compare_configs
 from studio.run.config import RunConfig
 from studio.run.sweep import aup, expand, parse_sweep
+from studio.viz.figures import parallelism_figure
 from tests.support.tiny import tiny_engine
 
 
@@ -68,3 +69,5 @@ def test_bench_task_sweep_reports_each_setting_its_curve_and_aup(monkeypatch, tm
     assert all(r["speedup_vs_ar"] and "accuracy" in r for r in rows.values())
     page = html.read_text()
     assert "Accuracy under parallelism on task" in page and "jacobi (AUP" in page
+    curve = next(t for t in parallelism_figure(rep).data if t.name.startswith("jacobi"))
+    assert sorted(curve.text) == ["block_size=2", "block_size=4"]       # each point says which setting it is

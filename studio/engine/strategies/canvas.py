@@ -53,7 +53,8 @@ class Canvas(Strategy):
     @dataclass
     class Params(DecoderParams):
         block_size: int = param(0, "B: the canvas is filled block by block; 0 = the model's block size, else the "
-                                   "whole canvas (LLaDA's block_length)", role=N, tune=(4, 32))
+                                   "whole canvas (LLaDA's block_length)", role=N,
+                                tune=[4, 8, 16, 32])   # each divides the canvases bench and tune decode (32, 64, 128)
         steps: int = param(0, "denoising steps over the whole canvas, shared equally by its blocks; 0 = one per "
                               "token (LLaDA's steps)")
         remasking: str = param("low_confidence", "which MASKs a scheduled step fills: the most confident (LLaDA; "

@@ -24,14 +24,17 @@ ROLE_LABELS = {N: "N", TAU: "τ"}
 
 def param(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
           choices: tuple[str, ...] | None = None, role: str | None = None,
-          tune: tuple[float, float] | bool | None = None) -> Any:
+          tune: tuple[float, float] | list | bool | None = None) -> Any:
     """A `Params` field: its default (or `factory` for a mutable one) and its metadata. `choices`: the
     values a text field accepts (the strategy's validation must accept exactly these); `role`: N or TAU;
-    `tune`: what `dlm-studio tune` searches -- (low, high) for a number, True for every choice."""
+    `tune`: what `dlm-studio tune` searches -- (low, high) for a number, a list of the values a number may take
+    (where only some in a range are valid: a block size that must divide the canvas), True for every choice."""
     if role is not None and role not in ROLE_LABELS:
         raise ValueError(f"unknown parameter role {role!r}")
-    if tune is True and not choices or isinstance(tune, tuple) and not tune[0] < tune[1]:
-        raise ValueError(f"tune is (low, high) for a number or True for a parameter with choices, got {tune!r}")
+    if (tune is True and not choices or isinstance(tune, tuple) and not tune[0] < tune[1]
+            or isinstance(tune, list) and len(tune) < 2):
+        raise ValueError(f"tune is (low, high) or a list of values for a number, or True for a parameter with "
+                         f"choices, got {tune!r}")
     metadata = {"help": help, "choices": tuple(choices) if choices else None, "role": role, "tune": tune}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=metadata)
@@ -47,7 +50,7 @@ class ParamSpec:
     help: str
     choices: tuple[str, ...] | None  # the values a text field accepts; None: any text (or not text)
     role: str | None                 # N, TAU or None
-    tune: tuple[float, float] | bool | None   # what `tune` searches: a range, every choice, or nothing
+    tune: tuple[float, float] | list | bool | None   # what `tune` searches: a range, values, every choice, nothing
 
 
 def param_specs(params_cls) -> tuple[ParamSpec, ...]:
