@@ -65,24 +65,39 @@ def tune(
         points = search.run(engine, base, texts, score, objective, trials, storage, seed, progress)
     chosen = search.choose(points, floor)
     quality = "accuracy" if task else "agreement with ar"
+    speed = "× ar" if objective == "tok_s" else "TPF"        # the objective, by what it measures
+    ar_quality = _median([p.ar_quality for p in points if p.ar_quality is not None])
+    against = f" (ar's: {ar_quality:.2f})" if ar_quality is not None else ""
     how = (f"{base.label} tuned by dlm-studio tune on {data} ({engine.name}, {search.machine()}, {search.today()}): "
-           f"the fastest of {len(points)} trials by {objective} with {quality} >= {floor:g}: {objective} "
-           f"{chosen.speed:.2f}, {quality} {chosen.quality:.2f} (trial {chosen.number}, seed {seed})")
+           f"the fastest of {len(points)} trials by {speed} with {quality} >= {floor:g}: {speed} "
+           f"{chosen.speed:.2f}, {quality} {chosen.quality:.2f}{against} (trial {chosen.number}, seed {seed})")
     search.write_preset(out, base, chosen, how)
     figure = _figure(points, chosen, objective, quality, base.label, out.with_suffix(".html"))
     front = {p.number for p in search.pareto(points)}
-    typer.echo(f"{'trial':>5} {objective:>7} {'× ar':>6} {'TPF':>5} {quality:>18} {'= ar':>5}  parameters")
+    typer.echo(f"{'trial':>5} {'× ar':>6} {'TPF':>5} {quality:>18} {'= ar':>5}  parameters")
     for p in sorted(points, key=lambda p: -p.speed):
         mark = "*" if p.number == chosen.number else ("+" if p.number in front else " ")
         params = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in p.params.items())
-        typer.echo(f"{p.number:>4}{mark} {p.speed:>7.2f} {p.speedup:>6.2f} {p.tpf:>5.2f} {p.quality:>18.2f} "
+        typer.echo(f"{p.number:>4}{mark} {p.speedup:>6.2f} {p.tpf:>5.2f} {p.quality:>18.2f} "
                    f"{p.agreement:>5.0%}  {params}")
-    typer.echo(f"(* chosen, + on the Pareto front; = ar: outputs identical to ar's)\npreset: {out}\n"
-               f"figure: {figure}\ntrials: {storage}")
+    typer.echo(f"(sorted by the objective, {speed}; * chosen, + on the Pareto front; = ar: outputs identical to "
+               "ar's)")
+    if ar_quality is not None:
+        typer.echo(f"ar's accuracy: {ar_quality:.2f}")
+    typer.echo(f"preset: {out}\nfigure: {figure}\ntrials: {storage}")
+    if task and min_accuracy is None and ar_quality is not None and chosen.quality < ar_quality:
+        typer.echo(f"note: no --min-accuracy, so the fastest trial was chosen at accuracy {chosen.quality:.2f} "
+                   f"against ar's {ar_quality:.2f}; rerun with --min-accuracy A --force to choose under a floor "
+                   "(the trials stay in the storage: no new ones run)", err=True)
     for p in search.departures(base, points):
         typer.echo(f"warning: {base.label} is lossless, but trial {p.number} gave ar's output on only "
                    f"{p.agreement:.0%} of the prompts: beyond a near-tie of float reduction order this is a bug "
                    "(check it with `dlm-studio compare`)", err=True)
+
+
+def _median(values: list[float]) -> float | None:
+    import statistics
+    return statistics.median(values) if values else None
 
 
 def _data(task: str | None, prompts: Path | None):

@@ -41,6 +41,7 @@ class Point:
     tpf: float
     speedup: float
     agreement: float    # the share of outputs identical to ar's
+    ar_quality: float | None = None   # ar's own accuracy in the trial (None: --prompts, or an older storage)
 
 
 def space(config: RunConfig) -> list:
@@ -86,6 +87,8 @@ def run(engine, base: RunConfig, texts: list[str], score: Callable[[dict], dict]
             report = score(report)
         row = report["strategies"][1]
         quality = row["accuracy"] if score is not None else row["exact_match_vs_ar"]
+        if score is not None:
+            trial.set_user_attr("ar_accuracy", report["strategies"][0]["accuracy"])
         trial.set_user_attr("tpf", row["tpf"]["median"])
         trial.set_user_attr("speedup", row["speedup_vs_ar"]["median"])
         trial.set_user_attr("agreement", row["exact_match_vs_ar"])
@@ -98,7 +101,8 @@ def run(engine, base: RunConfig, texts: list[str], score: Callable[[dict], dict]
         if progress:
             progress(k + 1, n_trials)
     return [Point(t.number, dict(t.params), t.values[0], t.values[1], t.user_attrs["tpf"], t.user_attrs["speedup"],
-                  t.user_attrs["agreement"]) for t in study.trials if t.state.name == "COMPLETE"]
+                  t.user_attrs["agreement"], t.user_attrs.get("ar_accuracy"))
+            for t in study.trials if t.state.name == "COMPLETE"]
 
 
 def departures(base: RunConfig, points: list[Point]) -> list[Point]:
@@ -127,7 +131,8 @@ def write_preset(path: Path, base: RunConfig, point: Point, how: str) -> None:
     """The chosen point as a strategy preset (strategy, params on top of the base preset's, greedy)."""
     strategy, settings = dataclasses.replace(base, params={**base.params, **point.params}).build()
     params = strategy.header_params()
-    lines = [f"description = {json.dumps(how)}", f"strategy = {json.dumps(strategy.name)}", "", "[params]"]
+    lines = [f"description = {json.dumps(how, ensure_ascii=False)}", f"strategy = {json.dumps(strategy.name)}", "",
+             "[params]"]
     lines += [f"{k} = {json.dumps(v)}" for k, v in params.items() if isinstance(v, (int, float, str, bool))]
     lines += ["", "[sampling]", f"temperature = {settings.sampling.temperature!r}"]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")

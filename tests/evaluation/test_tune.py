@@ -82,3 +82,26 @@ def test_tune_writes_a_preset_that_runs_a_front_and_resumes(monkeypatch, tmp_pat
     assert again.exit_code == 0, (again.output, again.exception)
     assert finished() == 8
     assert isinstance(CliRunner().invoke(app, [*args, "--trials", "8"]).exception, BadInput)   # --out exists
+
+
+def test_a_task_tune_weighs_each_trial_against_ars_own_accuracy(monkeypatch, tmp_path):
+    engine = tiny_engine("llama", vocab=16)
+    monkeypatch.setattr(Engine, "load", staticmethod(lambda spec, adapter=None, **kw: engine))
+
+    def score(report: dict) -> dict:                  # ar answers 3 of 4, every trial 1 of 4
+        for row in report["strategies"]:
+            row["accuracy"] = 0.75 if row["label"] == "ar" else 0.25
+        return report
+    import studio.commands.tune as command
+    monkeypatch.setattr(command, "_data", lambda task, prompts: (["abc", "pon"], score, "task fake"))
+    out = tmp_path / "tuned.toml"
+    res = CliRunner().invoke(app, ["tune", "-s", "jacobi", "--task", "fake", "--trials", "2",
+                                   "--max-new-tokens", "8", "--out", str(out)])
+    assert res.exit_code == 0, (res.output, res.exception)
+    assert "ar's accuracy: 0.75" in res.stdout
+    assert "accuracy 0.25 (ar's: 0.75)" in load_strategy_preset(str(out)).description
+    assert "by × ar with accuracy >= 0" in load_strategy_preset(str(out)).description
+    assert "rerun with --min-accuracy" in res.stderr                   # the fastest was below ar: said so
+    floor = CliRunner().invoke(app, ["tune", "-s", "jacobi", "--task", "fake", "--trials", "2",
+                                     "--max-new-tokens", "8", "--out", str(out), "--force", "--min-accuracy", "0.5"])
+    assert isinstance(floor.exception, BadInput) and "the best: 0.250" in str(floor.exception)
