@@ -115,7 +115,7 @@ def _serve(rank: int, world: int, port: int | None, build, device: str, split: t
         groups.leave()
 
 
-def follow(engine, group: Group) -> None:
+def follow(engine, group: groups.Group) -> None:
     """A rank > 0's loop: build and advance what rank 0 announces, until it says stop."""
     runs, caches = {}, {}
     while True:

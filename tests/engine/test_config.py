@@ -2,7 +2,6 @@
 and the model presets that name them."""
 import pytest
 
-from studio.engine.config import ModelConfig
 from studio.engine.families import read_config
 from studio.errors import BadInput
 from studio.presets import load_model_preset

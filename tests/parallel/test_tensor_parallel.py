@@ -11,7 +11,6 @@ import time
 import pytest
 import torch
 
-from studio.engine.lora import attach_adapter
 from studio.errors import BadInput
 from studio.engine.tensor_parallel import TensorParallel, check_splittable, shard_model
 from tests.support.lora import random_adapter

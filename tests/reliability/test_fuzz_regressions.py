@@ -9,7 +9,6 @@ import struct
 import pytest
 
 from studio.run.bench import load_prompts
-from studio.engine import weights as W
 from studio.engine import gguf_file as G
 from studio.engine.lora import CONFIG_FILE, WEIGHTS_FILE, load_adapter
 from studio.engine.strategies import make_strategy

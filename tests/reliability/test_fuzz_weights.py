@@ -11,7 +11,6 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from studio.engine import weights as W
 from studio.engine import gguf_file as G
 from studio.engine.lazy_tensors import read_safetensors
 from tests.support.fuzzing import (GGUF_ALIGN, HUGE_INTS, NON_UTF8, SAFETENSORS_DTYPES, bit_flipped, check_reader,

@@ -10,7 +10,6 @@ import re
 import pytest
 import torch
 
-from studio.engine.config import ModelConfig
 from studio.engine.families import read_config
 from studio.engine.engine import Engine
 from studio.engine.random_models import build_random
