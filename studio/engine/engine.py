@@ -14,7 +14,7 @@ from studio.engine.device import cpu_threads, resolve_device, resolve_dtype
 from studio.engine.graphs import CachePool
 from studio.engine.lora import attach_adapter, install, load_adapter
 from studio.engine.kernels.projection import forgo_packed_copies
-from studio.engine.model import Transformer
+from studio.engine.model import Transformer, fuse_projections
 from studio.engine.memory import check_file_model_fits, ram_bytes
 from studio.engine.random_models import RANDOM_SOURCE, build_random, check_fits, is_random, random_config
 from studio.engine.tensor_parallel import build_shard
@@ -76,7 +76,7 @@ class Engine:
 
     @classmethod
     def load(cls, spec: str = "default", adapter: str | None = None, progress=None, device: str = "auto",
-             dtype: str = "auto", graphs: bool = True, shard=None) -> "Engine":
+             dtype: str = "auto", graphs: bool = True, shard=None, fuse: bool = True) -> "Engine":
         """`spec`: a model preset name (studio/presets/models), 'default', a HF directory, a .gguf file or
         `random:NAME` (random weights of a published shape, studio.engine.random_models).
         `adapter`: a PEFT directory or a shipped adapter's name (used for every strategy), 'none', or None:
@@ -86,7 +86,8 @@ class Engine:
         for decode-sized forwards, on CUDA only (on the CPU a graph would only add copies). `shard`: a tensor-
         parallel rank's planner (a config -> its TensorParallel plan): the model's files are read only as far as
         this rank keeps them, and the engine is that rank's shard (random weights are made whole: launch splits
-        them)."""
+        them). `fuse`: q/k/v and gate/up as one product each (studio.engine.model.Fused); False keeps the plain
+        projections, the oracle the fused path is tested against."""
         _init_torch()
         t0 = time.perf_counter()
         dev = resolve_device(device)
@@ -101,6 +102,8 @@ class Engine:
             to_device(engine.model, dev, dt)
         if dev.type == "cpu" and _weight_bytes(engine.model) > PACKED_COPY_SHARE * ram_bytes():
             forgo_packed_copies(engine.model)
+        if fuse:
+            fuse_projections(engine.model)   # placed first: a move would copy the parts apart from their product
         if adapter and adapter != "none":
             attach_adapter(engine, adapter_path(adapter))
         # an MoE layer sizes its expert groups on the host (moe.py), which a CUDA graph cannot capture

@@ -8,6 +8,7 @@ drifts of the machine hit every shape alike, and reports each median as a ratio 
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from studio.engine.device import synchronize
 from studio.engine.engine import Engine
 from studio.engine.kernels import runs_fused, verify_logits
 from studio.engine.masks import causal
+from studio.engine.model import Fused, plain_projections
 from studio.engine.moe import Experts, MoE, SwiGLU
 from studio.engine.sampling import Proposal, SamplingParams
 
@@ -145,6 +147,33 @@ def moe_vs_dense(engine: Engine, repeats: int = 50) -> float | None:
     x = torch.randn(1, 1, cfg.dim, device=p.device, dtype=p.dtype)
     with torch.inference_mode():
         return _median_s(lambda: layer(x), p.device, repeats) / _median_s(lambda: dense(x), p.device, repeats)
+
+
+def fused_vs_plain(engine: Engine, repeats: int = 50, context: int = 200) -> dict[str, float] | None:
+    """The fused projections' forward time over the plain ones' (studio.engine.model.Fused) for the 1-token step and
+    the 7-token extend, the two paths timed in alternation on one cache: what fusing q/k/v and gate/up buys here.
+    None for a model with nothing fused."""
+    model, device = engine.model, engine.model.lm_head.weight.device
+    if not any(isinstance(m, Fused) for m in model.modules()):
+        return None
+    engine.activate()
+    kv = _filled_cache(engine, 1, context)
+    ratios = {}
+    for s in SHAPES[:2]:
+        tokens, positions = _tokens(model, 1000, s.tokens, 1), torch.arange(context, context + s.tokens, device=device)
+        mask = causal(s.tokens, context, device=device) if s.tokens > 1 else None
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for i in range(repeats + 1):   # the first round warms both paths up
+            for fused in (True, False):
+                with contextlib.nullcontext() if fused else plain_projections(model), torch.inference_mode():
+                    synchronize(device)
+                    t0 = time.perf_counter()
+                    model(tokens, positions[None], kv, mask=mask)
+                    synchronize(device)
+                if i:
+                    times[fused].append(time.perf_counter() - t0)
+        ratios[s.name] = statistics.median(times[True]) / statistics.median(times[False])
+    return ratios
 
 
 def copy_bandwidth(device: torch.device, n_bytes: int = 512 * 2**20, repeats: int = 10) -> float:

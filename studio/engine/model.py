@@ -9,6 +9,7 @@ are wanted: the vocab projection dominates a small model, so we never compute ro
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable
 
@@ -52,12 +53,73 @@ class Linear(nn.Linear):
     # tensor parallelism: a projection split by input columns makes a partial sum, which this adds up across the
     # ranks (studio.engine.tensor_parallel); None on one process
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    fused: bool = False   # its product runs inside a `Fused` one (its weight a view of that one's)
 
     def forward(self, x: torch.Tensor, gate: RowGate | None = None) -> torch.Tensor:
         y = linear(x, self.weight, self.bias)
         if self.lora_A is not None and gate is not None:
             y = add_gated_lora(x, y, gate, self.lora_A, self.lora_B, self.lora_scale)
         return y if self.reduce is None else self.reduce(y)
+
+
+class Fused(nn.Module):
+    """Projections of one input (q/k/v, gate/up) as one product: their weights concatenated, each part's output a
+    slice of it plus the part's own gated LoRA term. One product streams the same bytes as the parts' but is one
+    kernel, not two or three: a decode step is launch-bound on a GPU, and on the CPU each call costs ~10 us of
+    Python. The parts keep their weights as views of the concatenation (one copy in memory), so adapters still
+    attach to `q_proj`, `up_proj`, ... by name; `fuse_projections` makes them after the model is placed."""
+
+    def __init__(self, parts: list[Linear]):
+        super().__init__()
+        assert all(p.reduce is None for p in parts), "a row-parallel projection's partial sums cannot be fused"
+        self.weight = torch.cat([p.weight.detach() for p in parts])   # not a Parameter: the parts' weights are
+        self.bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
+        if getattr(parts[0].weight, "_onednn", None) is False:         # forgo_packed_copies chose for the parts
+            self.weight._onednn = False
+        self.parts, self.spans, start = parts, [], 0                    # a list: the parts stay where they are
+        for p in parts:
+            n = p.weight.shape[0]
+            p.weight = nn.Parameter(self.weight[start:start + n], requires_grad=False)
+            if p.bias is not None:
+                p.bias = nn.Parameter(self.bias[start:start + n], requires_grad=False)
+            p.fused = True
+            self.spans.append((start, start + n))
+            start += n
+
+    def forward(self, x: torch.Tensor, gate: RowGate | None = None) -> list[torch.Tensor]:
+        y = linear(x, self.weight, self.bias)
+        outs = []
+        for p, (a, b) in zip(self.parts, self.spans):
+            out = y[..., a:b]
+            if p.lora_A is not None and gate is not None:
+                out = add_gated_lora(x, out, gate, p.lora_A, p.lora_B, p.lora_scale)
+            outs.append(out)
+        return outs
+
+
+def fuse_projections(model: nn.Module) -> None:
+    """Fuse every attention's q/k/v (q/k where V is the key) and every dense MLP's gate/up (`Fused`). Call it once
+    the model is on its device and dtype: moving it afterwards would copy the parts apart from their product."""
+    for m in list(model.modules()):
+        if isinstance(m, Attention) and m.qkv is None:
+            m.qkv = Fused([p for p in (m.q_proj, m.k_proj, m.v_proj) if p is not None])
+        elif isinstance(m, MLP) and m.gate_up is None:
+            m.gate_up = Fused([m.gate_proj, m.up_proj])
+
+
+@contextlib.contextmanager
+def plain_projections(model: nn.Module):
+    """The model with its plain projections for a while: the fused products' oracle, and what `bench forwards`
+    times them against (the parts' weights are views of the products, so both paths read the same numbers)."""
+    fused = [(m, name, getattr(m, name)) for m in model.modules() for name in ("qkv", "gate_up")
+             if isinstance(getattr(m, name, None), Fused)]
+    for m, name, _ in fused:
+        setattr(m, name, None)
+    try:
+        yield model
+    finally:
+        for m, name, product in fused:
+            setattr(m, name, product)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -119,12 +181,19 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.hd, cfg.rms_eps)
         self.v_eps = cfg.rms_eps if v_norm else None
         self.scale = scale
+        self.qkv: Fused | None = None   # q/k/v as one product (`fuse_projections`)
+
+    def project(self, x, gate) -> list[torch.Tensor]:
+        if self.qkv is not None:
+            return self.qkv(x, gate)
+        return [p(x, gate) for p in (self.q_proj, self.k_proj, self.v_proj) if p is not None]
 
     def forward(self, x, cos, sin, kv: KVCache, layer: int, mask, gate):
         B, T, _ = x.shape
-        q = self.q_proj(x, gate).view(B, T, self.n_heads, self.hd)
-        k = self.k_proj(x, gate).view(B, T, self.n_kv, self.hd)
-        v = k if self.v_proj is None else self.v_proj(x, gate).view(B, T, self.n_kv, self.hd)
+        q, k, *v = self.project(x, gate)
+        q = q.view(B, T, self.n_heads, self.hd)
+        k = k.view(B, T, self.n_kv, self.hd)
+        v = v[0].view(B, T, self.n_kv, self.hd) if v else k
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.v_eps is not None:
@@ -146,9 +215,11 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.down_proj = Linear(cfg.ffn_dim, cfg.dim, bias=False)
         self.act = ACTIVATIONS[cfg.hidden_act]
+        self.gate_up: Fused | None = None   # gate/up as one product (`fuse_projections`)
 
     def forward(self, x, gate=None):
-        return self.down_proj(self.act(self.gate_proj(x, gate)) * self.up_proj(x, gate), gate)
+        g, u = self.gate_up(x, gate) if self.gate_up is not None else (self.gate_proj(x, gate), self.up_proj(x, gate))
+        return self.down_proj(self.act(g) * u, gate)
 
 
 class Block(nn.Module):
@@ -195,6 +266,12 @@ class LanguageModel(nn.Module):
     @staticmethod
     def rotary_buffers(cfg: ModelConfig) -> dict[str, torch.Tensor]:
         return {"inv_freq": rope_inv_freq(cfg)}
+
+    def projection_weights(self) -> list[torch.Tensor]:
+        """The weights its forward multiplies by, the head aside: the fused products' and every projection outside
+        them (the packed copies `kernels.projection.pack_weights` makes)."""
+        return [m.weight for m in self.modules() if isinstance(m, Fused)
+                or isinstance(m, nn.Linear) and m is not self.lm_head and not getattr(m, "fused", False)]
 
     def new_cache(self, max_len: int | None = None, batch: int = 1) -> KVCache:
         cfg, p = self.config, self.lm_head.weight

@@ -80,7 +80,7 @@ def _library():
     if lib is not None:
         lib.skinny.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
         lib.skinny.restype = None
-        lib.lora_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_float]
+        lib.lora_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5 + [ctypes.c_float]
         lib.lora_rows.restype = None
     return lib
 
@@ -109,10 +109,11 @@ def skinny(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
 
 def lora_rows(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> bool:
     """y += scale * (x @ a.T) @ b.T in place, for x [R, D] and y [R, N] (a run of gated rows), contiguous fp32 CPU
-    tensors; False (and y untouched) where the kernel is not available or the operands do not fit it."""
+    tensors, y's rows maybe strided (a slice of a fused product); False (and y untouched) where the kernel is not
+    available or the operands do not fit it."""
     lib = _library()
-    if lib is None or a.shape[0] > MAX_RANK or not _fits(x, y, a, b):
+    if lib is None or a.shape[0] > MAX_RANK or not _fits(x, a, b) or y.dtype != torch.float32 or y.stride(-1) != 1:
         return False
     lib.lora_rows(x.data_ptr(), y.data_ptr(), a.data_ptr(), b.data_ptr(), x.shape[0], x.shape[1], y.shape[1],
-                  a.shape[0], scale)
+                  a.shape[0], y.stride(0), scale)
     return True

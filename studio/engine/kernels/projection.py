@@ -67,7 +67,7 @@ def pack_weights(model: nn.Module) -> None:
     if not _HAS_ONEDNN or model.lm_head.weight.device.type != "cpu" or model.lm_head.weight.dtype != torch.float32:
         return
     with torch.no_grad():
-        for w in [m.weight for m in model.modules() if isinstance(m, nn.Linear)] + [model.lm_head.weight]:
+        for w in model.projection_weights() + [model.lm_head.weight]:
             _packed(w)
 
 

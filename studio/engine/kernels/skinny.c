@@ -50,11 +50,12 @@ void skinny(const float *W, const float *X, float *Y, long N, long K, long R, in
     }
 }
 
-/* A gated LoRA on a run of rows: Y[i, :] += scale * B (A X[i, :]) for `rows` rows of X [rows, K] and Y [rows, N],
- * with A [r, K] and B [N, r], r <= 64 -- R-ISD's MASK rows in every projection, in one call instead of torch's five
- * small ops (their overhead was most of the LoRA's cost in a decode step). */
+/* A gated LoRA on a run of rows: Y[i, :] += scale * B (A X[i, :]) for `rows` rows of X [rows, K] and Y [rows, N]
+ * (row i of Y at Y + i * ldy: a fused product's slice), with A [r, K] and B [N, r], r <= 64 -- R-ISD's MASK rows in
+ * every projection, in one call instead of torch's five small ops (their overhead was most of the LoRA's cost in a
+ * decode step). */
 void lora_rows(const float *X, float *Y, const float *A, const float *B, long rows, long K, long N, long r,
-               float scale) {
+               long ldy, float scale) {
     float low[64];
     for (long i = 0; i < rows; i++) {
         const float *x = X + i * K;
@@ -65,7 +66,7 @@ void lora_rows(const float *X, float *Y, const float *A, const float *B, long ro
             for (long k = 0; k < K; k++) s += a[k] * x[k];
             low[j] = s * scale;
         }
-        float *y = Y + i * N;
+        float *y = Y + i * ldy;
         for (long n = 0; n < N; n++) {
             const float *b = B + n * r;
             float s = 0.0f;
