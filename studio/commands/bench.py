@@ -281,6 +281,9 @@ def _bench_forwards(model: ModelChoice, repeats: int, warmup: int, as_json: bool
     if head["fused_vs_plain"] is not None:
         lines.append("the fused projections (q/k/v, gate/up as one product each) against the plain ones: "
                      + ", ".join(f"{r:.2f}x the time on the {name}" for name, r in head["fused_vs_plain"].items()))
+    if head["int8_vs_float"] is not None:
+        lines.append("the int8 weights against the float ones (the same numbers dequantised): "
+                     + ", ".join(f"{r:.2f}x the time on the {name}" for name, r in head["int8_vs_float"].items()))
     relative = "  ".join(f"{n}: {by_rows.relative(n):.2f}" for n in range(1, by_rows.max_rows + 1))
     lines.append(f"a forward of n rows, x the 1-row step (the table cost-aware drafting reads, cached in "
                  f"{table_path(table_key(engine))}): {relative}")

@@ -94,7 +94,13 @@ def table_key(engine) -> dict:
     cfg, p = engine.config, engine.model.lm_head.weight
     return {"version": TABLE_VERSION, "model": engine.name, "arch": cfg.arch, "dim": cfg.dim, "layers": cfg.n_layers,
             "vocab": cfg.vocab_size, "device": str(p.device), "dtype": str(p.dtype).removeprefix("torch."),
-            "torch": torch.__version__, **_parallel_key(engine)}
+            "torch": torch.__version__, **_parallel_key(engine), **_quant_key(engine)}
+
+
+def _quant_key(engine) -> dict:
+    """An int8 model's forwards cost what its own weights cost (a float model's key stays what it was)."""
+    quant = getattr(engine, "quant", "none")
+    return {} if quant == "none" else {"quant": quant}
 
 
 def lora_rank(engine) -> int | None:

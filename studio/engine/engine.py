@@ -16,6 +16,7 @@ from studio.engine.lora import attach_adapter, install, load_adapter
 from studio.engine.kernels.projection import forgo_packed_copies
 from studio.engine.model import Transformer, fuse_projections
 from studio.engine.memory import check_file_model_fits, ram_bytes
+from studio.engine.quantize import QUANTS, quantize_int8
 from studio.engine.random_models import RANDOM_SOURCE, build_random, check_fits, is_random, random_config
 from studio.engine.tensor_parallel import build_shard
 from studio.engine.tokenizer import ByteIdTokenizer
@@ -71,12 +72,14 @@ class Engine:
     adapter_choice: str | None = None     # what the user asked: None = the shipped adapter per strategy (default
                                           # model), "none" = never, else a fixed adapter for every strategy
     graphs: bool = False                  # decode-sized forwards through CUDA graphs (studio.engine.graphs)
+    quant: str = "none"                   # the layers' projections' weights: none (the dtype's) | int8
     _views: dict = field(default_factory=dict, repr=False)   # adapter path -> engine, shared by all views
     caches: CachePool = field(default_factory=CachePool, repr=False)   # decode caches with their graphs (shared)
 
     @classmethod
     def load(cls, spec: str = "default", adapter: str | None = None, progress=None, device: str = "auto",
-             dtype: str = "auto", graphs: bool = True, shard=None, fuse: bool = True) -> "Engine":
+             dtype: str = "auto", graphs: bool = True, shard=None, fuse: bool = True,
+             quant: str = "none") -> "Engine":
         """`spec`: a model preset name (studio/presets/models), 'default', a HF directory, a .gguf file or
         `random:NAME` (random weights of a published shape, studio.engine.random_models).
         `adapter`: a PEFT directory or a shipped adapter's name (used for every strategy), 'none', or None:
@@ -87,11 +90,17 @@ class Engine:
         parallel rank's planner (a config -> its TensorParallel plan): the model's files are read only as far as
         this rank keeps them, and the engine is that rank's shard (random weights are made whole: launch splits
         them). `fuse`: q/k/v and gate/up as one product each (studio.engine.model.Fused); False keeps the plain
-        projections, the oracle the fused path is tested against."""
+        projections, the oracle the fused path is tested against. `quant`: none | int8 (studio.engine.quantize: the
+        layers' projections as int8 weights with a scale per row)."""
         _init_torch()
+        if quant not in QUANTS:
+            raise BadInput(f"--quant must be one of {', '.join(QUANTS)}, got {quant!r}")
         t0 = time.perf_counter()
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
+        if quant != "none" and dev.type != "cpu":
+            # without a kernel that reads int8 weights, a GPU would widen every weight at every product: slower
+            raise BadInput(f"--quant {quant} runs on the CPU only for now (no {quant} kernel for {dev.type} yet)")
         if is_random(spec):
             cfg = random_config(spec)
             check_fits(cfg, dt, dev, ram_bytes())
@@ -102,8 +111,11 @@ class Engine:
             to_device(engine.model, dev, dt)
         if dev.type == "cpu" and _weight_bytes(engine.model) > PACKED_COPY_SHARE * ram_bytes():
             forgo_packed_copies(engine.model)
+        if quant == "int8":
+            quantize_int8(engine.model)
+            engine.quant = quant
         if fuse:
-            fuse_projections(engine.model)   # placed first: a move would copy the parts apart from their product
+            fuse_projections(engine.model)
         if adapter and adapter != "none":
             attach_adapter(engine, adapter_path(adapter))
         # an MoE layer sizes its expert groups on the host (moe.py), which a CUDA graph cannot capture
@@ -180,12 +192,14 @@ class Engine:
         name = self.config.name or self.name
         spec = f" ({self.name})" if self.name not in (name, "") else ""
         adapter = f" + {Path(self.adapter).name}" if self.adapter else ""
-        return name + spec + adapter
+        quant = f" · {self.quant}" if self.quant != "none" else ""
+        return name + spec + quant + adapter
 
     def model_meta(self) -> dict:
         p = self.model.lm_head.weight
-        return {"name": self.name, "arch": self.config.arch, "dtype": str(p.dtype).removeprefix("torch."),
+        meta = {"name": self.name, "arch": self.config.arch, "dtype": str(p.dtype).removeprefix("torch."),
                 "device": str(p.device), "adapter": self.adapter, "adapter_name": shipped_name(self.adapter)}
+        return meta if self.quant == "none" else {**meta, "quant": self.quant}
 
     def tokenizer_meta(self) -> dict:
         tok = self.tokenizer

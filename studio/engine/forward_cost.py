@@ -19,8 +19,9 @@ from studio.engine.device import synchronize
 from studio.engine.engine import Engine
 from studio.engine.kernels import runs_fused, verify_logits
 from studio.engine.masks import causal
-from studio.engine.model import Fused, plain_projections
+from studio.engine.model import Fused, fuse_projections, plain_projections
 from studio.engine.moe import Experts, MoE, SwiGLU
+from studio.engine.quantize import dequantized, is_quantized
 from studio.engine.sampling import Proposal, SamplingParams
 
 
@@ -150,12 +151,28 @@ def moe_vs_dense(engine: Engine, repeats: int = 50) -> float | None:
 
 
 def fused_vs_plain(engine: Engine, repeats: int = 50, context: int = 200) -> dict[str, float] | None:
-    """The fused projections' forward time over the plain ones' (studio.engine.model.Fused) for the 1-token step and
-    the 7-token extend, the two paths timed in alternation on one cache: what fusing q/k/v and gate/up buys here.
-    None for a model with nothing fused."""
-    model, device = engine.model, engine.model.lm_head.weight.device
-    if not any(isinstance(m, Fused) for m in model.modules()):
+    """The fused projections' forward time over the plain ones' (studio.engine.model.Fused): what fusing q/k/v and
+    gate/up buys here. None for a model with nothing fused."""
+    if not any(isinstance(m, Fused) for m in engine.model.modules()):
         return None
+    return _against(engine, lambda: plain_projections(engine.model), repeats, context)
+
+
+def int8_vs_float(engine: Engine, repeats: int = 50, context: int = 200) -> dict[str, float] | None:
+    """An int8 model's forward time over the float model's (its dequantised twin: the same shapes and dtype as the
+    float model, so the same time): what a quarter of the bytes buys here. None for a float model."""
+    if not is_quantized(engine.model):
+        return None
+    twin = dequantized(engine.model)
+    fuse_projections(twin)
+    return _against(engine, lambda: contextlib.nullcontext(twin), repeats, context)
+
+
+def _against(engine: Engine, other, repeats: int, context: int) -> dict[str, float]:
+    """engine.model's forward time over the model `other()` lends (a context manager) for the 1-token step and the
+    7-token extend, the two timed in alternation on one cache (the forwards never commit, so whose K/V it holds does
+    not change their cost)."""
+    model, device = engine.model, engine.model.lm_head.weight.device
     engine.activate()
     kv = _filled_cache(engine, 1, context)
     ratios = {}
@@ -163,15 +180,15 @@ def fused_vs_plain(engine: Engine, repeats: int = 50, context: int = 200) -> dic
         tokens, positions = _tokens(model, 1000, s.tokens, 1), torch.arange(context, context + s.tokens, device=device)
         mask = causal(s.tokens, context, device=device) if s.tokens > 1 else None
         times: dict[bool, list[float]] = {True: [], False: []}
-        for i in range(repeats + 1):   # the first round warms both paths up
-            for fused in (True, False):
-                with contextlib.nullcontext() if fused else plain_projections(model), torch.inference_mode():
+        for i in range(repeats + 1):   # the first round warms both up
+            for mine in (True, False):
+                with contextlib.nullcontext(model) if mine else other() as m, torch.inference_mode():
                     synchronize(device)
                     t0 = time.perf_counter()
-                    model(tokens, positions[None], kv, mask=mask)
+                    m(tokens, positions[None], kv, mask=mask)
                     synchronize(device)
                 if i:
-                    times[fused].append(time.perf_counter() - t0)
+                    times[mine].append(time.perf_counter() - t0)
         ratios[s.name] = statistics.median(times[True]) / statistics.median(times[False])
     return ratios
 

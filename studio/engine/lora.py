@@ -276,11 +276,11 @@ def load_adapter(model: nn.Module, path: str | Path) -> LoadedAdapter:
     if getattr(model, "parallel", None) is not None:   # one rank's shard: its part of each pair
         adapter = dataclasses.replace(adapter, lora={name: model.parallel.shard_lora(name, A, B)
                                                      for name, (A, B) in adapter.lora.items()})
-    modules = _fitting_modules(model, adapter)
+    _check_fits(model, adapter)   # before anything changes
     rows = _new_embedding_rows(model, adapter)
     w = model.lm_head.weight
-    pairs = {name: (A.to(device=w.device, dtype=modules[name].weight.dtype).contiguous(),
-                    B.to(device=w.device, dtype=modules[name].weight.dtype).contiguous())
+    pairs = {name: (A.to(device=w.device, dtype=w.dtype).contiguous(),   # the activations' dtype (an int8
+                    B.to(device=w.device, dtype=w.dtype).contiguous())   # weight's is not)
              for name, (A, B) in adapter.lora.items()}
     if rows is not None:
         rows = rows.to(device=w.device, dtype=model.model.embed_tokens.weight.dtype)
@@ -313,9 +313,8 @@ def attach_adapter(engine, path: str | Path) -> LoadedAdapter:
     return loaded
 
 
-def _fitting_modules(model: nn.Module, adapter: Adapter) -> dict[str, Linear]:
-    """The Linear each LoRA pair goes on, with shapes checked (a mismatch = an adapter for another model)."""
-    out = {}
+def _check_fits(model: nn.Module, adapter: Adapter) -> None:
+    """Each LoRA pair has a Linear of its shapes to go on (a mismatch = an adapter for another model)."""
     for name, (A, B) in adapter.lora.items():
         try:
             m = model.get_submodule(name)
@@ -329,8 +328,6 @@ def _fitting_modules(model: nn.Module, adapter: Adapter) -> dict[str, Linear]:
             if tuple(got.shape) != want:
                 raise BadInput(f"adapter does not fit this model: {name}.{half} has shape {tuple(got.shape)}, "
                                f"the model needs {want} (adapter trained for another model?)")
-        out[name] = m
-    return out
 
 
 def _new_embedding_rows(model: nn.Module, adapter: Adapter) -> torch.Tensor | None:

@@ -54,9 +54,15 @@ class Linear(nn.Linear):
     # ranks (studio.engine.tensor_parallel); None on one process
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     fused: bool = False   # its product runs inside a `Fused` one (its weight a view of that one's)
+    scale: torch.Tensor | None = None   # weight-only int8: the weight is int8, times this per row (quantize.py)
+
+    def _apply(self, fn, recurse=True):
+        if self.scale is not None and not self.fused:   # a plain attribute: a move or cast must reach it too
+            self.scale = fn(self.scale)
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor, gate: RowGate | None = None) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias, self.scale)
         if self.lora_A is not None and gate is not None:
             y = add_gated_lora(x, y, gate, self.lora_A, self.lora_B, self.lora_scale)
         return y if self.reduce is None else self.reduce(y)
@@ -67,27 +73,41 @@ class Fused(nn.Module):
     slice of it plus the part's own gated LoRA term. One product streams the same bytes as the parts' but is one
     kernel, not two or three: a decode step is launch-bound on a GPU, and on the CPU each call costs ~10 us of
     Python. The parts keep their weights as views of the concatenation (one copy in memory), so adapters still
-    attach to `q_proj`, `up_proj`, ... by name; `fuse_projections` makes them after the model is placed."""
+    attach to `q_proj`, `up_proj`, ... by name; a move or cast of the model (`.to`, `.double`) casts the product
+    and makes the parts views of it again (`_apply`)."""
 
     def __init__(self, parts: list[Linear]):
         super().__init__()
         assert all(p.reduce is None for p in parts), "a row-parallel projection's partial sums cannot be fused"
-        self.weight = torch.cat([p.weight.detach() for p in parts])   # not a Parameter: the parts' weights are
+        self.parts = parts                                              # a list: the parts stay where they are
+        self.weight = torch.cat([p.weight.detach() for p in parts])     # not a Parameter: the parts' weights are
         self.bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
+        self.scale = None if parts[0].scale is None else torch.cat([p.scale for p in parts])   # int8 parts
         if getattr(parts[0].weight, "_onednn", None) is False:         # forgo_packed_copies chose for the parts
             self.weight._onednn = False
-        self.parts, self.spans, start = parts, [], 0                    # a list: the parts stay where they are
-        for p in parts:
-            n = p.weight.shape[0]
-            p.weight = nn.Parameter(self.weight[start:start + n], requires_grad=False)
-            if p.bias is not None:
-                p.bias = nn.Parameter(self.bias[start:start + n], requires_grad=False)
+        ends = torch.tensor([p.weight.shape[0] for p in parts]).cumsum(0).tolist()
+        self.spans = list(zip([0, *ends[:-1]], ends))
+        self._share()
+
+    def _share(self) -> None:
+        """Make each part's weight (bias, scale) the view of its rows of the product."""
+        for p, (a, b) in zip(self.parts, self.spans):
+            p.weight = nn.Parameter(self.weight[a:b], requires_grad=False)
+            if self.bias is not None:
+                p.bias = nn.Parameter(self.bias[a:b], requires_grad=False)
+            if self.scale is not None:
+                p.scale = self.scale[a:b]
             p.fused = True
-            self.spans.append((start, start + n))
-            start += n
+
+    def _apply(self, fn, recurse=True):
+        self.weight = fn(self.weight)
+        self.bias = None if self.bias is None else fn(self.bias)
+        self.scale = None if self.scale is None else fn(self.scale)
+        self._share()   # whichever of the parts and the product the move reached first
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor, gate: RowGate | None = None) -> list[torch.Tensor]:
-        y = linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias, self.scale)
         outs = []
         for p, (a, b) in zip(self.parts, self.spans):
             out = y[..., a:b]
@@ -97,21 +117,37 @@ class Fused(nn.Module):
         return outs
 
 
+_FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}   # where Attention/MLP keep one
+
+
 def fuse_projections(model: nn.Module) -> None:
-    """Fuse every attention's q/k/v (q/k where V is the key) and every dense MLP's gate/up (`Fused`). Call it once
-    the model is on its device and dtype: moving it afterwards would copy the parts apart from their product."""
+    """Fuse every attention's q/k/v (q/k where V is the key) and every dense MLP's gate/up (`Fused`), once the model
+    is on its device and dtype (a later move or cast keeps them fused)."""
     for m in list(model.modules()):
-        if isinstance(m, Attention) and m.qkv is None:
-            m.qkv = Fused([p for p in (m.q_proj, m.k_proj, m.v_proj) if p is not None])
-        elif isinstance(m, MLP) and m.gate_up is None:
-            m.gate_up = Fused([m.gate_proj, m.up_proj])
+        for slot, names in _FUSED.items():
+            if hasattr(m, slot) and getattr(m, slot) is None:
+                setattr(m, slot, Fused([p for p in (getattr(m, n) for n in names) if p is not None]))
+
+
+def unfuse_projections(model: nn.Module) -> None:
+    """The plain projections again: each part keeps its rows as a weight of its own (a copy, not a view)."""
+    for m in model.modules():
+        for slot in _FUSED:
+            product = getattr(m, slot, None)
+            if isinstance(product, Fused):
+                for p in product.parts:
+                    p.weight = nn.Parameter(p.weight.detach().clone(), requires_grad=False)
+                    p.bias = None if p.bias is None else nn.Parameter(p.bias.detach().clone(), requires_grad=False)
+                    p.scale = None if p.scale is None else p.scale.clone()
+                    p.fused = False
+                setattr(m, slot, None)
 
 
 @contextlib.contextmanager
 def plain_projections(model: nn.Module):
     """The model with its plain projections for a while: the fused products' oracle, and what `bench forwards`
     times them against (the parts' weights are views of the products, so both paths read the same numbers)."""
-    fused = [(m, name, getattr(m, name)) for m in model.modules() for name in ("qkv", "gate_up")
+    fused = [(m, name, getattr(m, name)) for m in model.modules() for name in _FUSED
              if isinstance(getattr(m, name, None), Fused)]
     for m, name, _ in fused:
         setattr(m, name, None)

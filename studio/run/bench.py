@@ -207,6 +207,8 @@ def run_bench(engine, prompts: list[str], configs: Mapping[str, RunConfig], repe
         if concurrency > 1:
             raise BadInput("--concurrency: batches are not split across ranks yet (--tp, --ep)")
         with_transformers = False   # a rank holds a shard of the weights, not a model transformers could load
+    if engine.quant != "none":
+        with_transformers = False   # transformers would run float weights: another model than the one benched
     ids = [encode_prompt(engine, p) for p in prompts]
     if concurrency > 1:
         samples, batches, batch_tok_s, solo = _bench_batched(engine, ids, runs, repeats, warmup, concurrency,
@@ -452,13 +454,13 @@ def measure_forward_costs(engine, repeats: int, warmup: int) -> ForwardCosts:
     10 x `repeats` times each; the cached cost table is refreshed."""
     import torch
     from studio.engine.cost_model import cost_table
-    from studio.engine.forward_cost import (copy_bandwidth, fused_vs_plain, lora_overhead, measure_forwards,
-                                            moe_vs_dense, verify_time, weight_bytes)
+    from studio.engine.forward_cost import (copy_bandwidth, fused_vs_plain, int8_vs_float, lora_overhead,
+                                            measure_forwards, moe_vs_dense, verify_time, weight_bytes)
     device = engine.model.lm_head.weight.device
     costs = measure_forwards(engine, repeats=10 * repeats, warmup=max(warmup, 1))
     by_rows = cost_table(engine, refresh=True)   # measured anew: bench forwards refreshes the cached table
     copy_gbps, verify_s, verify_path = copy_bandwidth(device), *verify_time(engine)
-    moe_ratio, fused = moe_vs_dense(engine), fused_vs_plain(engine)
+    moe_ratio, fused, int8 = moe_vs_dense(engine), fused_vs_plain(engine), int8_vs_float(engine)
     weights = weight_bytes(engine)
     stream_gbps = weights / (costs[0].ms / 1e3) / 1e9   # the 1-token step reads every weight once
     head = {**engine.model_meta(), "threads": torch.get_num_threads(), "weight_bytes": weights,
@@ -466,7 +468,8 @@ def measure_forward_costs(engine, repeats: int, warmup: int) -> ForwardCosts:
             "step_share_of_copy": round(stream_gbps / copy_gbps, 3), "lora_overhead": lora_overhead(costs),
             "verify_7_rows_us": round(verify_s * 1e6, 1), "verify_path": verify_path,
             "moe_layer_vs_dense": None if moe_ratio is None else round(moe_ratio, 3),
-            "fused_vs_plain": None if fused is None else {k: round(v, 3) for k, v in fused.items()}}
+            "fused_vs_plain": None if fused is None else {k: round(v, 3) for k, v in fused.items()},
+            "int8_vs_float": None if int8 is None else {k: round(v, 3) for k, v in int8.items()}}
     return ForwardCosts(head, costs, by_rows, copy_gbps, stream_gbps, moe_ratio)
 
 

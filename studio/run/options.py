@@ -42,6 +42,8 @@ MODEL_OPTIONS = {
     "device": (str, DEVICE),
     "dtype": (str, DTYPE),
     "graphs": (bool, GRAPHS),
+    "quant": (str, typer.Option("none", "--quant", help="none | int8: the layers' projections as int8 weights with "
+              "a scale per row (a quarter of the bytes a step streams; the head and embedding stay as they are).")),
     "tp": (int, typer.Option(1, "--tp", help="Tensor parallelism: split the model across N ranks (processes started "
            "here; gloo on the CPU, NCCL on GPUs). Under torchrun: the launch's world size.")),
     "ep": (int, typer.Option(1, "--ep", help="Expert parallelism for an MoE model: its experts placed whole across N "
@@ -66,7 +68,7 @@ RUN_OPTIONS = {
 def model_choice(values: dict) -> ModelChoice:
     return ModelChoice(values["model"], values["adapter"], values["draft_model"], values["draft_adapter"],
                        values["device"], values["dtype"], values["graphs"], chat_template=not values["raw"],
-                       tp=values["tp"], ep=values["ep"])
+                       tp=values["tp"], ep=values["ep"], quant=values["quant"])
 
 
 def run_config(strategy: str | None, values: dict) -> RunConfig:

@@ -127,3 +127,15 @@ def test_bench_forwards_times_the_fused_path_against_the_plain_one():
     assert list(ratios) == ["1-token step", "7-token extend"] and all(r > 0 for r in ratios.values())
     assert all(getattr(m, name) is not None for m in engine.model.modules() for name in ("qkv", "gate_up")
                if hasattr(m, name))   # the plain path was lent, and the fused one is back
+
+
+def test_a_cast_after_fusing_casts_the_product_and_keeps_the_parts_views_of_it():
+    """The tensor-parallel tests measure a run against the same model in float64 (`model.double()` after load)."""
+    plain, fused = twins("qwen2", adapter=False)
+    plain.double(), fused.double()
+    attn = fused.model.layers[0].self_attn
+    assert attn.qkv.weight.dtype == torch.float64 and attn.qkv.bias.dtype == torch.float64
+    assert attn.v_proj.weight.untyped_storage().data_ptr() == attn.qkv.weight.untyped_storage().data_ptr()
+    tokens = torch.arange(9) % V
+    a, b = logits(plain, tokens, None), logits(fused, tokens, None)
+    assert (a - b).abs().max().item() <= 1e-6   # float64 sums, rounded to the float logits the model returns

@@ -24,6 +24,9 @@ from studio.engine.model_cache import cache_dir
 from studio.errors import BadInput
 
 MAX_ROWS = 4   # the kernel's register blocking: past it the loads of x bound the kernel, and oneDNN is as fast
+# int8 weights: a quarter of fp32's bytes, so the loads of x bind later and the kernel keeps every decode-sized
+# forward (no packed copy to fall back on)
+INT8_MAX_ROWS = 16
 MAX_RANK = 64  # lora_rows keeps a row's low-rank activations on the stack
 SOURCE = Path(__file__).with_name("skinny.c")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
@@ -80,6 +83,8 @@ def _library():
     if lib is not None:
         lib.skinny.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
         lib.skinny.restype = None
+        lib.skinny_i8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+        lib.skinny_i8.restype = None
         lib.lora_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5 + [ctypes.c_float]
         lib.lora_rows.restype = None
     return lib
@@ -104,6 +109,20 @@ def skinny(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         return None
     y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
     lib.skinny(w.data_ptr(), x.data_ptr(), y.data_ptr(), w.shape[0], w.shape[1], x.shape[0], torch.get_num_threads())
+    return y
+
+
+def skinny_int8(w: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    """x [R, D] @ (w * scale[:, None]).T for int8 w [N, D] with fp32 row scales [N], 1 <= R <= INT8_MAX_ROWS,
+    contiguous CPU tensors, as [R, N]; None where the kernel is not available or the operands do not fit it. Rows go
+    in blocks of 4, so a row's result is the same bits at every row count up to INT8_MAX_ROWS."""
+    lib = _library()
+    if (lib is None or not 1 <= x.shape[0] <= INT8_MAX_ROWS or w.dtype != torch.int8 or not w.is_contiguous()
+            or not _fits(scale, x)):
+        return None
+    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    lib.skinny_i8(w.data_ptr(), scale.data_ptr(), x.data_ptr(), y.data_ptr(), w.shape[0], w.shape[1], x.shape[0],
+                  torch.get_num_threads())
     return y
 
 

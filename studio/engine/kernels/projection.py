@@ -68,7 +68,8 @@ def pack_weights(model: nn.Module) -> None:
         return
     with torch.no_grad():
         for w in model.projection_weights() + [model.lm_head.weight]:
-            _packed(w)
+            if w.dtype == torch.float32:   # int8 weights have their own kernels
+                _packed(w)
 
 
 def keep_packed_copy(w: torch.Tensor, write: Callable[[], None]) -> None:
@@ -89,15 +90,36 @@ def forgo_packed_copies(model: nn.Module) -> None:
         p._onednn = False
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., D] @ w.T (+ b). On the CPU in fp32 a decode-sized product (at most SMALL_ROWS rows) goes around torch's
     F.linear, whose GEMV for one row and small-M GEMMs read the weights slowly (`_small_product`); wider products
-    (a prefill), training and other devices keep F.linear."""
+    (a prefill), training and other devices keep F.linear. With `scale`, w is int8 and row n of it stands for
+    w[n] * scale[n] (`int8_linear`)."""
+    if scale is not None:
+        return int8_linear(x, w, scale, b)
     if not cpu_small(x):
         return F.linear(x, w, b)
     y = _small_product(w, x.reshape(-1, x.shape[-1])).contiguous()
     if b is not None:
         y += b
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., D] @ (w * scale[:, None]).T (+ b) for int8 w [N, D]: on the CPU in fp32 up to 16 rows through our
+    kernel (the weights read as int8: a quarter of the bytes; a row's bits the same at every such row count); wider
+    products (a prefill) and other dtypes widen the weight to x's dtype for one product and scale its result (for
+    a 34-token prefill ~25x faster than torch's `_weight_int8pack_mm` in fp32)."""
+    flat = x.reshape(-1, x.shape[-1])
+    y = None
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        flat = flat.contiguous()
+        y = cpu_kernel.skinny_int8(w, scale, flat)
+    if y is None:
+        y = F.linear(flat, w.to(x.dtype)) * scale.to(x.dtype)
+    if b is not None:
+        y = y + b
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 

@@ -1,0 +1,114 @@
+"""Weight-only int8 (studio.engine.quantize): the quantisation's rounding, the int8 kernels against the dequantised
+model (the same numbers in float), a row's bits at any row count, and the strategies exact to the int8 model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from studio.engine.kernels import cpu as cpu_kernel
+from studio.engine.lora import LoadedAdapter, attach_adapter, install
+from studio.engine.model import Linear, fuse_projections
+from studio.engine.quantize import dequantized, is_quantized, quantize_int8
+from studio.engine.sampling import SamplingParams
+from studio.engine.strategies import make_strategy
+from studio.run.session import Settings, run_to_end
+from tests.support.lora import random_adapter, random_lora
+from tests.support.tiny import FAMILIES, tiny_engine, tiny_model
+
+V = 16
+# the int8 model against its dequantised twin: the same products summed in another order (our kernel's fixed one,
+# F.linear's), a few ulps of logits of order 1
+BOUND = 1e-5
+
+
+def test_each_weight_rounds_to_the_nearest_step_of_its_rows_scale():
+    model = tiny_model("qwen2", vocab=V)
+    floats = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, Linear)}
+    quantize_int8(model)
+    assert is_quantized(model)
+    for name, m in model.named_modules():
+        if isinstance(m, Linear):
+            w, q, s = floats[name], m.weight, m.scale
+            assert q.dtype == torch.int8 and s.shape == (w.shape[0],) and q.abs().max() == 127
+            assert ((q.float() * s[:, None] - w).abs() <= s[:, None] / 2 * (1 + 1e-5)).all()
+    assert model.lm_head.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_a_rows_int8_product_is_the_same_bits_at_any_row_count():
+    if not cpu_kernel.available():
+        pytest.skip("no C compiler: the int8 products run through torch")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(-127, 128, (37, 83), generator=g, dtype=torch.int8)   # sizes off the kernel's 16-wide blocks
+    scale = torch.rand(37, generator=g) / 100
+    x = torch.randn(16, 83, generator=g)
+    alone = cpu_kernel.skinny_int8(w, scale, x[:1])
+    for rows in range(2, 17):
+        assert torch.equal(cpu_kernel.skinny_int8(w, scale, x[:rows])[:1], alone)
+    exact = (x.double() @ (w.double() * scale.double()[:, None]).T)
+    assert (cpu_kernel.skinny_int8(w, scale, x) - exact).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("T", [1, 3, 7, 20])
+@pytest.mark.parametrize("fuse", [False, True])
+def test_the_int8_model_equals_its_dequantised_twin(family, T, fuse):
+    """Rows through our int8 kernel (up to 16), the widened weight (a prefill), an adapter gated on the tail rows."""
+    model = tiny_model(family, vocab=V, seed=3)
+    quantize_int8(model)
+    twin = dequantized(model)
+    if fuse:
+        fuse_projections(model)
+    for m in (model, twin):
+        install(m, LoadedAdapter("random", random_lora(twin, seed=4), 1.0, None, None))
+    tokens = torch.randint(0, V, (5 + T,), generator=torch.Generator().manual_seed(T))
+    gate = torch.arange(T) >= T // 2
+    out = []
+    for m in (model, twin):
+        kv = m.new_cache(64)
+        with torch.inference_mode():
+            m(tokens[:5], torch.arange(5), kv)
+            kv.commit(5)
+            out.append(m(tokens[5:], torch.arange(5, 5 + T), kv, lora_gate=gate))
+    assert (out[0] - out[1]).abs().max().item() <= BOUND
+
+
+@pytest.mark.parametrize("name, params", [("isd", {"stride": 4}), ("r-isd", {"stride": 3}),
+                                          ("jacobi", {"block_size": 4}), ("jacobi-mr", {"block_size": 3, "blocks": 2})])
+def test_a_lossless_strategy_on_the_int8_model_equals_its_ar(tmp_path, name, params):
+    """Exact to the model it runs: greedy on the int8 model, KV rollback and an adapter's gated rows included, its
+    tokens are that model's greedy `ar`'s."""
+    engine = tiny_engine("llama", vocab=V, seed=6)
+    quantize_int8(engine.model)
+    fuse_projections(engine.model)
+    if name == "r-isd":
+        attach_adapter(engine, random_adapter(tmp_path / "ad", dequantized(engine.model), seed=6))
+    settings = Settings(max_new_tokens=32, sampling=SamplingParams(0.0))
+    ar = run_to_end(engine.with_adapter(None), make_strategy("ar"), settings, "", [1, 2, 3])
+    run = run_to_end(engine, make_strategy(name, params), settings, "", [1, 2, 3])
+    assert run.token_ids == ar.token_ids and len(set(ar.token_ids)) > 2
+    assert any(e["t"] == "reject" for e in run.events)   # drafts refused: their K/V written and not committed
+
+
+def test_run_quant_int8_on_the_embedded_model(tmp_path):
+    """--quant int8 on the default model: a run whose header and trace say int8, its ar and r-isd identical (the
+    shipped adapter on the int8 model); an unknown scheme refused in one line."""
+    from studio.events import read_trace
+    from tests.support.cli import assert_one_line_error, cli
+    traces = {}
+    for strategy in ("ar", "r-isd"):
+        path = tmp_path / f"{strategy}.jsonl"
+        r = cli("run", "Name three colours.", "-s", strategy, "--quant", "int8", "--max-new-tokens", "12",
+                "--trace", str(path), check_rc=0)
+        assert "int8" in r.stdout + r.stderr
+        traces[strategy] = read_trace(str(path))
+    assert all(t.header["model"]["quant"] == "int8" for t in traces.values())
+    assert traces["r-isd"].footer["text"] == traces["ar"].footer["text"]
+    assert_one_line_error(cli("run", "hi", "--quant", "int4"), "--quant must be one of none, int8")
+
+
+def test_int8_is_refused_on_a_gpu_until_a_kernel_reads_int8_there(monkeypatch):
+    from studio.engine import engine as engine_module
+    from studio.errors import BadInput
+    monkeypatch.setattr(engine_module, "resolve_device", lambda device: torch.device("cuda"))
+    with pytest.raises(BadInput, match="--quant int8 runs on the CPU only"):
+        engine_module.Engine.load("default", device="cuda", quant="int8")
