@@ -78,6 +78,12 @@ def test_a_baseline_isa_build_computes_the_same_product(monkeypatch, tmp_path, i
         got = cpu.skinny(w, x)
         torch.testing.assert_close(got.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-5)
         assert all(torch.equal(cpu.skinny(w, x[i:i + 1].contiguous())[0], got[i]) for i in range(4))
+        # the int8 kernel's widening is written per instruction set (AVX2, SSE4.1): each build checked
+        q, scale = torch.randint(-127, 128, (96, 200), generator=g, dtype=torch.int8), torch.rand(96, generator=g)
+        got = cpu.skinny_int8(q, scale, x)
+        exact = x.double() @ (q.double() * scale.double()[:, None]).T   # entries in the hundreds: fp32 sums of 200
+        torch.testing.assert_close(got.double(), exact, rtol=1e-4, atol=1e-4)
+        assert all(torch.equal(cpu.skinny_int8(q, scale, x[i:i + 1].contiguous())[0], got[i]) for i in range(4))
         assert len(list(tmp_path.rglob("skinny-*.so"))) == 1
     finally:
         cpu._library.cache_clear()
