@@ -39,7 +39,8 @@ step() {   # step NAME COMMAND...: stdout to $DIR/NAME.json, stderr to $DIR/NAME
 wants() { [[ $STEPS == *" $1 "* ]]; }
 
 wants tests && step cuda-tests "$PYTHON" -m pytest -q -p no:cacheprovider -m cuda tests/engine/test_verify_kernel.py \
-  tests/engine/test_graphs.py tests/engine/test_device.py tests/engine/test_moe.py tests/engine/test_cuda_exact.py
+  tests/engine/test_graphs.py tests/engine/test_device.py tests/engine/test_moe.py tests/engine/test_cuda_exact.py \
+  tests/engine/test_norm.py
 bench=("$PYTHON" -m studio bench --model "$MODEL" --device "$DEVICE" --json)
 if wants ar; then
   # AR with graphs beside transformers generate, and ISD at a controlled acceptance against that AR, in one process

@@ -19,6 +19,7 @@ from torch import nn
 
 from studio.engine.config import ModelConfig
 from studio.engine.gated_lora import RowGate, add_gated_lora
+from studio.engine.kernels.norm import add_rms_norm
 from studio.engine.kernels.projection import linear, vocab_logits
 from studio.engine.kv_cache import KVCache, new_cache
 from studio.engine.masks import causal
@@ -37,10 +38,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return add_rms_norm(x, None, self.weight, self.eps)[1]
+
+    def after_add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its norm): the residual add fused into the norm (`kernels.norm`)."""
+        return add_rms_norm(x, delta, self.weight, self.eps)
 
 
 class Linear(nn.Linear):
@@ -267,8 +269,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.rms_eps)
 
     def forward(self, x, cos, sin, kv, layer, mask, gate):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, layer, mask, gate)
-        return x + self.mlp(self.post_attention_layernorm(x), gate)
+        x, h = self.post_attention_layernorm.after_add(x, self.self_attn(self.input_layernorm(x), cos, sin, kv, layer,
+                                                                          mask, gate))
+        return x + self.mlp(h, gate)
 
 
 class Backbone(nn.Module):
