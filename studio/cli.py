@@ -311,7 +311,7 @@ def compare(
     if as_json:
         print(json.dumps(table))
         return
-    Console().print(render_table(table, sampled, device_costs))
+    Console().print(render_table(table, sampled, device_costs, model=engine.title))
     for label, r in results.items():
         typer.echo(f"── {label}: {r.footer['text'].strip()[:300]}")
     if trace_dir:

@@ -397,7 +397,9 @@ def report_title(report: dict) -> str:
             f"× {report['repeats']} repeats"
             + ("" if base == "ar" else f", baseline {base} (the model has no AR mode)")
             + ("" if c == 1 else f", stationary batches of {c} (batch tok/s: new tokens ÷ the batch's wall time)")
-            + ("" if oracle is None else f", oracle acceptance {oracle:g} (outputs not meaningful)"))
+            + ("" if oracle is None else f", oracle acceptance {oracle:g} (outputs not meaningful)")
+            + ("" if report["model"].get("quant", "none") == "none" else
+               f", {report['model']['quant']} weights (transformers left out: it would run the float ones)"))
 
 
 def write_bench_html(report: dict, path) -> Path:

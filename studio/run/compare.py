@@ -198,12 +198,14 @@ def settings_text(header: dict) -> str:
             f" · max tokens {p['max_new_tokens']}")
 
 
-def render_table(table_rows: list[dict], sampled: bool, costs=None):
-    """The comparison as a Rich table; with `costs` (the DeviceCosts `rows` projected with) a projected column
-    and the table's origin in the caption."""
+def render_table(table_rows: list[dict], sampled: bool, costs=None, model: str | None = None):
+    """The comparison as a Rich table, titled with the model it ran on (`Engine.title`: an int8 one says so);
+    with `costs` (the DeviceCosts `rows` projected with) a projected column and the table's origin in the
+    caption."""
+    from rich.markup import escape
     from rich.table import Table
     from studio.traces import projection
-    t = Table(title="compare", title_justify="left")
+    t = Table(title="compare" + (f" on {escape(model)}" if model else ""), title_justify="left")
     label_width = max([len(r["label"]) for r in table_rows] + [8])
     projected = [] if costs is None else [projection.label(costs)]
     for col in ("strategy", "tokens", "forwards", "TPF", "accept", "tok/s", "× ar", *projected, "same as"):

@@ -112,3 +112,12 @@ def test_int8_is_refused_on_a_gpu_until_a_kernel_reads_int8_there(monkeypatch):
     monkeypatch.setattr(engine_module, "resolve_device", lambda device: torch.device("cuda"))
     with pytest.raises(BadInput, match="--quant int8 runs on the CPU only"):
         engine_module.Engine.load("default", device="cuda", quant="int8")
+
+
+def test_bench_and_compare_name_an_int8_model():
+    from studio.run.bench import report_title
+    from studio.run.compare import render_table
+    report = {"oracle_accept": None, "concurrency": 1, "prompts": ["a"], "repeats": 1, "model": {"quant": "int8"}}
+    assert "int8 weights (transformers left out" in report_title(report)
+    assert "weights" not in report_title({**report, "model": {}})   # a float model's title as it was
+    assert render_table([], sampled=False, model="tiny · int8").title == "compare on tiny · int8"
