@@ -91,7 +91,7 @@ class Engine:
         this rank keeps them, and the engine is that rank's shard (random weights are made whole: launch splits
         them). `fuse`: q/k/v and gate/up as one product each (studio.engine.model.Fused); False keeps the plain
         projections, the oracle the fused path is tested against. `quant`: none | int8 (studio.engine.quantize: the
-        layers' projections as int8 weights with a scale per row)."""
+        layers' projections and the head as int8 weights with a scale per row)."""
         _init_torch()
         if quant not in QUANTS:
             raise BadInput(f"--quant must be one of {', '.join(QUANTS)}, got {quant!r}")

@@ -210,6 +210,9 @@ def weight_bytes(engine: Engine) -> int:
     for experts in (m for m in engine.model.modules() if isinstance(m, Experts)):
         for p in experts.parameters():   # unread: all but k of the E stacked experts
             storages[p.untyped_storage().data_ptr()] = p.nbytes * cfg.n_experts_per_tok // cfg.n_experts
+    model = engine.model
+    if model.head_scale is not None:   # an int8 head is read instead of the float one (a tied table: one row)
+        storages[model.lm_head.weight.untyped_storage().data_ptr()] = model.head_int8.nbytes + model.head_scale.nbytes
     return sum(storages.values())
 
 

@@ -24,7 +24,6 @@ from studio.engine.config import ModelConfig
 from studio.engine.kv_cache import KVCache
 from studio.engine.masks import bidirectional, causal
 from studio.engine.gated_lora import RowGate
-from studio.engine.kernels.projection import vocab_logits
 from studio.engine.model import MLP, Attention, Backbone, LanguageModel, RMSNorm, rms_norm, rope_inv_freq, rotary_tables
 from studio.engine.moe import MoE
 
@@ -129,7 +128,7 @@ class DiffusionGemma(LanguageModel):
         x = self._layers(x, positions, kv, mask, window, gate, encoder=False)
         if logits_rows is not None:
             x = x[:, torch.as_tensor(logits_rows, device=tokens.device)]
-        logits = vocab_logits(self.lm_head.weight, self.model.norm(x))
+        logits = self.logits(self.model.norm(x))
         if self.parallel is not None:   # a shard's head gives its vocabulary rows' logits
             logits = self.parallel.gather_vocab(logits)
         cap = self.config.logit_softcap

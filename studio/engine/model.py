@@ -20,7 +20,7 @@ from torch import nn
 from studio.engine.config import ModelConfig
 from studio.engine.gated_lora import RowGate, add_gated_lora
 from studio.engine.kernels.norm import add_rms_norm
-from studio.engine.kernels.projection import linear, vocab_logits
+from studio.engine.kernels.projection import int8_linear, linear, vocab_logits
 from studio.engine.kv_cache import KVCache, new_cache
 from studio.engine.masks import causal
 from studio.engine.moe import ACTIVATIONS, MoE
@@ -291,6 +291,10 @@ class LanguageModel(nn.Module):
     backbone = Backbone
     block = Block   # what one layer builds (studio.engine.weights checks shapes layer by layer)
     parallel = None   # this rank's TensorParallel plan when the model is one rank's shard (studio.engine.tensor_parallel)
+    # weight-only int8 (studio.engine.quantize): an int8 copy of the head [V, D] and its row scales, which `logits`
+    # reads instead of the (maybe tied) float head
+    head_int8: torch.Tensor | None = None
+    head_scale: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -305,6 +309,17 @@ class LanguageModel(nn.Module):
     @staticmethod
     def rotary_buffers(cfg: ModelConfig) -> dict[str, torch.Tensor]:
         return {"inv_freq": rope_inv_freq(cfg)}
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Float logits of final hidden states x [..., D]: through the int8 head where the model is quantised."""
+        if self.head_scale is not None:
+            return int8_linear(x, self.head_int8, self.head_scale).float()
+        return vocab_logits(self.lm_head.weight, x)
+
+    def _apply(self, fn, recurse=True):
+        if self.head_scale is not None:   # plain attributes: a move must reach them too
+            self.head_int8, self.head_scale = fn(self.head_int8), fn(self.head_scale)
+        return super()._apply(fn, recurse)
 
     def projection_weights(self) -> list[torch.Tensor]:
         """The weights its forward multiplies by, the head aside: the fused products' and every projection outside
@@ -353,7 +368,7 @@ class Transformer(LanguageModel):
             x = layer(x, cos, sin, kv, i, mask, gate)
         if rows is not None:
             x = x[:, rows]
-        logits = vocab_logits(self.lm_head.weight, self.model.norm(x))
+        logits = self.logits(self.model.norm(x))
         return logits if self.parallel is None else self.parallel.gather_vocab(logits)
 
 

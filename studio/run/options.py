@@ -42,8 +42,9 @@ MODEL_OPTIONS = {
     "device": (str, DEVICE),
     "dtype": (str, DTYPE),
     "graphs": (bool, GRAPHS),
-    "quant": (str, typer.Option("none", "--quant", help="none | int8: the layers' projections as int8 weights with "
-              "a scale per row (a quarter of the bytes a step streams; the head and embedding stay as they are).")),
+    "quant": (str, typer.Option("none", "--quant", help="none | int8 (CPU): the layers' projections and the head as "
+              "int8 weights with a scale per row (a quarter of the bytes a step streams; another model, to which the "
+              "lossless strategies are exact).")),
     "tp": (int, typer.Option(1, "--tp", help="Tensor parallelism: split the model across N ranks (processes started "
            "here; gloo on the CPU, NCCL on GPUs). Under torchrun: the launch's world size.")),
     "ep": (int, typer.Option(1, "--ep", help="Expert parallelism for an MoE model: its experts placed whole across N "

@@ -32,6 +32,8 @@ def test_each_weight_rounds_to_the_nearest_step_of_its_rows_scale():
             assert q.dtype == torch.int8 and s.shape == (w.shape[0],) and q.abs().max() == 127
             assert ((q.float() * s[:, None] - w).abs() <= s[:, None] / 2 * (1 + 1e-5)).all()
     assert model.lm_head.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.float32
+    head, q, s = model.lm_head.weight, model.head_int8, model.head_scale   # the head's int8 copy, beside it
+    assert q.dtype == torch.int8 and ((q.float() * s[:, None] - head).abs() <= s[:, None] / 2 * (1 + 1e-5)).all()
 
 
 def test_a_rows_int8_product_is_the_same_bits_at_any_row_count():
@@ -50,10 +52,11 @@ def test_a_rows_int8_product_is_the_same_bits_at_any_row_count():
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("T", [1, 3, 7, 20])
-@pytest.mark.parametrize("fuse", [False, True])
-def test_the_int8_model_equals_its_dequantised_twin(family, T, fuse):
-    """Rows through our int8 kernel (up to 16), the widened weight (a prefill), an adapter gated on the tail rows."""
-    model = tiny_model(family, vocab=V, seed=3)
+@pytest.mark.parametrize("fuse, tie", [(False, False), (True, False), (True, True)])
+def test_the_int8_model_equals_its_dequantised_twin(family, T, fuse, tie):
+    """Rows through our int8 kernel (up to 16), the widened weight (a prefill), an adapter gated on the tail rows;
+    a tied head's int8 copy beside the float table the embedding reads."""
+    model = tiny_model(family, vocab=V, seed=3, tie_embeddings=tie)
     quantize_int8(model)
     twin = dequantized(model)
     if fuse:

@@ -67,7 +67,8 @@ def pack_weights(model: nn.Module) -> None:
     if not _HAS_ONEDNN or model.lm_head.weight.device.type != "cpu" or model.lm_head.weight.dtype != torch.float32:
         return
     with torch.no_grad():
-        for w in model.projection_weights() + [model.lm_head.weight]:
+        head = [model.lm_head.weight] if model.head_scale is None else []   # an int8 model reads its int8 head
+        for w in model.projection_weights() + head:
             if w.dtype == torch.float32:   # int8 weights have their own kernels
                 _packed(w)
 
