@@ -16,7 +16,9 @@ def grouped_bars(title: str, x_title: str, y_title: str, bins: Sequence[str],
     value at all the chart is its title and `empty` (why)."""
     values = [v for _, vs, _ in series for v in vs if v is not None]
     if not bins or not values:
-        return Plot(f"{title}: {empty}", (0, 1), (0, 1), height=80).svg()
+        plot = Plot(title, (0, 1), (0, 1), height=80)
+        plot.note(empty)
+        return plot.svg()
     top = 1.12 if percent else max(values) * 1.15 or 1.0
     plot = Plot(title, (-0.5, len(bins) - 0.5), (0, top), width=max(620, 40 * len(bins) + 120), top=40)
     plot.axes(x_title, y_title, ticks(1.0 if percent else max(values), percent=percent), list(enumerate(bins)))

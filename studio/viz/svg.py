@@ -72,6 +72,11 @@ class Plot:
         self.marks.append(f'<polyline fill="none" stroke="{color}" stroke-width="{width}"{extra} '
                           f'points="{pts}">{title}</polyline>')
 
+    def note(self, text: str) -> None:
+        """A line of grey text under the title (why a chart has nothing to draw): on a line of its own, a long reason
+        never cuts the title."""
+        self.marks.append(f'<text x="4" y="44" font-size="12" fill="#666">{esc(text)}</text>')
+
     def legend(self, name: str, color: str) -> None:
         self.legend_items.append((name, color))
 

@@ -117,3 +117,14 @@ def test_trace_analyze_json_and_a_page_chromium_opens(tmp_path):
                          capture_output=True, text=True, timeout=120).stdout
     assert dom.count("<svg") == 8 and "Acceptance by the target" in dom
     assert math.isfinite(got["jacobi"]["time"]["forward_ms"])
+
+
+def test_an_empty_chart_keeps_its_title_whole_and_says_why_below_it():
+    """A set of traces without a diffusion run has no calibration to draw: the reason is a line of its own (it had
+    been appended to the title, which a narrow panel then cut)."""
+    import re
+    from studio.viz.analysis_figures import grouped_bars
+    svg = grouped_bars("Calibration of the unmasking confidence", "c", "share", [], [],
+                       empty="no unmasked tokens, or no reference run")
+    texts = re.findall(r"<text[^>]*>([^<]*)</text>", svg)
+    assert texts[:2] == ["Calibration of the unmasking confidence", "no unmasked tokens, or no reference run"]
