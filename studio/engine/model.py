@@ -10,6 +10,7 @@ are wanted: the vocab projection dominates a small model, so we never compute ro
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from typing import Callable
 
@@ -19,16 +20,11 @@ from torch import nn
 
 from studio.engine.config import ModelConfig
 from studio.engine.gated_lora import RowGate, add_gated_lora
-from studio.engine.kernels.norm import add_rms_norm
+from studio.engine.kernels.norm import add_rms_norm, rms_norm
 from studio.engine.kernels.projection import int8_linear, linear, vocab_logits
 from studio.engine.kv_cache import KVCache, new_cache
 from studio.engine.masks import causal
 from studio.engine.moe import ACTIVATIONS, MoE
-
-
-def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x), computed in fp32, without a gain."""
-    return F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -87,7 +83,7 @@ class Fused(nn.Module):
         self.scale = None if parts[0].scale is None else torch.cat([p.scale for p in parts])   # int8 parts
         if getattr(parts[0].weight, "_onednn", None) is False:         # forgo_packed_copies chose for the parts
             self.weight._onednn = False
-        ends = torch.tensor([p.weight.shape[0] for p in parts]).cumsum(0).tolist()
+        ends = list(itertools.accumulate(p.weight.shape[0] for p in parts))
         self.spans = list(zip([0, *ends[:-1]], ends))
         self._share()
 

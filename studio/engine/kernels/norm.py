@@ -11,6 +11,11 @@ import torch.nn.functional as F
 from studio.engine.kernels import _triton_installed
 
 
+def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x), computed in fp32, without a gain."""
+    return F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+
+
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, y) for x, delta [..., D] (delta None: h is x), weight [D]."""
@@ -18,4 +23,4 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         from studio.engine.kernels.norm_triton import add_rms_norm_fused
         return add_rms_norm_fused(x, delta, weight, eps)
     h = x if delta is None else x + delta
-    return h, weight * F.rms_norm(h.float(), h.shape[-1:], eps=eps).to(h.dtype)
+    return h, weight * rms_norm(h, eps)
