@@ -7,11 +7,18 @@ the sum of its two best experts), the weights are the unbiased scores of the cho
 scaling factor. `gemma` (Gemma-4, DiffusionGemma): the input RMS-normalised without a gain, times a learned `scale`
 and 1/sqrt(D), softmax, the top k renormalised, each times its expert's learned `per_expert_scale`.
 
-Experts are SwiGLU (silu) or GeGLU (tanh-approximated gelu: Gemma) by `ModelConfig.hidden_act`. Tokens are grouped by expert (one stable sort of the token→expert assignments), so each expert that received
-tokens runs once over all of them: a Python loop over experts, never over tokens -- or, on CUDA in bf16, three
-grouped GEMMs over all experts at once (`F.grouped_mm`), the loop being its oracle. The weighted outputs are
-scattered back with one `index_add_`. Under expert parallelism a rank holds some of the experts (`Experts.held`) and
-runs only the assignments to them; the ranks' partial outputs are added up by one all-reduce (`MoE.reduce`).
+Experts are SwiGLU (silu) or GeGLU (tanh-approximated gelu: Gemma) by `ModelConfig.hidden_act`. Tokens are grouped
+by expert (one stable sort of the token→expert assignments), so each expert that received tokens runs once over all of
+them: a Python loop over experts, never over tokens -- or, on CUDA in bf16, three grouped GEMMs over all experts at
+once (`F.grouped_mm`), the loop being its oracle. The weighted outputs are scattered back with one `index_add_`.
+Under expert parallelism a rank holds some of the experts (`Experts.held`): the assignments to the other ranks'
+experts sort after its own and contribute nothing; the ranks' partial outputs are added up by one all-reduce
+(`MoE.reduce`).
+
+The grouped path reads nothing on the host: every shape is the assignments' count, N × k, and the group sizes stay on
+the device (counted with a scatter-add, not `bincount`, whose CUDA kernel reads the largest id on the host). So a
+CUDA graph captures it, and an MoE model decodes under graphs (`Experts.captured_on`); the loop sizes its GEMMs on
+the host and runs eagerly.
 """
 from __future__ import annotations
 
@@ -58,29 +65,39 @@ class Experts(nn.Module):
     def mix(self, flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """sum_k weights[:, k] * expert_{experts[:, k]}(flat) for flat [N, D], weights and experts [N, k]; and the
         number of distinct experts that ran (a 0-d tensor: reading it is the caller's sync)."""
-        k = experts.shape[1]
-        assignment, mine = experts.flatten(), None
-        if self.held is not None:   # only this rank's experts run here; the other ranks add theirs (one all-reduce)
-            mine = ((assignment >= self.held.start) & (assignment < self.held.stop)).nonzero().squeeze(1)
-            assignment = assignment[mine] - self.held.start
+        n, k = self.gate_proj.shape[0], experts.shape[1]
+        assignment = experts.flatten()
+        if self.held is not None:   # another rank's expert becomes n: its rows sort last and no GEMM reaches them
+            local = assignment - self.held.start
+            assignment = torch.where((local >= 0) & (local < n), local, n)
         order = assignment.argsort(stable=True)               # assignments grouped by expert
-        slot = order if mine is None else mine[order]         # the (token, k) assignment of each grouped row
-        token = slot // k
-        counts = torch.bincount(assignment, minlength=self.gate_proj.shape[0])
+        token = order // k
+        counts = torch.zeros(n + 1, dtype=torch.long, device=flat.device).scatter_add_(
+            0, assignment, torch.ones_like(assignment))[:n]   # no bincount: its CUDA kernel reads the ids' range on the host
         grouped = flat[token]
         out = self._grouped(grouped, counts) if self.uses_grouped_mm(flat) else self._looped(grouped, counts)
-        weighted = out * weights.flatten()[slot, None]    # routers weigh in fp32: back to the stream's dtype
+        weight = weights.flatten()[order, None]                 # routers weigh in fp32: back to the stream's dtype
+        if self.held is not None:   # the rows past this rank's groups hold whatever the GEMMs left there
+            weighted = torch.where(assignment[order, None] < n, out * weight, 0)
+        else:
+            weighted = out * weight
         y = torch.zeros_like(flat).index_add_(0, token, weighted.to(flat.dtype))
         return y, (counts > 0).sum()
 
     def uses_grouped_mm(self, x: torch.Tensor) -> bool:
         if self.path != "auto":
             return self.path == "grouped"
-        return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
+        return self.captured_on(x.device, x.dtype)
+
+    @staticmethod
+    def captured_on(device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether `auto` runs the grouped GEMMs there (CUDA in bf16), the path a CUDA graph can capture. On the CPU
+        the loop is faster."""
+        return device.type == "cuda" and dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
 
     def _looped(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """One GEMM per expert that received tokens: the group sizes are read on the host."""
-        out = torch.empty_like(grouped)
+        out = torch.zeros_like(grouped)   # rows of no held expert stay 0
         start = 0
         for e, n in enumerate(counts.tolist()):
             if n:
@@ -154,7 +171,9 @@ class MoE(nn.Module):
         expert_flat = flat if expert_input is None else expert_input.reshape(flat.shape)
         y, self.experts_run = self.experts.mix(expert_flat, weights, experts)   # read for the forward event
         if self.experts.held is not None:   # every expert the router chose, not only this rank's
-            self.experts_run = (torch.bincount(experts.flatten(), minlength=self.gate.weight.shape[0]) > 0).sum()
+            chosen = experts.flatten()
+            self.experts_run = torch.zeros(self.gate.weight.shape[0], dtype=torch.long,
+                                           device=chosen.device).scatter_(0, chosen, 1).sum()
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
         return (y if self.reduce is None else self.reduce(y)).view_as(x)

@@ -1,4 +1,5 @@
-"""The mixture-of-experts layer's two expert paths: the per-expert loop (the oracle) and the grouped GEMMs CUDA runs."""
+"""The mixture-of-experts layer's two expert paths: the per-expert loop (the oracle) and the grouped GEMMs CUDA runs
+(and captures in its graphs)."""
 from __future__ import annotations
 
 import pytest
@@ -42,6 +43,47 @@ def test_the_grouped_gemm_path_equals_the_expert_loop(router, act, tokens):
     assert moe.experts.uses_grouped_mm(x) is False   # on the CPU, auto keeps the loop (faster there)
 
 
+@pytest.mark.parametrize("path", ["loop", "grouped"])
+def test_expert_parallel_shards_add_up_to_the_whole_layer_on_either_path(path):
+    """Each rank holds a slice of the experts; the other ranks' assignments sort last and contribute nothing (on the
+    grouped path those rows hold whatever the GEMMs left there), so the shards' outputs add up to the whole layer."""
+    moe = layer("softmax", "silu")
+    x = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(3))
+    moe.experts.path = "loop"
+    with torch.no_grad():
+        whole = moe(x)
+    full = {name: p.detach().clone() for name, p in moe.experts.named_parameters()}
+    parts = []
+    for held in (slice(0, 3), slice(3, 8)):
+        with torch.no_grad():
+            for name, p in moe.experts.named_parameters():
+                p.data = full[name][held].clone()
+            moe.experts.held, moe.experts.path = held, path
+            parts.append(moe(x))
+    moe.experts.held = None
+    torch.testing.assert_close(parts[0] + parts[1], whole, atol=1e-5, rtol=1e-5)
+    assert parts[0].abs().sum() > 0 and parts[1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("held", [None, slice(2, 6)])
+def test_the_grouped_path_reads_nothing_on_the_host_and_the_loop_does(held):
+    """What a CUDA graph needs: the grouped path's shapes follow the input's alone. Under FakeTensorMode (tensors with
+    shapes and no data) any read of a value on the host raises: the grouped path runs through, the loop does not."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+    moe = layer("gemma", "gelu_tanh", dtype=torch.bfloat16)   # grouped_mm's shape rules want bf16
+    moe.experts.held = held
+    if held is not None:
+        for p in moe.experts.parameters():
+            p.data = p.data[held]
+    with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        x = fake.from_tensor(torch.randn(1, 5, 64, dtype=torch.bfloat16))
+        moe.experts.path = "grouped"
+        assert moe(x).shape == x.shape and moe.experts_run.shape == ()
+        moe.experts.path = "loop"
+        with pytest.raises(DataDependentOutputException):
+            moe(x)
+
+
 @pytest.mark.parametrize("router", ["softmax", "sigmoid", "gemma"])
 def test_a_bf16_layer_stays_in_bf16_whatever_dtype_its_router_weighs_in(router):
     """Routers weigh in fp32; the weighted expert outputs go back into the bf16 stream (the GPU's dtype: this once
@@ -63,6 +105,22 @@ def test_on_cuda_in_bf16_the_grouped_gemms_run_and_agree_with_the_loop():
     assert moe.experts.uses_grouped_mm(x)
     loop, grouped = both_paths(moe, x)
     torch.testing.assert_close(grouped.float(), loop.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_captured_moe_layer_replays_what_it_computes_eagerly():
+    moe = layer("softmax", "silu", "cuda", torch.bfloat16)
+    x = torch.randn(1, 4, 64, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        moe(x)   # warm-up outside the capture (cuBLAS handles, kernel choice)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe(x)
+        for seed in (1, 2):
+            x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to(x))
+            graph.replay()
+            torch.testing.assert_close(out.float(), moe(x).float(), atol=1e-2, rtol=1e-2)
 
 
 def test_the_sigmoid_router_and_its_mixture_are_transformers_deepseek_v3_moe():
