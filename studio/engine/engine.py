@@ -16,6 +16,7 @@ from studio.engine.lora import attach_adapter, install, load_adapter
 from studio.engine.kernels.projection import forgo_packed_copies
 from studio.engine.model import Transformer, fuse_projections
 from studio.engine.memory import check_file_model_fits, ram_bytes
+from studio.engine.moe import Experts
 from studio.engine.quantize import QUANTS, quantize_int8
 from studio.engine.random_models import RANDOM_SOURCE, build_random, check_fits, is_random, random_config
 from studio.engine.tensor_parallel import build_shard
@@ -118,8 +119,8 @@ class Engine:
             fuse_projections(engine.model)
         if adapter and adapter != "none":
             attach_adapter(engine, adapter_path(adapter))
-        # an MoE layer sizes its expert groups on the host (moe.py), which a CUDA graph cannot capture
-        engine.graphs = graphs and dev.type == "cuda" and not engine.config.n_experts
+        # an MoE layer runs under graphs where its experts run as grouped GEMMs (moe.py: the loop sizes them on the host)
+        engine.graphs = graphs and dev.type == "cuda" and (not engine.config.n_experts or Experts.captured_on(dev, dt))
         engine.load_s = time.perf_counter() - t0
         return engine
 

@@ -216,7 +216,7 @@ class Run:
         self.ctx = DecodeContext(engine.model, engine.tokenizer, settings.sampling, settings.seed, self.out,
                                  engine.config.mask_token_id, kv_len, kv=kv, oracle_accept=settings.oracle_accept,
                                  graphs=engine.graphs, clean_gate=strategy.clean_gate(engine.lora),
-                                 costs=prepared.costs)
+                                 costs=prepared.costs, graph_tokens=strategy.graph_tokens())
         self._writer = ev.TraceWriter(trace_path, self.header) if trace_path else None
         self._on_finish = on_finish
         self._cancel = threading.Event()

@@ -265,3 +265,97 @@ def test_runs_reuse_pooled_caches_and_the_graphs_captured_on_them(monkeypatch):
     n_runners = len(runners)
     drive([chat.start_turn("cd", make_strategy("ar"), Settings(max_new_tokens=2))])   # fits the kept cache
     assert chat._kv is kept and len(runners) == n_runners
+
+
+def _canvas_run(engine, params, graphs: bool, monkeypatch_runners: list):
+    from studio.engine.sampling import SamplingParams
+    from studio.engine.strategies import make_strategy
+    from studio.run.session import Settings, run_to_end
+    engine.graphs = graphs
+    return run_to_end(engine, make_strategy("canvas", params), Settings(max_new_tokens=16, sampling=SamplingParams(0.0)),
+                      "", [1, 2, 3, 4, 5])
+
+
+@pytest.mark.parametrize("model, params", [
+    ("llada", {"cache": "none"}),
+    ("llada", {"cache": "dual"}),                       # the open block rewritten inside the cached canvas (a window)
+    ("llada", {"cache": "prefix", "prefix_look": 2}),   # the canvas after the prefix, the vicinity recomputed
+    ("dream", {"cache": "dual", "after_look": 2}),      # a shifted model: the row before the block too
+    ("llada2", {"cache": "prefix", "block_size": 4, "steps": 12}),   # block-causal, sigmoid-routed experts as grouped GEMMs
+])
+def test_canvas_runs_replay_graphs_and_decode_exactly_as_eager(monkeypatch, model, params):
+    """Every canvas forward -- the whole canvas, the canvas past a cached prefix, the open block's window inside a
+    cached canvas -- replays a graph (none falls back), and the run's tokens, forwards and KV moves equal an eager
+    run's. An MoE model's experts run as grouped GEMMs there, as on CUDA (the path a graph captures)."""
+    from studio.engine.moe import Experts
+    from tests.support.parallel import SIGMOID_MOE
+    from tests.support.tiny import tiny_mdm
+
+    runners = []
+    init = GraphRunner.__init__
+    monkeypatch.setattr(GraphRunner, "__init__", lambda self, *a, **k: (init(self, *a, **k), runners.append(self))[0])
+    monkeypatch.setattr(Experts, "path", "grouped")
+    make = {"llada": lambda: tiny_mdm(vocab=V, seed=4), "dream": lambda: tiny_mdm(shift=True, vocab=V, seed=4),
+            "llada2": lambda: tiny_mdm(attention="block", block=4, vocab=V, seed=4, dim=64, **SIGMOID_MOE)}[model]
+    params = {"block_size": 8, "steps": 10, **params}
+    eager, graphed = (_canvas_run(make(), params, graphs, runners) for graphs in (False, True))
+    kinds = lambda r: [(e["t"], e.get("role"), e.get("op"), e.get("from_len"), e.get("to_len"), e.get("n_tokens"))
+                       for e in r.events if e["t"] in ("forward", "kv")]
+    assert graphed.token_ids == eager.token_ids and len(set(eager.token_ids)) > 2
+    assert kinds(graphed) == kinds(eager)
+    (runner,) = runners
+    forwards = [e for e in graphed.events if e["t"] == "forward"]
+    assert runner.fallbacks == 0 and runner.replays == len(forwards)
+    widths = {key[0] for key in runner.graphs}
+    assert max(widths) > 16 and len(runner.graphs) < len(forwards)   # canvas-wide, and replayed more than captured
+
+
+def test_a_window_forward_through_a_graph_rewrites_only_its_slots(device):
+    """The dual cache's forward: the window's slots inside the committed K/V are rewritten, every other slot is left
+    as it was, and the logits equal the eager WindowWrite forward's (rows asked past WIDE: only those computed)."""
+    from studio.engine.graphs import WIDE
+    from studio.engine.kv_cache import WindowWrite
+    from studio.engine.masks import bidirectional
+    model = tiny_model("llama", vocab=V, seed=2).to(device)
+    twin = Twin(model, prompt_len=40, max_tokens=None)
+    lo, T = 10, WIDE + 4
+    tokens, positions = twin.tokens(T), torch.arange(lo, lo + T, device=device)
+    mask = bidirectional(T, 40, device=device)[:, :40]
+    rows = [0, 3, 19]
+    before = twin.kv.k.clone()
+    with torch.inference_mode():
+        eager = model(tokens, positions, WindowWrite(twin.ekv, lo), mask, None, rows)
+    graphed = twin.runner.forward(tokens, positions, WindowWrite(twin.kv, lo), mask, None, rows)
+    assert twin.runner.replays == 1 and close(eager, graphed, device) and graphed.shape[1] == 3
+    assert torch.equal(twin.kv.k[:, :, :, :lo], before[:, :, :, :lo])
+    assert torch.equal(twin.kv.k[:, :, :, lo + T:40], before[:, :, :, lo + T:40])
+    assert close(twin.kv.k[:, :, :, lo:lo + T], twin.ekv.k[:, :, :, lo:lo + T], device)
+    assert not close(twin.kv.k[:, :, :, lo:lo + T], before[:, :, :, lo:lo + T], device)
+
+
+def test_diffusion_gemma_s_self_conditioned_passes_replay_a_graph_per_canvas_and_decode_as_eager(monkeypatch):
+    """DiffusionGemma's decoder pass under graphs: each canvas's first pass (no self-conditioning yet) runs eagerly,
+    every later one replays the graph captured for that canvas's committed length; tokens and events equal an eager
+    run's, through two canvases and the encoder pass between them."""
+    from studio.engine.graphs import PassGraphs
+    from studio.engine.strategies import make_strategy
+    from studio.run.session import Settings, run_to_end
+    from tests.support.tiny import tiny_gemma
+
+    passes = []
+    init = PassGraphs.__init__
+    monkeypatch.setattr(PassGraphs, "__init__", lambda self, *a, **k: (init(self, *a, **k), passes.append(self))[0])
+    runs = []
+    for graphs in (False, True):
+        engine = tiny_gemma(seed=3)
+        engine.graphs = graphs
+        runs.append(run_to_end(engine, make_strategy("gemma-canvas", {"max_denoising_steps": 5,
+                                                                      "confidence_threshold": 0.0}),
+                               Settings(max_new_tokens=16, seed=7), "", [1, 2, 3, 4, 5]))
+    eager, graphed = runs
+    strip = lambda r: [{k: v for k, v in e.items() if k not in ("ms", "wall_ms")} for e in r.events]
+    assert graphed.token_ids == eager.token_ids and strip(graphed) == strip(eager)
+    drafts = [e for e in graphed.events if e["t"] == "forward" and e["role"] == "draft"]
+    canvases = sum(e["t"] == "block" and e["op"] == "open" for e in graphed.events)
+    (pass_graphs,) = passes
+    assert canvases == 2 and len(drafts) == 10 and pass_graphs.replays == len(drafts) - canvases

@@ -12,7 +12,7 @@ import torch
 
 from studio import events as ev
 from studio.engine import kernels
-from studio.engine.graphs import GraphRunner
+from studio.engine.graphs import WIDE, GraphRunner
 from studio.engine.moe import MoE
 from studio.engine.cost_table import FLAT_COSTS, CostTable
 from studio.engine.oracle import oracle_chain
@@ -79,12 +79,13 @@ class DecodeContext:
     model's device. `oracle_accept` = P replaces every accept decision by a Bernoulli(P) draw (bench).
     `clean_gate`: the LoRA gate of the run's clean (non-MASK) rows, `Strategy.clean_gate` of its adapter.
     `costs`: the machine's forward cost table for this model, which cost-aware drafting plans with (None: a context
-    built by hand plans as if up to 16 rows cost what one does).
+    built by hand plans as if up to 16 rows cost what one does). `graph_tokens`: with `graphs`, the widest forward
+    that replays a graph (`Strategy.graph_tokens`).
     """
 
     def __init__(self, model, tokenizer, sampling: SamplingParams, seed: int, output: Output,
                  mask_id: int | None, kv_len: int, kv=None, oracle_accept: float | None = None, graphs: bool = False,
-                 clean_gate: bool = False, costs: CostTable | None = None):
+                 clean_gate: bool = False, costs: CostTable | None = None, graph_tokens: int | None = WIDE):
         self.model = model
         self.costs = costs or FLAT_COSTS
         self.clean_gate = clean_gate
@@ -106,6 +107,7 @@ class DecodeContext:
             if self.kv.runner is None:
                 self.kv.runner = GraphRunner(model, self.kv)
             self._runner = self.kv.runner
+            self._runner.max_tokens = graph_tokens   # this run's strategy says how wide (a pooled cache served others)
         self._reusable: int | None = self.kv.length
         self._skipped = 0      # prompt tokens the prefill did not recompute; the next commit counts them
         self._adapters: dict[int, bool] = {}   # id(model) -> has a LoRA adapter attached
@@ -115,6 +117,11 @@ class DecodeContext:
         self._elapsed_s = 0.0  # the run's own clock: it runs only while the run is advancing, so a run
         self._since: float | None = None   # stepped in lock-step with others stamps only its own time
         self._pending: list[dict] = []
+
+    @property
+    def graphs(self) -> bool:
+        """Whether this run's forwards replay CUDA graphs where they can (a strategy's own passes may too)."""
+        return self._runner is not None
 
     # -- events ---------------------------------------------------------------------------
     def resume_clock(self) -> None:
@@ -346,6 +353,11 @@ class Strategy:
     def kv_headroom(self, config=None) -> int:
         """Slots a single forward may need beyond the committed length (`config`: the model's ModelConfig)."""
         return 1
+
+    def graph_tokens(self) -> int | None:
+        """Under CUDA graphs, the widest forward captured (None: any the cache holds). Decode-sized by default: a
+        causal run's prefill varies with every prompt, and a graph per prompt length would cost more than it saves."""
+        return WIDE
 
     # -- decoding: the prefill, then one step per `Run.advance` (each at least one forward and one emitted token)
     def start(self, ctx: DecodeContext, prompt: list[int]) -> None:

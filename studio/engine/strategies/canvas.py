@@ -201,6 +201,9 @@ class Canvas(Strategy):
     def kv_headroom(self, config=None) -> int:
         return 1   # the canvas is the run's --max-new-tokens: its K/V fit the run's slots
 
+    def graph_tokens(self) -> int | None:
+        return None   # every forward is canvas-wide, and of a few shapes a run: each replays its own graph
+
     def finished(self, ctx: DecodeContext) -> bool:
         """Over once the output is, except that after an early EOS the canvas is decoded to its end as padding
         unless `early_stop`."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from studio.engine.gemma_sampler import DenoiseStep, NoiseCanvas, Schedule
+from studio.engine.graphs import PassGraphs
 from studio.engine.strategies.base import DecodeContext, Strategy
 from studio.engine.strategies.params import N, TAU, param
 from studio.errors import BadInput
@@ -44,11 +45,21 @@ class EncoderPass(ModelPass):
 
 class DecoderPass(ModelPass):
     """The bidirectional decoder pass over a canvas, self-conditioned on `self_conditioning` (the previous step's
-    tempered logits [C, V]; None on a canvas's first step)."""
+    tempered logits [C, V]; None on a canvas's first step). With `graphs` (a run under CUDA graphs), the
+    self-conditioned passes -- every one of a canvas after its first -- replay a graph captured per canvas."""
     self_conditioning: torch.Tensor | None = None
+
+    def __init__(self, model, graphs: bool = False):
+        super().__init__(model)
+        self.graphs = PassGraphs(self._conditioned, model.lm_head.weight.device) if graphs else None
+
+    def _conditioned(self, tokens, positions, kv, sc) -> torch.Tensor:
+        return self.model(tokens, positions, kv, self_conditioning=sc[None])
 
     def __call__(self, tokens, positions, kv, mask=None, lora_gate=None, logits_rows=None) -> torch.Tensor:
         sc = self.self_conditioning
+        if self.graphs is not None and sc is not None and mask is None and lora_gate is None and logits_rows is None:
+            return self.graphs(tokens, positions, kv, sc)
         return self.model(tokens, positions, kv, mask=mask, lora_gate=lora_gate, logits_rows=logits_rows,
                           self_conditioning=None if sc is None else sc[None])
 
@@ -115,7 +126,7 @@ class GemmaCanvas(Strategy):
         if not self.fits(cfg):
             raise BadInput(self.misfit(cfg, cfg.name))
         self.C = self.block_size(cfg)
-        self.encoder, self.decoder = EncoderPass(ctx.model), DecoderPass(ctx.model)
+        self.encoder, self.decoder = EncoderPass(ctx.model), DecoderPass(ctx.model, graphs=ctx.graphs)
         self.sc_dtype = ctx.model.lm_head.weight.dtype   # the embedding's (tied)
         ctx.forward("prefill", prompt, model=self.encoder)
         ctx.commit(len(prompt))
