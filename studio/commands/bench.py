@@ -262,7 +262,7 @@ def _bench_forwards(model: ModelChoice, repeats: int, warmup: int, as_json: bool
         print(json.dumps(measured.to_dict()))
         return
     t = Table(title=f"forward cost on {engine.name} ({head['device']}, {head['dtype']}, {head['threads']} threads, "
-                    f"median of {10 * repeats})", title_justify="left")
+                    f"{'CUDA graphs, ' if head['graphs'] else ''}median of {10 * repeats})", title_justify="left")
     for col in ("forward", "new tokens", "ms", "x 1-token step", "tokens/s x step"):
         t.add_column(col, justify="left" if col == "forward" else "right")
     for c in costs:
@@ -277,12 +277,13 @@ def _bench_forwards(model: ModelChoice, repeats: int, warmup: int, as_json: bool
         lines.insert(0, f"the LoRA on 3 MASK rows costs {head['lora_overhead']:.2f}x the plain 7-token extend")
     if measured.moe_ratio is not None:
         lines.append(f"one token through an MoE layer costs {measured.moe_ratio:.2f}x a dense layer of the same "
-                     "active width")
+                     f"active width; the whole 1-token step {head['moe_step_vs_dense']:.2f}x a dense model's of that "
+                     f"width{' (both replaying CUDA graphs)' if head['graphs'] else ''}")
     if head["fused_vs_plain"] is not None:
         lines.append("the fused projections (q/k/v, gate/up as one product each) against the plain ones: "
                      + ", ".join(f"{r:.2f}x the time on the {name}" for name, r in head["fused_vs_plain"].items()))
     if head["int8_vs_float"] is not None:
-        lines.append("the int8 weights against the float ones (the same numbers dequantised): "
+        lines.append(f"the {engine.quant} weights against the float ones (the same numbers dequantised): "
                      + ", ".join(f"{r:.2f}x the time on the {name}" for name, r in head["int8_vs_float"].items()))
     relative = "  ".join(f"{n}: {by_rows.relative(n):.2f}" for n in range(1, by_rows.max_rows + 1))
     lines.append(f"a forward of n rows, x the 1-row step (the table cost-aware drafting reads, cached in "

@@ -90,11 +90,13 @@ def _at(ms: tuple[float, ...], rows: int) -> float:
 
 
 def table_key(engine) -> dict:
-    """What a table depends on: the model (name, shape), device, dtype, torch (and the ranks it is split across)."""
+    """What a table depends on: the model (name, shape), device, dtype, torch (and the ranks it is split across, the
+    quantisation, and whether forwards replay CUDA graphs)."""
     cfg, p = engine.config, engine.model.lm_head.weight
     return {"version": TABLE_VERSION, "model": engine.name, "arch": cfg.arch, "dim": cfg.dim, "layers": cfg.n_layers,
             "vocab": cfg.vocab_size, "device": str(p.device), "dtype": str(p.dtype).removeprefix("torch."),
-            "torch": torch.__version__, **_parallel_key(engine), **_quant_key(engine)}
+            "torch": torch.__version__, **_parallel_key(engine), **_quant_key(engine),
+            **({"graphs": True} if getattr(engine, "graphs", False) else {})}   # forwards replaying CUDA graphs
 
 
 def _quant_key(engine) -> dict:

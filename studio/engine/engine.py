@@ -17,7 +17,7 @@ from studio.engine.kernels.projection import forgo_packed_copies
 from studio.engine.model import Transformer, fuse_projections
 from studio.engine.memory import check_file_model_fits, ram_bytes
 from studio.engine.moe import Experts
-from studio.engine.quantize import QUANTS, quantize_int8
+from studio.engine.quantize import QUANTS, check_quant, quantize_head, quantize_layers
 from studio.engine.random_models import RANDOM_SOURCE, build_random, check_fits, is_random, random_config
 from studio.engine.tensor_parallel import build_shard
 from studio.engine.tokenizer import ByteIdTokenizer
@@ -36,11 +36,22 @@ def _init_torch() -> None:
         _threads_set = True
 
 
-def to_device(model: Transformer, device: torch.device, dtype: torch.dtype) -> None:
+def to_device(model: Transformer, device: torch.device, dtype: torch.dtype, quant: str = "none") -> None:
     """Move and cast the weights in place. The RoPE frequencies stay fp32: rounded to bf16 they would
-    shift every position's angle."""
+    shift every position's angle. With `quant` (int8 | fp8), each layer is quantised as soon as it is placed, so
+    the device never holds the whole float model (`studio.engine.quantize`)."""
     tables = model.rotary_buffers(model.config)
-    model.to(device=device, dtype=dtype)
+    if quant != "none":
+        layers = model.model.layers
+        for layer in layers:
+            layer.to(device=device, dtype=dtype)
+            quantize_layers(layer, quant)
+        model.model.layers = torch.nn.ModuleList()   # placed: out of the cast below, which would widen fp8 again
+        model.to(device=device, dtype=dtype)
+        model.model.layers = layers
+        quantize_head(model, quant)
+    else:
+        model.to(device=device, dtype=dtype)
     for name, table in tables.items():
         setattr(model, name, table.to(device))
     if getattr(model, "parallel", None) is not None and model.config.tie_embeddings:   # a shard's head is a view of the embedding
@@ -73,7 +84,7 @@ class Engine:
     adapter_choice: str | None = None     # what the user asked: None = the shipped adapter per strategy (default
                                           # model), "none" = never, else a fixed adapter for every strategy
     graphs: bool = False                  # decode-sized forwards through CUDA graphs (studio.engine.graphs)
-    quant: str = "none"                   # the layers' projections' weights: none (the dtype's) | int8
+    quant: str = "none"                   # the layers' and experts' weights: none (the dtype's) | int8 | fp8
     _views: dict = field(default_factory=dict, repr=False)   # adapter path -> engine, shared by all views
     caches: CachePool = field(default_factory=CachePool, repr=False)   # decode caches with their graphs (shared)
 
@@ -91,36 +102,35 @@ class Engine:
         parallel rank's planner (a config -> its TensorParallel plan): the model's files are read only as far as
         this rank keeps them, and the engine is that rank's shard (random weights are made whole: launch splits
         them). `fuse`: q/k/v and gate/up as one product each (studio.engine.model.Fused); False keeps the plain
-        projections, the oracle the fused path is tested against. `quant`: none | int8 (studio.engine.quantize: the
-        layers' projections and the head as int8 weights with a scale per row)."""
+        projections, the oracle the fused path is tested against. `quant`: none | int8 | fp8 (studio.engine.quantize:
+        the layers' projections, the experts and the head as 1-byte weights with a scale per row, each layer
+        quantised as it is placed)."""
         _init_torch()
         if quant not in QUANTS:
             raise BadInput(f"--quant must be one of {', '.join(QUANTS)}, got {quant!r}")
         t0 = time.perf_counter()
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
-        if quant != "none" and dev.type != "cpu":
-            # without a kernel that reads int8 weights, a GPU would widen every weight at every product: slower
-            raise BadInput(f"--quant {quant} runs on the CPU only for now (no {quant} kernel for {dev.type} yet)")
+        check_quant(quant, dev)
         if is_random(spec):
             cfg = random_config(spec)
             check_fits(cfg, dt, dev, ram_bytes())
-            engine = cls(model=build_random(cfg, dev, dt), tokenizer=ByteIdTokenizer(cfg.vocab_size), config=cfg,
-                         name=cfg.name, source=RANDOM_SOURCE, load_s=0.0, from_cache=False, adapter_choice=adapter)
+            engine = cls(model=build_random(cfg, dev, dt, quant=quant), tokenizer=ByteIdTokenizer(cfg.vocab_size),
+                         config=cfg, name=cfg.name, source=RANDOM_SOURCE, load_s=0.0, from_cache=False,
+                         adapter_choice=adapter)
         else:
             engine = cls._from_files(spec, progress, adapter, shard)
-            to_device(engine.model, dev, dt)
+            to_device(engine.model, dev, dt, quant)
+        engine.quant = quant
         if dev.type == "cpu" and _weight_bytes(engine.model) > PACKED_COPY_SHARE * ram_bytes():
             forgo_packed_copies(engine.model)
-        if quant == "int8":
-            quantize_int8(engine.model)
-            engine.quant = quant
         if fuse:
             fuse_projections(engine.model)
         if adapter and adapter != "none":
             attach_adapter(engine, adapter_path(adapter))
         # an MoE layer runs under graphs where its experts run as grouped GEMMs (moe.py: the loop sizes them on the host)
-        engine.graphs = graphs and dev.type == "cuda" and (not engine.config.n_experts or Experts.captured_on(dev, dt))
+        engine.graphs = graphs and dev.type == "cuda" and all(m.captured_on(dev, dt) for m in engine.model.modules()
+                                                               if isinstance(m, Experts))
         engine.load_s = time.perf_counter() - t0
         return engine
 

@@ -9,6 +9,7 @@ drifts of the machine hit every shape alike, and reports each median as a ratio 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -17,11 +18,13 @@ import torch
 
 from studio.engine.device import synchronize
 from studio.engine.engine import Engine
+from studio.engine.graphs import GraphRunner
 from studio.engine.kernels import runs_fused, verify_logits
 from studio.engine.masks import causal
 from studio.engine.model import Fused, fuse_projections, plain_projections
 from studio.engine.moe import Experts, MoE, SwiGLU
 from studio.engine.quantize import dequantized, is_quantized
+from studio.engine.random_models import RANDOM_SOURCE, build_random
 from studio.engine.sampling import Proposal, SamplingParams
 
 
@@ -59,11 +62,14 @@ def measure_forwards(engine: Engine, repeats: int = 20, warmup: int = 2, context
                      shapes: list[Shape] = SHAPES) -> list[ForwardCost]:
     """Median time of each shape's forward (every row's logits, as a verify reads them) after `context`
     tokens of KV. The gated shapes run when `engine` has an adapter; the others pass no gate, which is the
-    plain model's forward whether or not an adapter is installed."""
+    plain model's forward whether or not an adapter is installed. Where the engine runs CUDA graphs, a
+    sequence's forwards replay graphs as a run's do (captured in the warm-up), a batch's run eagerly."""
     shapes = [s for s in shapes if not s.gated or engine.lora is not None]
     engine.activate()
     model, device = engine.model, engine.model.lm_head.weight.device
     caches = {b: _filled_cache(engine, b, context) for b in {s.batch for s in shapes}}
+    forward = {b: GraphRunner(model, kv, max_tokens=None).forward if engine.graphs and b == 1 else model
+               for b, kv in caches.items()}
     times: dict[Shape, list[float]] = {s: [] for s in shapes}
     for i in range(warmup + repeats):
         for s in shapes:
@@ -78,7 +84,7 @@ def measure_forwards(engine: Engine, repeats: int = 20, warmup: int = 2, context
             synchronize(device)
             t0 = time.perf_counter()
             with torch.inference_mode():
-                model(tokens, positions, kv, mask=mask, lora_gate=gate)
+                forward[s.batch](tokens, positions, kv, mask=mask, lora_gate=gate)
             synchronize(device)
             if i >= warmup:
                 times[s].append(time.perf_counter() - t0)
@@ -150,6 +156,25 @@ def moe_vs_dense(engine: Engine, repeats: int = 50) -> float | None:
         return _median_s(lambda: layer(x), p.device, repeats) / _median_s(lambda: dense(x), p.device, repeats)
 
 
+def moe_step_vs_dense(engine: Engine, repeats: int = 50, context: int = 200) -> float | None:
+    """For a mixture-of-experts model: its 1-token step over the step of a dense model of its active width (each MoE
+    layer's experts as one SwiGLU of k experts' width plus the shared expert's; attention, head and dtype the same),
+    both after `context` tokens and, where the engine runs CUDA graphs, both replaying a graph. None for a dense
+    model. What routing costs a whole step: on a bandwidth-bound engine, little more than the active weights'."""
+    cfg = engine.config
+    if not cfg.n_experts:
+        return None
+    p = engine.model.lm_head.weight
+    dense_cfg = dataclasses.replace(cfg, n_experts=0, ffn_dim=cfg.n_experts_per_tok * cfg.moe_ffn_dim
+                                    + cfg.moe_shared_ffn_dim, moe_shared_ffn_dim=0, first_dense_layers=0)
+    dense = Engine(model=build_random(dense_cfg, p.device, p.dtype), tokenizer=engine.tokenizer, config=dense_cfg,
+                   name=f"{engine.name} (dense, active width)", source=RANDOM_SOURCE, load_s=0.0, from_cache=False)
+    dense.graphs = engine.graphs
+    fuse_projections(dense.model)
+    ms = [measure_forwards(e, repeats=repeats, context=context, shapes=SHAPES[:1])[0].ms for e in (engine, dense)]
+    return ms[0] / ms[1]
+
+
 def fused_vs_plain(engine: Engine, repeats: int = 50, context: int = 200) -> dict[str, float] | None:
     """The fused projections' forward time over the plain ones' (studio.engine.model.Fused): what fusing q/k/v and
     gate/up buys here. None for a model with nothing fused."""
@@ -211,8 +236,8 @@ def weight_bytes(engine: Engine) -> int:
         for p in experts.parameters():   # unread: all but k of the E stacked experts
             storages[p.untyped_storage().data_ptr()] = p.nbytes * cfg.n_experts_per_tok // cfg.n_experts
     model = engine.model
-    if model.head_scale is not None:   # an int8 head is read instead of the float one (a tied table: one row)
-        storages[model.lm_head.weight.untyped_storage().data_ptr()] = model.head_int8.nbytes + model.head_scale.nbytes
+    if model.head_scale is not None:   # a 1-byte head is read instead of the float one (a tied table: one row)
+        storages[model.lm_head.weight.untyped_storage().data_ptr()] = model.head_quant.nbytes + model.head_scale.nbytes
     return sum(storages.values())
 
 

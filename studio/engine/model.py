@@ -21,7 +21,7 @@ from torch import nn
 from studio.engine.config import ModelConfig
 from studio.engine.gated_lora import RowGate, add_gated_lora
 from studio.engine.kernels.norm import add_rms_norm, rms_norm
-from studio.engine.kernels.projection import int8_linear, linear, vocab_logits
+from studio.engine.kernels.projection import linear, quant_linear, vocab_logits
 from studio.engine.kv_cache import KVCache, new_cache
 from studio.engine.masks import causal
 from studio.engine.moe import ACTIVATIONS, MoE
@@ -52,7 +52,7 @@ class Linear(nn.Linear):
     # ranks (studio.engine.tensor_parallel); None on one process
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     fused: bool = False   # its product runs inside a `Fused` one (its weight a view of that one's)
-    scale: torch.Tensor | None = None   # weight-only int8: the weight is int8, times this per row (quantize.py)
+    scale: torch.Tensor | None = None   # weight-only int8/fp8: the weight is 1-byte, times this per row (quantize.py)
 
     def _apply(self, fn, recurse=True):
         if self.scale is not None and not self.fused:   # a plain attribute: a move or cast must reach it too
@@ -80,7 +80,7 @@ class Fused(nn.Module):
         self.parts = parts                                              # a list: the parts stay where they are
         self.weight = torch.cat([p.weight.detach() for p in parts])     # not a Parameter: the parts' weights are
         self.bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
-        self.scale = None if parts[0].scale is None else torch.cat([p.scale for p in parts])   # int8 parts
+        self.scale = None if parts[0].scale is None else torch.cat([p.scale for p in parts])   # 1-byte parts
         if getattr(parts[0].weight, "_onednn", None) is False:         # forgo_packed_copies chose for the parts
             self.weight._onednn = False
         ends = list(itertools.accumulate(p.weight.shape[0] for p in parts))
@@ -287,9 +287,9 @@ class LanguageModel(nn.Module):
     backbone = Backbone
     block = Block   # what one layer builds (studio.engine.weights checks shapes layer by layer)
     parallel = None   # this rank's TensorParallel plan when the model is one rank's shard (studio.engine.tensor_parallel)
-    # weight-only int8 (studio.engine.quantize): an int8 copy of the head [V, D] and its row scales, which `logits`
+    # weight-only int8/fp8 (studio.engine.quantize): a 1-byte copy of the head [V, D] and its row scales, which `logits`
     # reads instead of the (maybe tied) float head
-    head_int8: torch.Tensor | None = None
+    head_quant: torch.Tensor | None = None
     head_scale: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig):
@@ -307,14 +307,14 @@ class LanguageModel(nn.Module):
         return {"inv_freq": rope_inv_freq(cfg)}
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Float logits of final hidden states x [..., D]: through the int8 head where the model is quantised."""
+        """Float logits of final hidden states x [..., D]: through the 1-byte head where the model is quantised."""
         if self.head_scale is not None:
-            return int8_linear(x, self.head_int8, self.head_scale).float()
+            return quant_linear(x, self.head_quant, self.head_scale).float()
         return vocab_logits(self.lm_head.weight, x)
 
     def _apply(self, fn, recurse=True):
         if self.head_scale is not None:   # plain attributes: a move must reach them too
-            self.head_int8, self.head_scale = fn(self.head_int8), fn(self.head_scale)
+            self.head_quant, self.head_scale = fn(self.head_quant), fn(self.head_scale)
         return super()._apply(fn, recurse)
 
     def projection_weights(self) -> list[torch.Tensor]:

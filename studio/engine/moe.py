@@ -18,7 +18,9 @@ experts sort after its own and contribute nothing; the ranks' partial outputs ar
 The grouped path reads nothing on the host: every shape is the assignments' count, N × k, and the group sizes stay on
 the device (counted with a scatter-add, not `bincount`, whose CUDA kernel reads the largest id on the host). So a
 CUDA graph captures it, and an MoE model decodes under graphs (`Experts.captured_on`); the loop sizes its GEMMs on
-the host and runs eagerly.
+the host and runs eagerly. Experts with 1-byte weights (`--quant int8|fp8`, `Experts.scales`) run on CUDA through
+one Triton kernel (`kernels/quant_triton.py`: the assignments laid out by expert in blocks, the weights widened in
+registers), which reads nothing on the host either; the loop, widening each expert's weight, is its oracle.
 """
 from __future__ import annotations
 
@@ -48,9 +50,14 @@ class SwiGLU(nn.Module):
 
 class Experts(nn.Module):
     """E gated experts as stacked tensors: gate_proj, up_proj [E, I, D], down_proj [E, D, I]."""
-    path = "auto"   # auto: grouped GEMMs on CUDA in bf16, else the loop (their oracle); or force "grouped" | "loop"
+    # auto: grouped GEMMs on CUDA in bf16 (the Triton kernel for 1-byte weights), else the loop (their oracle); or
+    # force "grouped" | "blocked" (the Triton kernel) | "loop"
+    path = "auto"
     # expert parallelism: the router's experts this rank holds (E of them, studio.engine.tensor_parallel); None: all of them
     held: slice | None = None
+    # weight-only int8/fp8 (studio.engine.quantize): each stacked weight is 1-byte, times these row scales [E, out]
+    scales: dict[str, torch.Tensor] | None = None
+    PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
     def __init__(self, n: int, dim: int, ffn: int, act: str = "silu"):
         super().__init__()
@@ -59,8 +66,19 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(n, dim, ffn))
         self.act = ACTIVATIONS[act]
 
+    def _apply(self, fn, recurse=True):
+        if self.scales is not None:   # plain attributes: a move must reach them too
+            self.scales = {name: fn(s) for name, s in self.scales.items()}
+        return super()._apply(fn, recurse)
+
+    def weight(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert e's weight `name` in `dtype` (a 1-byte one widened and scaled: the loop's way, the kernel's oracle)."""
+        w = getattr(self, name)[e]
+        return w if self.scales is None else w.to(dtype) * self.scales[name][e, :, None].to(dtype)
+
     def run(self, e: int, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.act(F.linear(h, self.gate_proj[e])) * F.linear(h, self.up_proj[e]), self.down_proj[e])
+        gate, up, down = (self.weight(name, e, h.dtype) for name in self.PROJECTIONS)
+        return F.linear(self.act(F.linear(h, gate)) * F.linear(h, up), down)
 
     def mix(self, flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """sum_k weights[:, k] * expert_{experts[:, k]}(flat) for flat [N, D], weights and experts [N, k]; and the
@@ -70,12 +88,15 @@ class Experts(nn.Module):
         if self.held is not None:   # another rank's expert becomes n: its rows sort last and no GEMM reaches them
             local = assignment - self.held.start
             assignment = torch.where((local >= 0) & (local < n), local, n)
+        path = self.path_on(flat.device, flat.dtype)
+        if path == "blocked":
+            return self._blocked(flat, weights, assignment, k)
         order = assignment.argsort(stable=True)               # assignments grouped by expert
         token = order // k
         counts = torch.zeros(n + 1, dtype=torch.long, device=flat.device).scatter_add_(
             0, assignment, torch.ones_like(assignment))[:n]   # no bincount: its CUDA kernel reads the ids' range on the host
         grouped = flat[token]
-        out = self._grouped(grouped, counts) if self.uses_grouped_mm(flat) else self._looped(grouped, counts)
+        out = self._grouped(grouped, counts) if path == "grouped" else self._looped(grouped, counts)
         weight = weights.flatten()[order, None]                 # routers weigh in fp32: back to the stream's dtype
         if self.held is not None:   # the rows past this rank's groups hold whatever the GEMMs left there
             weighted = torch.where(assignment[order, None] < n, out * weight, 0)
@@ -84,16 +105,38 @@ class Experts(nn.Module):
         y = torch.zeros_like(flat).index_add_(0, token, weighted.to(flat.dtype))
         return y, (counts > 0).sum()
 
-    def uses_grouped_mm(self, x: torch.Tensor) -> bool:
+    def path_on(self, device: torch.device, dtype: torch.dtype) -> str:
+        """What `path` comes to there: auto is the Triton kernel for 1-byte weights on CUDA, grouped GEMMs on CUDA in
+        bf16, else the loop (on the CPU the fastest)."""
         if self.path != "auto":
-            return self.path == "grouped"
-        return self.captured_on(x.device, x.dtype)
+            return self.path
+        if device.type == "cuda" and self.scales is not None:
+            return "blocked"
+        if device.type == "cuda" and dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
+            return "grouped"
+        return "loop"
 
-    @staticmethod
-    def captured_on(device: torch.device, dtype: torch.dtype) -> bool:
-        """Whether `auto` runs the grouped GEMMs there (CUDA in bf16), the path a CUDA graph can capture. On the CPU
-        the loop is faster."""
-        return device.type == "cuda" and dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
+    def captured_on(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether a CUDA graph can capture these experts there: the grouped GEMMs and the Triton kernel read nothing
+        on the host, the loop sizes its GEMMs there."""
+        return device.type == "cuda" and self.path_on(device, dtype) != "loop"
+
+    def _blocked(self, flat: torch.Tensor, weights: torch.Tensor, assignment: torch.Tensor,
+                 k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Triton kernel over the assignments laid out by expert in blocks (kernels/quant_triton.py): three
+        launches, no host read, every shape fixed by the assignment count."""
+        from studio.engine.kernels.quant_triton import expert_blocks, quant_grouped_mm
+        n = self.gate_proj.shape[0]
+        slot, rows, blocks = expert_blocks(assignment, n)
+        token_rows = torch.where(rows >= 0, rows // k, -1)
+        gate, up = (quant_grouped_mm(flat, getattr(self, name), self.scales[name], token_rows, blocks)
+                    for name in self.PROJECTIONS[:2])
+        out = quant_grouped_mm(self.act(gate) * up, self.down_proj, self.scales["down_proj"], None, blocks)
+        weighted = torch.where((slot >= 0)[:, None], out[slot.clamp(min=0)] * weights.flatten()[:, None], 0)
+        token = torch.arange(len(assignment), device=flat.device) // k
+        y = torch.zeros_like(flat).index_add_(0, token, weighted.to(flat.dtype))
+        ran = torch.zeros(n + 1, dtype=torch.long, device=flat.device).scatter_(0, torch.where(blocks >= 0, blocks, n), 1)
+        return y, ran[:n].sum()
 
     def _looped(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """One GEMM per expert that received tokens: the group sizes are read on the host."""

@@ -6,12 +6,14 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import nn
 
 from studio.engine.config import ModelConfig
 from studio.engine.families import read_config
 from studio.engine.architectures import model_class
 from studio.engine.memory import check_weights_fit, parameter_count
 from studio.engine.model import Transformer
+from studio.engine.quantize import quantize_head, quantize_layers
 from studio.errors import BadInput
 
 RANDOM_SOURCE = "random weights"   # `Engine.source` of a model these build
@@ -115,25 +117,41 @@ def check_fits(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ram_b
                           "random:NAME@L keeps the first L layers; --dtype bf16 halves it")
 
 
-def build_random(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Transformer:
-    """A Transformer of shape `cfg` with N(0, INIT_STD) matrices, unit norm gains and zero biases."""
+def build_random(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                 quant: str = "none") -> Transformer:
+    """A Transformer of shape `cfg` with N(0, INIT_STD) matrices, unit norm gains and zero biases. Each tensor is made
+    on `device` in the order of `named_parameters` from one seeded generator; with `quant` (int8 | fp8), each layer is
+    quantised as soon as its tensors are made, so the float model is never whole in memory (a 26B MoE in int8 on a
+    48 GB card), and the result is what quantising the whole float model gives."""
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
     for name, table in model.rotary_buffers(cfg).items():   # computed, fp32 as on a loaded model
         setattr(model, name, table.to(device))
-    if cfg.tie_embeddings:   # to_empty gives shared parameters separate storage
-        model.lm_head.weight = model.model.embed_tokens.weight
+    for name, b in list(model.named_buffers()):   # the layers' own (Gemma's layer scalars)
+        if b.is_meta:
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner).register_buffer(leaf, torch.ones(b.shape, dtype=b.dtype, device=device))
     gen = torch.Generator(device=device).manual_seed(seed)
+    # each layer by the name of its last parameter: made, it can be quantised
+    layer_ends = {f"model.layers.{i}.{list(dict(layer.named_parameters()))[-1]}": layer
+                  for i, layer in enumerate(model.model.layers)}
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in list(model.named_parameters()):
+            owner, _, leaf = name.rpartition(".")
+            t = torch.empty(p.shape, dtype=p.dtype, device=device)
             if p.dim() >= 2:   # matrices, and the stacked expert matrices of an MoE
-                p.normal_(0.0, INIT_STD, generator=gen)
+                t.normal_(0.0, INIT_STD, generator=gen)
             elif name.endswith("bias"):   # biases, and an MoE router's expert_bias
-                p.zero_()
+                t.zero_()
             else:
-                p.fill_(1.0)
-        for name, b in model.named_buffers():   # the layers' own (Gemma's layer scalars)
-            if "." in name:
-                b.fill_(1.0)
+                t.fill_(1.0)
+            model.get_submodule(owner).register_parameter(leaf, nn.Parameter(t, requires_grad=False))
+            if quant != "none" and name in layer_ends:
+                quantize_layers(layer_ends[name], quant)
+    if cfg.tie_embeddings:   # the head is the embedding's parameter, made once
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if quant != "none":
+        quantize_head(model, quant)
     return model.eval().requires_grad_(False)
+

@@ -22,6 +22,7 @@ from typing import Mapping
 
 from studio.engine.batch import decode_strategy_batch, round_shape
 from studio.engine.device import synchronize
+from studio.engine.forward_cost import weight_bytes
 from studio.errors import BadInput
 from studio.files import read_user_text
 from studio.run.compare import first_difference
@@ -313,7 +314,8 @@ def _report(engine, prompts, runs, samples, hf, repeats, warmup, concurrency=1, 
     hf_med = [statistics.median(x) for x in hf] if all(hf) else None
     oracle = runs[base][1].oracle_accept
     exact = exact or {}
-    out = {"model": engine.model_meta(), "baseline": base, "prompts": prompts, "repeats": repeats, "warmup": warmup,
+    # the bytes a 1-token step streams: what a tok/s is read against a card's bandwidth (scripts/gpu_numbers_summary.py)
+    out = {"model": {**engine.model_meta(), "step_bytes": weight_bytes(engine)}, "baseline": base, "prompts": prompts, "repeats": repeats, "warmup": warmup,
            "oracle_accept": oracle, "concurrency": concurrency, "batches": batches,
            "transformers_tok_s": spread([x for xs in hf for x in xs]) if hf_med else None,
            "transformers_per_prompt": hf if hf_med else None, "strategies": [],
@@ -457,19 +459,22 @@ def measure_forward_costs(engine, repeats: int, warmup: int) -> ForwardCosts:
     import torch
     from studio.engine.cost_model import cost_table
     from studio.engine.forward_cost import (copy_bandwidth, fused_vs_plain, int8_vs_float, lora_overhead,
-                                            measure_forwards, moe_vs_dense, verify_time, weight_bytes)
+                                            measure_forwards, moe_step_vs_dense, moe_vs_dense, verify_time,
+                                            weight_bytes)
     device = engine.model.lm_head.weight.device
     costs = measure_forwards(engine, repeats=10 * repeats, warmup=max(warmup, 1))
     by_rows = cost_table(engine, refresh=True)   # measured anew: bench forwards refreshes the cached table
     copy_gbps, verify_s, verify_path = copy_bandwidth(device), *verify_time(engine)
     moe_ratio, fused, int8 = moe_vs_dense(engine), fused_vs_plain(engine), int8_vs_float(engine)
+    moe_step = moe_step_vs_dense(engine, repeats=10 * repeats)
     weights = weight_bytes(engine)
     stream_gbps = weights / (costs[0].ms / 1e3) / 1e9   # the 1-token step reads every weight once
-    head = {**engine.model_meta(), "threads": torch.get_num_threads(), "weight_bytes": weights,
+    head = {**engine.model_meta(), "threads": torch.get_num_threads(), "graphs": engine.graphs, "weight_bytes": weights,
             "copy_gbps": round(copy_gbps, 2), "step_stream_gbps": round(stream_gbps, 2),
             "step_share_of_copy": round(stream_gbps / copy_gbps, 3), "lora_overhead": lora_overhead(costs),
             "verify_7_rows_us": round(verify_s * 1e6, 1), "verify_path": verify_path,
             "moe_layer_vs_dense": None if moe_ratio is None else round(moe_ratio, 3),
+            "moe_step_vs_dense": None if moe_step is None else round(moe_step, 3),
             "fused_vs_plain": None if fused is None else {k: round(v, 3) for k, v in fused.items()},
             "int8_vs_float": None if int8 is None else {k: round(v, 3) for k, v in int8.items()}}
     return ForwardCosts(head, costs, by_rows, copy_gbps, stream_gbps, moe_ratio)

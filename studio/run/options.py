@@ -42,9 +42,9 @@ MODEL_OPTIONS = {
     "device": (str, DEVICE),
     "dtype": (str, DTYPE),
     "graphs": (bool, GRAPHS),
-    "quant": (str, typer.Option("none", "--quant", help="none | int8 (CPU): the layers' projections and the head as "
-              "int8 weights with a scale per row (a quarter of the bytes a step streams; another model, to which the "
-              "lossless strategies are exact).")),
+    "quant": (str, typer.Option("none", "--quant", help="none | int8 (CPU, CUDA) | fp8 (CUDA, compute capability "
+              "8.9+): the layers' projections, the experts and the head as 1-byte weights with a scale per row (half "
+              "the bytes a bf16 step streams; another model, to which the lossless strategies are exact).")),
     "tp": (int, typer.Option(1, "--tp", help="Tensor parallelism: split the model across N ranks (processes started "
            "here; gloo on the CPU, NCCL on GPUs). Under torchrun: the launch's world size.")),
     "ep": (int, typer.Option(1, "--ep", help="Expert parallelism for an MoE model: its experts placed whole across N "

@@ -60,3 +60,38 @@ def test_weight_bytes_counts_a_tied_head_once_after_a_mask_row_grew_the_table(tm
     plain.with_adapter(str(random_mask_adapter(tmp_path / "ad", plain.model))).activate()
     assert plain.model.lm_head.weight is not plain.model.model.embed_tokens.weight   # a view of the grown table
     assert weight_bytes(plain) == base + plain.config.dim * 4                          # + the MASK row only
+
+
+def test_with_graphs_a_sequence_s_forwards_replay_graphs_as_a_run_s_do(monkeypatch):
+    """On an engine that runs CUDA graphs the table is what a run pays: its batch-1 shapes go through a GraphRunner
+    (captured in the warm-up, replayed when timed), the batch shape eagerly."""
+    from studio.engine.graphs import GraphRunner
+    runners = []
+    init = GraphRunner.__init__
+    monkeypatch.setattr(GraphRunner, "__init__", lambda self, *a, **k: (init(self, *a, **k), runners.append(self))[0])
+    engine = tiny_engine("llama", vocab=64)
+    engine.graphs = True
+    costs = measure_forwards(engine, repeats=3, warmup=1, context=8)
+    (runner,) = runners
+    sequence_shapes = [c for c in costs if c.shape.batch == 1]
+    assert runner.replays == 4 * len(sequence_shapes) and runner.fallbacks == 0
+    assert len(runner.graphs) == len({c.shape.tokens for c in sequence_shapes})
+
+
+def test_an_moe_step_is_weighed_against_a_dense_model_of_its_active_width(monkeypatch):
+    """The dense twin has the MoE model's attention and head, and one SwiGLU per layer as wide as the k experts and
+    the shared one together; a dense model gets None."""
+    from studio.engine import forward_cost
+    from tests.support.parallel import SIGMOID_MOE
+    engine = tiny_engine("llama", vocab=64, dim=64, **SIGMOID_MOE)
+    timed = []
+    real = forward_cost.measure_forwards
+    monkeypatch.setattr(forward_cost, "measure_forwards",
+                        lambda e, **kw: (timed.append(e), real(e, **kw))[1])
+    ratio = forward_cost.moe_step_vs_dense(engine, repeats=2, context=8)
+    moe, dense = timed
+    assert moe is engine and ratio > 0
+    cfg = dense.config
+    assert not cfg.n_experts and cfg.ffn_dim == 2 * 16 + 16 and cfg.n_layers == engine.config.n_layers
+    assert [n for n, _ in dense.model.named_parameters() if "experts" in n or "gate.weight" in n] == []
+    assert forward_cost.moe_step_vs_dense(tiny_engine("llama", vocab=64), repeats=2) is None

@@ -40,7 +40,7 @@ def test_the_grouped_gemm_path_equals_the_expert_loop(router, act, tokens):
     ran = int(moe.experts_run)
     assert 1 <= ran <= 8 and (ran < 8 or tokens == 40)
     torch.testing.assert_close(grouped, loop, atol=1e-5, rtol=1e-5)
-    assert moe.experts.uses_grouped_mm(x) is False   # on the CPU, auto keeps the loop (faster there)
+    assert moe.experts.path_on(x.device, x.dtype) == "loop"   # on the CPU, auto keeps the loop (faster there)
 
 
 @pytest.mark.parametrize("path", ["loop", "grouped"])
@@ -102,7 +102,7 @@ def test_a_bf16_layer_stays_in_bf16_whatever_dtype_its_router_weighs_in(router):
 def test_on_cuda_in_bf16_the_grouped_gemms_run_and_agree_with_the_loop():
     moe = layer("gemma", "gelu_tanh", "cuda", torch.bfloat16)
     x = torch.randn(1, 256, 64, device="cuda", dtype=torch.bfloat16)
-    assert moe.experts.uses_grouped_mm(x)
+    assert moe.experts.path_on(x.device, x.dtype) == "grouped"
     loop, grouped = both_paths(moe, x)
     torch.testing.assert_close(grouped.float(), loop.float(), atol=2e-2, rtol=2e-2)
 

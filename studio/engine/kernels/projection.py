@@ -67,9 +67,9 @@ def pack_weights(model: nn.Module) -> None:
     if not _HAS_ONEDNN or model.lm_head.weight.device.type != "cpu" or model.lm_head.weight.dtype != torch.float32:
         return
     with torch.no_grad():
-        head = [model.lm_head.weight] if model.head_scale is None else []   # an int8 model reads its int8 head
+        head = [model.lm_head.weight] if model.head_scale is None else []   # a quantised model reads its 1-byte head
         for w in model.projection_weights() + head:
-            if w.dtype == torch.float32:   # int8 weights have their own kernels
+            if w.dtype == torch.float32:   # 1-byte weights have their own kernels
                 _packed(w)
 
 
@@ -95,10 +95,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
            scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., D] @ w.T (+ b). On the CPU in fp32 a decode-sized product (at most SMALL_ROWS rows) goes around torch's
     F.linear, whose GEMV for one row and small-M GEMMs read the weights slowly (`_small_product`); wider products
-    (a prefill), training and other devices keep F.linear. With `scale`, w is int8 and row n of it stands for
-    w[n] * scale[n] (`int8_linear`)."""
+    (a prefill), training and other devices keep F.linear. With `scale`, w is 1-byte and row n of it stands for
+    w[n] * scale[n] (`quant_linear`)."""
     if scale is not None:
-        return int8_linear(x, w, scale, b)
+        return quant_linear(x, w, scale, b)
     if not cpu_small(x):
         return F.linear(x, w, b)
     y = _small_product(w, x.reshape(-1, x.shape[-1])).contiguous()
@@ -107,21 +107,25 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
-def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., D] @ (w * scale[:, None]).T (+ b) for int8 w [N, D]: on the CPU in fp32 up to 16 rows through our
-    kernel (the weights read as int8: a quarter of the bytes; a row's bits the same at every such row count); wider
-    products (a prefill) and other dtypes widen the weight to x's dtype for one product and scale its result (for
-    a 34-token prefill ~25x faster than torch's `_weight_int8pack_mm` in fp32)."""
-    flat = x.reshape(-1, x.shape[-1])
-    y = None
-    if x.device.type == "cpu" and x.dtype == torch.float32:
-        flat = flat.contiguous()
-        y = cpu_kernel.skinny_int8(w, scale, flat)
-    if y is None:
-        y = F.linear(flat, w.to(x.dtype)) * scale.to(x.dtype)
+def quant_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., D] @ (w * scale[:, None]).T (+ b) for a 1-byte w [N, D] (int8, or fp8 on CUDA): up to SMALL_ROWS rows
+    read the weights as they are stored -- on the CPU in fp32 through our int8 kernel (a row's bits the same at every
+    such row count), on CUDA through the Triton kernel (`quant_triton.py`) -- and wider products (a prefill) widen the
+    weight to x's dtype for one product and scale its result (for a 34-token prefill on the CPU ~25x faster than
+    torch's `_weight_int8pack_mm` in fp32)."""
+    y = _quant_product(w, scale, x.reshape(-1, x.shape[-1]).contiguous())
     if b is not None:
         y = y + b
     return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def _quant_product(w: torch.Tensor, scale: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """flat [R, D] @ (w * scale[:, None]).T, contiguous: a kernel where one takes the operands, else w widened."""
+    if flat.is_cuda and flat.shape[0] <= SMALL_ROWS:
+        from studio.engine.kernels.quant_triton import quant_mm
+        return quant_mm(flat, w, scale)
+    y = cpu_kernel.skinny_int8(w, scale, flat) if flat.device.type == "cpu" and flat.dtype == torch.float32 else None
+    return F.linear(flat, w.to(flat.dtype)) * scale.to(flat.dtype) if y is None else y
 
 
 def vocab_logits(head: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
