@@ -34,7 +34,8 @@ mkdir -p "$DIR"
 failed=0
 start=$SECONDS
 
-step() {   # step NAME.EXT COMMAND...: stdout to $DIR/NAME.EXT (a JSON report, or the tests' text), stderr to $DIR/NAME.log
+# step NAME.EXT COMMAND...: stdout to $DIR/NAME.EXT (a JSON report, or the tests' text), stderr to $DIR/NAME.log
+step() {
   local out=$1; shift
   local name=${out%.*}
   if (( SECONDS - start >= BUDGET )); then
@@ -56,11 +57,11 @@ wants() { [[ $STEPS == *" $1 "* ]]; }
 studio=("$PYTHON" -m studio)
 ar=(bench --model "$MODEL" --device "$DEVICE" --json -s ar --max-new-tokens "$TOKENS" --repeats "$REPEATS"
     --no-transformers)
-wants tests && step cuda-tests.txt "$PYTHON" -m pytest -q -p no:cacheprovider -m cuda tests/engine/test_verify_kernel.py \
-  tests/engine/test_graphs.py tests/engine/test_device.py tests/engine/test_moe.py tests/engine/test_cuda_exact.py \
+wants tests && step cuda-tests.txt "$PYTHON" -m pytest -q -p no:cacheprovider -m cuda \
+  tests/engine/test_verify_kernel.py tests/engine/test_graphs.py tests/engine/test_device.py tests/engine/test_moe.py tests/engine/test_cuda_exact.py \
   tests/engine/test_norm.py tests/engine/test_quant_kernel.py tests/engine/test_compiled.py
 wants ar && step ar.json "${studio[@]}" "${ar[@]}"
-wants compile && step ar-compiled.json "${studio[@]}" "${ar[@]}" --compile
+wants compile && step ar-compiled.json "${studio[@]}" "${ar[@]}" --compile --no-graphs   # compile runs without graphs
 wants int8 && step ar-int8.json "${studio[@]}" "${ar[@]}" --quant int8
 wants fp8 && step ar-fp8.json "${studio[@]}" "${ar[@]}" --quant fp8
 wants isd && step isd-oracle-0.85.json "${studio[@]}" bench --model "$MODEL" --device "$DEVICE" --json -s ar,isd-n4 \

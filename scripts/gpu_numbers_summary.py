@@ -112,8 +112,8 @@ def table(s: dict) -> list[str]:
         (f", copy {s['copy_gbps'] / 1e3:.2f} TB/s" if s["copy_gbps"] else "")
     for variant, a in s["ar"].items():
         versus = f" ({a['x_bf16']:.2f}× bf16)" if variant != "bf16" and "x_bf16" in a else ""
-        lines.append(f"| AR {variant}, batch 1, CUDA graphs | **{a['tok_s']:.0f} tok/s**{versus}: {a['step_gb']:.1f} GB "
-                     f"a step at {a['gbps']:.0f} GB/s = {pct(a['share_of_nominal'])} of nominal, "
+        lines.append(f"| AR {variant}, batch 1, CUDA graphs | **{a['tok_s']:.0f} tok/s**{versus}: "
+                     f"{a['step_gb']:.1f} GB a step at {a['gbps']:.0f} GB/s = {pct(a['share_of_nominal'])} of nominal, "
                      f"{pct(a['share_of_copy'])} of copy ({bw}) |")
     if not s["ar"]:
         lines.append("| AR | did not run |")
@@ -127,8 +127,8 @@ def table(s: dict) -> list[str]:
                      f"**{m['step_vs_dense']:.2f}×** a dense step of its active width |")
     if "canvas" in s:
         c = s["canvas"]
-        lines.append(f"| canvas `fast-dllm-dual`, {c['model']} | {c['dual_tok_s']:.0f} tok/s = **{c['x_no_cache']:.2f}×** "
-                     f"its `cache=none` twin ({c['no_cache_tok_s']:.0f} tok/s) |")
+        lines.append(f"| canvas `fast-dllm-dual`, {c['model']} | {c['dual_tok_s']:.0f} tok/s = "
+                     f"**{c['x_no_cache']:.2f}×** its `cache=none` twin ({c['no_cache_tok_s']:.0f} tok/s) |")
     if "forwards" in s:
         f = s["forwards"]
         lines.append("| forwards × the 1-token step | " + "; ".join(f"{k} {v:.2f}×" for k, v in f.items()) + " |")

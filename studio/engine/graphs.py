@@ -31,7 +31,8 @@ from studio.engine.gated_lora import RowGate
 from studio.engine.model import Transformer
 
 
-WIDE = 16   # up to this many rows a graph computes every row's logits (and the caller picks); past it, the rows asked for
+# up to this many rows a graph computes every row's logits (and the caller picks); past it, only the rows asked for
+WIDE = 16
 
 
 def kv_buckets(max_len: int, smallest: int = 64) -> list[int]:

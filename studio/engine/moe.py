@@ -72,7 +72,8 @@ class Experts(nn.Module):
         return super()._apply(fn, recurse)
 
     def weight(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
-        """Expert e's weight `name` in `dtype` (a 1-byte one widened and scaled: the loop's way, the kernel's oracle)."""
+        """Expert e's weight `name` in `dtype` (a 1-byte one widened and scaled: the loop's way, the kernel's
+        oracle)."""
         w = getattr(self, name)[e]
         return w if self.scales is None else w.to(dtype) * self.scales[name][e, :, None].to(dtype)
 
@@ -80,7 +81,8 @@ class Experts(nn.Module):
         gate, up, down = (self.weight(name, e, h.dtype) for name in self.PROJECTIONS)
         return F.linear(self.act(F.linear(h, gate)) * F.linear(h, up), down)
 
-    def mix(self, flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def mix(self, flat: torch.Tensor, weights: torch.Tensor,
+            experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """sum_k weights[:, k] * expert_{experts[:, k]}(flat) for flat [N, D], weights and experts [N, k]; and the
         number of distinct experts that ran (a 0-d tensor: reading it is the caller's sync)."""
         n, k = self.gate_proj.shape[0], experts.shape[1]
@@ -93,8 +95,9 @@ class Experts(nn.Module):
             return self._blocked(flat, weights, assignment, k)
         order = assignment.argsort(stable=True)               # assignments grouped by expert
         token = order // k
+        # counted by a scatter-add, not bincount: bincount's CUDA kernel reads the ids' range on the host
         counts = torch.zeros(n + 1, dtype=torch.long, device=flat.device).scatter_add_(
-            0, assignment, torch.ones_like(assignment))[:n]   # no bincount: its CUDA kernel reads the ids' range on the host
+            0, assignment, torch.ones_like(assignment))[:n]
         grouped = flat[token]
         out = self._grouped(grouped, counts) if path == "grouped" else self._looped(grouped, counts)
         weight = weights.flatten()[order, None]                 # routers weigh in fp32: back to the stream's dtype
@@ -135,8 +138,8 @@ class Experts(nn.Module):
         weighted = torch.where((slot >= 0)[:, None], out[slot.clamp(min=0)] * weights.flatten()[:, None], 0)
         token = torch.arange(len(assignment), device=flat.device) // k
         y = torch.zeros_like(flat).index_add_(0, token, weighted.to(flat.dtype))
-        ran = torch.zeros(n + 1, dtype=torch.long, device=flat.device).scatter_(0, torch.where(blocks >= 0, blocks, n), 1)
-        return y, ran[:n].sum()
+        ran = torch.zeros(n + 1, dtype=torch.long, device=flat.device)
+        return y, ran.scatter_(0, torch.where(blocks >= 0, blocks, n), 1)[:n].sum()
 
     def _looped(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """One GEMM per expert that received tokens: the group sizes are read on the host."""
