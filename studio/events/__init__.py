@@ -1,6 +1,6 @@
 """Events, the one contract between the engine and everything else (docs/events.md).
 
-`schema`: the fields of `dlm-studio.trace/1.2`, their validation and one constructor per event kind;
+`schema`: the fields of `dlm-studio.trace/1.3`, their validation and one constructor per event kind;
 `metrics`: TPF, acceptance by draft slot and tok/s, computed from events (docs/metrics.md);
 `trace`: the JSON Lines files that hold a run's header, events and footer.
 The names most callers need are re-exported here: `from studio import events as ev; ev.forward(...)`.

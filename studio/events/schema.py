@@ -1,4 +1,4 @@
-"""Event schema ``dlm-studio.trace/1.2``: the one contract between the engine and every consumer
+"""Event schema ``dlm-studio.trace/1.3``: the one contract between the engine and every consumer
 (docs/events.md). Fields, their validation, and one constructor per event kind.
 
 The engine describes every decoding step as small plain-dict events (JSON-ready, cheap to build on
@@ -8,7 +8,8 @@ Versioning: ``dlm-studio.trace/MAJOR[.MINOR]``. A minor bump may add fields (rea
 know, and keep them in the dicts), event kinds and enum values; a reader skips the event kinds of a newer minor
 it does not know (`TraceReader.skipped` counts them). Changed meanings need a new major, which this build
 refuses to read. 1.1 added `edit`, `remask`, `kv {op: refresh}` and the header's `canvas`; 1.2 added `plan` (the
-draft count a cost-aware strategy chose for its next forward and the speed-up over a plain AR step it expects).
+draft count a cost-aware strategy chose for its next forward and the speed-up over a plain AR step it expects); 1.3
+added draft trees: `propose.parent` and `accept.node`.
 
 Values must be plain Python types (use ``.tolist()`` / ``.item()`` on tensors); consumers share the
 event dicts and must not mutate them. A read trace may hold ``None`` for any float (see trace.py).
@@ -22,9 +23,9 @@ from typing import Any, Callable, Literal, Mapping, Union, get_args, get_origin
 
 from studio.errors import BadInput
 
-SCHEMA = "dlm-studio.trace/1.2"
+SCHEMA = "dlm-studio.trace/1.3"
 _SCHEMA_RE = re.compile(r"dlm-studio\.trace/([0-9]{1,9})(?:\.([0-9]{1,9}))?")  # int() refuses 4300+ digits
-_MAJOR, _MINOR = 1, 2
+_MAJOR, _MINOR = 1, 3
 
 Event = dict[str, Any]
 
@@ -57,8 +58,11 @@ EVENT_FIELDS: dict[str, dict[str, Any]] = {
 # forward.experts: on a mixture-of-experts model, how many distinct experts each MoE layer ran (what a wide
 # forward pays for: every expert it touches is read). accept.h / reject.h: the target's entropy (nats, softmax of
 # its raw logits at temperature 1) at each verified position, where the strategy verified from raw logits.
+# propose.parent (1.3, a draft tree): each draft's parent among this propose's drafts (-1: the committed context), so
+# drafts at one position are siblings; accept.node: the accepted drafts' indices in that propose (the path taken).
 OPTIONAL_FIELDS: dict[str, dict[str, Any]] = {"emit": {"pieces": list[str]}, "forward": {"experts": list[int]},
-                                              "accept": {"h": list[float]}, "reject": {"h": float}}
+                                              "accept": {"h": list[float], "node": list[int]}, "reject": {"h": float},
+                                              "propose": {"parent": list[int]}}
 ROLES: tuple[str, ...] = get_args(EVENT_FIELDS["forward"]["role"])
 SOURCES: tuple[str, ...] = get_args(EVENT_FIELDS["propose"]["src"])
 

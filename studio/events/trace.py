@@ -54,7 +54,7 @@ def full_header(header: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class TraceWriter:
-    """Writes a `dlm-studio.trace/1.2` JSONL file: the header at once, events with `write` (or by
+    """Writes a `dlm-studio.trace/1.3` JSONL file: the header at once, events with `write` (or by
     calling the writer: it is an event sink), the footer with `close(footer)`.
 
     Line-buffered: every line reaches the OS as soon as it is written, so a crash leaves a readable,

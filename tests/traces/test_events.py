@@ -242,7 +242,7 @@ FOOTER = {"kind": "footer", **footer([])}
     ([full_header(), BONUS], '{"t": "emit", "st', 3, "truncated"),
     ([], '{"kind": "hea', 1, "truncated"),
     ([{**full_header(), "schema": "dlm-studio.trace/2"}], "", 1,
-     "unsupported trace schema 'dlm-studio.trace/2' (this build reads dlm-studio.trace/1.2)"),
+     "unsupported trace schema 'dlm-studio.trace/2' (this build reads dlm-studio.trace/1.3)"),
     ([{**full_header(), "schema": "other/1"}], "", 1, "unsupported trace schema"),
 ])
 def test_reader_errors_are_one_line_with_path_and_line(tmp_path, lines, tail, line_no, needle):

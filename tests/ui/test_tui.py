@@ -378,14 +378,14 @@ def test_snapshot_replay(snap_compare, monkeypatch, tmp_path):
 
 
 def test_snapshot_canvas_replay_of_a_newer_minor_trace(snap_compare, monkeypatch, tmp_path):
-    """The synthetic canvas (tests/support/fixtures) as a trace of schema 1.3 with one event of a kind this build
+    """The synthetic canvas (tests/support/fixtures) as a trace of schema 1.4 with one event of a kind this build
     does not know: the title warns of it; at step 7 the grid shows the filled output, a guess, the EOS and the
     padding after it, the metrics panel a KV refresh, the inspector the padded cell under the cursor."""
     from studio.events import read_trace
     from tests.support.fixtures import traces
-    traces.newer_minor(pathlib.Path(traces.__file__).parent / "canvas_synthetic.jsonl", tmp_path / "canvas-1.3.jsonl")
+    traces.newer_minor(pathlib.Path(traces.__file__).parent / "canvas_synthetic.jsonl", tmp_path / "canvas-1.4.jsonl")
     monkeypatch.chdir(tmp_path)   # the path field shows the path as given
-    app = StudioApp(None, trace=read_trace("canvas-1.3.jsonl"))
+    app = StudioApp(None, trace=read_trace("canvas-1.4.jsonl"))
 
     async def before(pilot):
         title = str(app.screen.query_one("#replay-title").render())
@@ -433,7 +433,8 @@ async def submit(pilot, selector, value):
 def test_n_and_tau_set_the_parameter_with_that_role_in_each_strategy():
     # (N, τ) of each strategy; None: the field is disabled
     roles = {"ar": (None, None), "isd": ("stride", "tau"), "r-isd": ("stride", "tau"), "jacobi": ("block_size", None),
-             "jacobi-mr": ("block_size", None), "blockdiff": ("block_size", "threshold"),
+             "jacobi-mr": ("block_size", None), "lookup-tree": ("depth", None),
+             "blockdiff": ("block_size", "threshold"),
              "s2d2": ("block_size", "threshold"), "simsd": ("block_size", "threshold"),
              "canvas": ("block_size", "threshold"), "gemma-canvas": ("canvas_length", "entropy_bound")}
     assert set(roles) == set(STRATEGIES)

@@ -454,7 +454,7 @@ def test_a_canvas_trace_of_a_newer_minor_shows_its_canvas_and_says_what_it_skipp
     rows = loaded["trace-trajectory"]["rows"]
     assert len(rows) == 10 and "s-noise" in rows[4] and "s-edited" in rows[3] and "s-padding" in rows[9]
     assert "refresh [4,16)" in rows[4] and "12 positions, filled in blocks of 4" in loaded["trace-info"]
-    assert "1 event(s) of kinds dlm-studio.trace/1.3 added skipped" in loaded["trace-info"]
+    assert "1 event(s) of kinds dlm-studio.trace/1.4 added skipped" in loaded["trace-info"]
     assert "<b>10</b> tokens" in loaded["trace-metrics"]   # the padding after the EOS is no output
 
 

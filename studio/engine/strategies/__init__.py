@@ -8,12 +8,13 @@ from studio.engine.strategies.canvas import Canvas
 from studio.engine.strategies.gemma_canvas import GemmaCanvas
 from studio.engine.strategies.isd import ISD, RISD
 from studio.engine.strategies.jacobi import Jacobi, JacobiMR
+from studio.engine.strategies.lookup_tree import LookupTree
 from studio.engine.strategies.s2d2 import S2D2
 from studio.engine.strategies.simsd import SimSD
 from studio.errors import BadInput
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (AR, ISD, RISD, Jacobi, JacobiMR, BlockDiffusion, S2D2, SimSD,
-                                                                      Canvas, GemmaCanvas)}
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (AR, ISD, RISD, Jacobi, JacobiMR, LookupTree,
+                                                                      BlockDiffusion, S2D2, SimSD, Canvas, GemmaCanvas)}
 
 
 def make_strategy(name: str, params: dict | None = None) -> Strategy:

@@ -36,7 +36,8 @@ class ContextLookup:
         self.shortest, self.prompt_len = shortest, len(prompt)
         self.tokens: list[int] = []
         self.room = None   # how many drafts can still become output (None: no limit known yet)
-        self.after: dict[tuple[int, ...], int] = {}   # m-gram -> index of the token that followed its latest occurrence
+        # m-gram -> index of the token that followed each of its occurrences, the latest last
+        self.after: dict[tuple[int, ...], list[int]] = {}
         self.extend(prompt)
 
     def extend(self, tokens: list[int]) -> None:
@@ -44,7 +45,7 @@ class ContextLookup:
             j = len(self.tokens)
             for m in range(self.shortest, LONGEST + 1):   # the m-grams ending just before t now have a continuation
                 if j >= m:
-                    self.after[tuple(self.tokens[j - m:j])] = j
+                    self.after.setdefault(tuple(self.tokens[j - m:j]), []).append(j)
             self.tokens.append(t)
 
     def follow(self, out: Output) -> None:
@@ -57,10 +58,20 @@ class ContextLookup:
     def drafts(self, k: int) -> list[int]:
         """Up to k tokens that followed the context's last tokens before (and no more than can become output); []
         when no suffix of `shortest`+ occurred."""
+        found = self.branches(k, 1)
+        return found[0] if found else []
+
+    def branches(self, k: int, n: int) -> list[list[int]]:
+        """Up to n distinct continuations of up to k tokens each (and no more than can become output): those that
+        followed the latest occurrences of the longest suffix that occurred, then of shorter ones, latest first."""
         if self.room is not None:
             k = min(k, self.room)
+        found: list[list[int]] = []
         for m in range(min(LONGEST, len(self.tokens)), self.shortest - 1, -1):
-            at = self.after.get(tuple(self.tokens[-m:]))
-            if at is not None:
-                return self.tokens[at:at + k]
-        return []
+            for at in reversed(self.after.get(tuple(self.tokens[-m:]), [])):
+                branch = self.tokens[at:at + k]
+                if branch and branch not in found:
+                    found.append(branch)
+                if len(found) == n:
+                    return found
+        return found
