@@ -285,6 +285,9 @@ def _bench_forwards(model: ModelChoice, repeats: int, warmup: int, as_json: bool
     if head["int8_vs_float"] is not None:
         lines.append(f"the {engine.quant} weights against the float ones (the same numbers dequantised): "
                      + ", ".join(f"{r:.2f}x the time on the {name}" for name, r in head["int8_vs_float"].items()))
+    if head["compiled_vs_eager"] is not None:
+        lines.append("the compiled step (torch.compile, warm) against the eager one: "
+                     + ", ".join(f"{r:.2f}x the time on the {name}" for name, r in head["compiled_vs_eager"].items()))
     relative = "  ".join(f"{n}: {by_rows.relative(n):.2f}" for n in range(1, by_rows.max_rows + 1))
     lines.append(f"a forward of n rows, x the 1-row step (the table cost-aware drafting reads, cached in "
                  f"{table_path(table_key(engine))}): {relative}")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from studio.engine.compiled import is_compiled
 from studio.engine.model_cache import cache_dir
 from studio.engine.random_models import RANDOM_SOURCE
 from studio.files import atomic_write
@@ -91,12 +92,13 @@ def _at(ms: tuple[float, ...], rows: int) -> float:
 
 def table_key(engine) -> dict:
     """What a table depends on: the model (name, shape), device, dtype, torch (and the ranks it is split across, the
-    quantisation, and whether forwards replay CUDA graphs)."""
+    quantisation, and whether forwards replay CUDA graphs or run compiled)."""
     cfg, p = engine.config, engine.model.lm_head.weight
     return {"version": TABLE_VERSION, "model": engine.name, "arch": cfg.arch, "dim": cfg.dim, "layers": cfg.n_layers,
             "vocab": cfg.vocab_size, "device": str(p.device), "dtype": str(p.dtype).removeprefix("torch."),
             "torch": torch.__version__, **_parallel_key(engine), **_quant_key(engine),
-            **({"graphs": True} if getattr(engine, "graphs", False) else {})}   # forwards replaying CUDA graphs
+            **({"graphs": True} if getattr(engine, "graphs", False) else {}),   # forwards replaying CUDA graphs
+            **({"compiled": True} if is_compiled(engine.model) else {})}   # the step through torch.compile
 
 
 def _quant_key(engine) -> dict:

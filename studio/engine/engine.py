@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from studio.engine.architectures import model_class
+from studio.engine.compiled import compile_step
 from studio.engine.config import ModelConfig
 from studio.engine.device import cpu_threads, resolve_device, resolve_dtype
 from studio.engine.graphs import CachePool
@@ -91,7 +92,7 @@ class Engine:
     @classmethod
     def load(cls, spec: str = "default", adapter: str | None = None, progress=None, device: str = "auto",
              dtype: str = "auto", graphs: bool = True, shard=None, fuse: bool = True,
-             quant: str = "none") -> "Engine":
+             quant: str = "none", compile: bool = False) -> "Engine":
         """`spec`: a model preset name (studio/presets/models), 'default', a HF directory, a .gguf file or
         `random:NAME` (random weights of a published shape, studio.engine.random_models).
         `adapter`: a PEFT directory or a shipped adapter's name (used for every strategy), 'none', or None:
@@ -104,7 +105,8 @@ class Engine:
         them). `fuse`: q/k/v and gate/up as one product each (studio.engine.model.Fused); False keeps the plain
         projections, the oracle the fused path is tested against. `quant`: none | int8 | fp8 (studio.engine.quantize:
         the layers' projections, the experts and the head as 1-byte weights with a scale per row, each layer
-        quantised as it is placed)."""
+        quantised as it is placed). `compile`: the forward through torch.compile (studio.engine.compiled), each new
+        layout compiled at its first forward."""
         _init_torch()
         if quant not in QUANTS:
             raise BadInput(f"--quant must be one of {', '.join(QUANTS)}, got {quant!r}")
@@ -112,6 +114,9 @@ class Engine:
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         check_quant(quant, dev)
+        if compile and graphs and dev.type == "cuda":
+            # a CUDA graph captures the forward on a SlotView, whose stores the compiled step would copy whole per layer
+            raise BadInput("--compile runs without CUDA graphs: add --no-graphs")
         if is_random(spec):
             cfg = random_config(spec)
             check_fits(cfg, dt, dev, ram_bytes())
@@ -126,6 +131,8 @@ class Engine:
             forgo_packed_copies(engine.model)
         if fuse:
             fuse_projections(engine.model)
+        if compile:
+            compile_step(engine.model)
         if adapter and adapter != "none":
             attach_adapter(engine, adapter_path(adapter))
         # an MoE layer runs under graphs where its experts run as grouped GEMMs (moe.py: the loop sizes them on the host)

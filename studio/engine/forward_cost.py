@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from studio.engine.compiled import compile_step, is_compiled, plain_step
 from studio.engine.device import synchronize
 from studio.engine.engine import Engine
 from studio.engine.graphs import GraphRunner
@@ -190,7 +191,17 @@ def int8_vs_float(engine: Engine, repeats: int = 50, context: int = 200) -> dict
         return None
     twin = dequantized(engine.model)
     fuse_projections(twin)
+    if is_compiled(engine.model):   # the weights' difference alone
+        compile_step(twin)
     return _against(engine, lambda: contextlib.nullcontext(twin), repeats, context)
+
+
+def compiled_vs_eager(engine: Engine, repeats: int = 50, context: int = 200) -> dict[str, float] | None:
+    """The compiled step's forward time over the eager one's (studio.engine.compiled), both warm (the first round
+    compiles): what inductor buys here. None for an engine whose step is not compiled."""
+    if not is_compiled(engine.model):
+        return None
+    return _against(engine, lambda: plain_step(engine.model), repeats, context)
 
 
 def _against(engine: Engine, other, repeats: int, context: int) -> dict[str, float]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from studio.engine.compiled import opaque_to_compile
 from studio.engine.kernels import cpu as cpu_kernel
 from studio.engine.kernels.projection import cpu_small
 
@@ -26,6 +27,17 @@ class RowGate:
             self.span = slice(int(self.rows[0]), int(self.rows[-1]) + 1)
 
 
+@opaque_to_compile("lora_rows", fake=lambda x, y, first, a, b, scale: None, mutates_args=("y",))
+def _add_lora_rows(x: torch.Tensor, y: torch.Tensor, first: int, a: torch.Tensor, b: torch.Tensor,
+                   scale: float) -> None:
+    """y[first:first + len(x)] += scale * (x @ a.T) @ b.T in place: our kernel where it takes the operands, else two
+    products. It takes all of y and slices the rows itself: torch 2.13's compiled graph writes a custom op's
+    mutation of a view sliced in both dims (gated rows of a fused product's columns) to the wrong place."""
+    y = y[first:first + x.shape[0]]
+    if not cpu_kernel.lora_rows(x, y, a, b, scale):
+        y.addmm_(torch.mm(x, a.t()), b.t(), alpha=scale)
+
+
 def add_gated_lora(x: torch.Tensor, y: torch.Tensor, gate: RowGate, lora_A: torch.Tensor, lora_B: torch.Tensor,
                    scale: float) -> torch.Tensor:
     """y (the base projection of x, fresh: added to in place) plus the LoRA term on the rows `gate` picks."""
@@ -34,8 +46,8 @@ def add_gated_lora(x: torch.Tensor, y: torch.Tensor, gate: RowGate, lora_A: torc
         rows = slice(None) if gate.rows is None else gate.span
         # a decode forward on the CPU: one call for the gated run of rows, where torch's small ops cost ~20 us
         # each in every projection
-        if cpu_kernel.lora_rows(flat_x[rows].contiguous(), flat_y[rows], lora_A, lora_B, scale):
-            return y
+        _add_lora_rows(flat_x[rows].contiguous(), flat_y, rows.start or 0, lora_A, lora_B, scale)
+        return y
     if gate.rows is None:
         delta = F.linear(F.linear(x, lora_A), lora_B) * scale
         return y + delta if gate.mult is None else y + delta * gate.mult   # gate 0: y + 0 == y exactly

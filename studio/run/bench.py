@@ -458,14 +458,15 @@ def measure_forward_costs(engine, repeats: int, warmup: int) -> ForwardCosts:
     10 x `repeats` times each; the cached cost table is refreshed."""
     import torch
     from studio.engine.cost_model import cost_table
-    from studio.engine.forward_cost import (copy_bandwidth, fused_vs_plain, int8_vs_float, lora_overhead,
-                                            measure_forwards, moe_step_vs_dense, moe_vs_dense, verify_time,
-                                            weight_bytes)
+    from studio.engine.forward_cost import (compiled_vs_eager, copy_bandwidth, fused_vs_plain, int8_vs_float,
+                                            lora_overhead, measure_forwards, moe_step_vs_dense, moe_vs_dense,
+                                            verify_time, weight_bytes)
     device = engine.model.lm_head.weight.device
     costs = measure_forwards(engine, repeats=10 * repeats, warmup=max(warmup, 1))
     by_rows = cost_table(engine, refresh=True)   # measured anew: bench forwards refreshes the cached table
     copy_gbps, verify_s, verify_path = copy_bandwidth(device), *verify_time(engine)
     moe_ratio, fused, int8 = moe_vs_dense(engine), fused_vs_plain(engine), int8_vs_float(engine)
+    compiled = compiled_vs_eager(engine)
     moe_step = moe_step_vs_dense(engine, repeats=10 * repeats)
     weights = weight_bytes(engine)
     stream_gbps = weights / (costs[0].ms / 1e3) / 1e9   # the 1-token step reads every weight once
@@ -476,7 +477,8 @@ def measure_forward_costs(engine, repeats: int, warmup: int) -> ForwardCosts:
             "moe_layer_vs_dense": None if moe_ratio is None else round(moe_ratio, 3),
             "moe_step_vs_dense": None if moe_step is None else round(moe_step, 3),
             "fused_vs_plain": None if fused is None else {k: round(v, 3) for k, v in fused.items()},
-            "int8_vs_float": None if int8 is None else {k: round(v, 3) for k, v in int8.items()}}
+            "int8_vs_float": None if int8 is None else {k: round(v, 3) for k, v in int8.items()},
+            "compiled_vs_eager": None if compiled is None else {k: round(v, 3) for k, v in compiled.items()}}
     return ForwardCosts(head, costs, by_rows, copy_gbps, stream_gbps, moe_ratio)
 
 

@@ -186,6 +186,7 @@ class ModelChoice:
     tp: int = 1   # tensor-parallel ranks (studio.parallel)
     ep: int = 1   # expert-parallel ranks: an MoE model's experts placed across the same ranks
     quant: str = "none"   # weight-only quantisation of the layers' projections (studio.engine.quantize)
+    compile: bool = False   # the forward through torch.compile (studio.engine.compiled)
 
     @property
     def world(self) -> int:
@@ -201,9 +202,11 @@ class ModelChoice:
         check_world(self.world)
         if self.world == 1 and torchrun_world() == 1:
             return Engine.load(self.model, adapter=self.adapter, device=self.device, dtype=self.dtype,
-                               graphs=self.graphs, quant=self.quant)
+                               graphs=self.graphs, quant=self.quant, compile=self.compile)
         if self.quant != "none":
             raise BadInput(f"--quant {self.quant} with --tp: the shards are not quantised yet")
+        if self.compile:
+            raise BadInput("--compile with --tp: the shards' forwards are not compiled yet")
         if self.draft_model is not None or self.draft_adapter is not None:
             raise BadInput("--tp: SimSD's separate drafter is not split across ranks yet")
         from studio.engine.device import resolve_device

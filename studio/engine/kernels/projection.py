@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from studio.engine.compiled import opaque_to_compile
 from studio.engine.kernels import cpu as cpu_kernel
 
 SMALL_ROWS = 16
@@ -46,18 +47,24 @@ def cpu_small(x: torch.Tensor) -> bool:
             and x.numel() <= SMALL_ROWS * x.shape[-1])
 
 
+def _rows_by_n(w: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """The shape of a product's output, [R, N], for the compiled graph (`opaque_to_compile`)."""
+    return flat.new_empty(flat.shape[0], w.shape[0])
+
+
+@opaque_to_compile("small_product", fake=_rows_by_n)
 def _small_product(w: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-    """flat [R, D] through w [N, D] for R <= SMALL_ROWS on the CPU: 1-4 rows through our own kernel (each weight row
-    read once for all of them, a row's result the same bits at any of those row counts), 5+ through oneDNN on the
-    packed weight, whose time barely grows with the rows where MKL's small-M kernels grow ~linearly. Without the
-    kernel (no C compiler) 1-2 rows run as w @ flat.T (docs/architecture.md#cpu-projections)."""
+    """flat [R, D] through w [N, D] for R <= SMALL_ROWS on the CPU, contiguous [R, N]: 1-4 rows through our own kernel
+    (each weight row read once for all of them, a row's result the same bits at any of those row counts), 5+ through
+    oneDNN on the packed weight, whose time barely grows with the rows where MKL's small-M kernels grow ~linearly.
+    Without the kernel (no C compiler) 1-2 rows run as w @ flat.T (docs/architecture.md#cpu-projections)."""
     if flat.shape[0] <= cpu_kernel.MAX_ROWS:
         y = cpu_kernel.skinny(w, flat.contiguous())
         if y is not None:
             return y
     packed = _packed(w) if flat.shape[0] >= PACKED_ROWS and _HAS_ONEDNN else None
     if packed is None:
-        return _w_xt(w, flat)
+        return _w_xt(w, flat).contiguous()   # the layout the op's fake promises the compiled graph
     return torch.ops.mkldnn._linear_pointwise(flat, packed, None, "none", [], "")
 
 
@@ -101,7 +108,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
         return quant_linear(x, w, scale, b)
     if not cpu_small(x):
         return F.linear(x, w, b)
-    y = _small_product(w, x.reshape(-1, x.shape[-1])).contiguous()
+    y = _small_product(w, x.reshape(-1, x.shape[-1]))
     if b is not None:
         y += b
     return y.reshape(*x.shape[:-1], w.shape[0])
@@ -119,6 +126,7 @@ def quant_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, b: torch
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
+@opaque_to_compile("quant_product", fake=lambda w, scale, flat: _rows_by_n(w, flat))
 def _quant_product(w: torch.Tensor, scale: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     """flat [R, D] @ (w * scale[:, None]).T, contiguous: a kernel where one takes the operands, else w widened."""
     if flat.is_cuda and flat.shape[0] <= SMALL_ROWS:
