@@ -6,6 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without CUDA the Triton kernels' tests run them in Triton's CPU interpreter, which Triton reads when a function is
+# decorated: set before any test module imports Triton -- torch._dynamo (the compiled step's tests) imports it at
+# collection, and kernels decorated before the setting cannot run in the interpreter. Runs are unaffected: a run
+# takes a kernel only for CUDA tensors (`kernels.engine_verifies_fused`).
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
 
 def pytest_configure(config):
     """Under pytest-xdist (`make test` runs two workers), each worker gets its share of the cores, and so do the CLIs
