@@ -32,12 +32,15 @@ class DraftTree:
     parents: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_chains(cls, chains: list[list[int]]) -> "DraftTree":
-        """The trie of candidate continuations (their shared prefixes once), in the chains' order."""
+    def from_chains(cls, chains: list[list[int]], max_nodes: int | None = None) -> "DraftTree":
+        """The trie of candidate continuations (their shared prefixes once), in the chains' order, cut where it would
+        pass `max_nodes`."""
         tree = cls()
         for chain in chains:
             node = -1
             for token in chain:
+                if max_nodes is not None and tree.child(node, token) is None and len(tree) == max_nodes:
+                    return tree
                 node = tree.child(node, token, add=True)
         return tree
 

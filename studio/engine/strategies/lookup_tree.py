@@ -82,11 +82,4 @@ class LookupTree(Strategy):
     def _tree(self) -> DraftTree:
         """The candidates' trie, cut to `rows` - 1 nodes (the root's row is the forward's first)."""
         p = self.params
-        tree = DraftTree()
-        for branch in self.lookup.branches(p.depth, p.branches):
-            node = -1
-            for token in branch:
-                if tree.child(node, token) is None and len(tree) == p.rows - 1:
-                    return tree
-                node = tree.child(node, token, add=True)
-        return tree
+        return DraftTree.from_chains(self.lookup.branches(p.depth, p.branches), max_nodes=p.rows - 1)
