@@ -257,7 +257,8 @@ def _chat_session(model: ModelChoice, config: RunConfig):
     from studio.run.chat import ChatSession
     config.build()
     engine = model.load()
-    return ChatSession(engine, config, chat=model.chat_template, draft=model.load_draft())
+    return ChatSession(engine, config, chat=model.chat_template, draft=model.load_draft(),
+                       drafter=model.draft_model if model.dflash_drafter else None)
 
 
 @app.command()

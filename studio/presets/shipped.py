@@ -1,11 +1,13 @@
-"""Adapters shipped with the studio (studio/presets/adapters/NAME/): trained for a model, used by default.
+"""Adapters and drafters shipped with the studio (studio/presets/adapters/NAME/, studio/presets/drafters/NAME/):
+trained for a model, used by default.
 
 Each directory is a PEFT adapter (adapter_config.json + adapter_model.safetensors) plus `studio.toml`:
     model = "default"                  the model preset it was trained for
     strategies = ["r-isd"]             the strategies that use it on that model when no --adapter is given
     description = "..."
 `--adapter NAME` accepts a shipped adapter's name as well as a directory; `--adapter none` runs the plain
-model. The README beside the adapters says how each was trained.
+model. The README beside the adapters says how each was trained. A drafter directory is a DFlash drafter in the
+published layout (config.json + model.safetensors, studio.engine.dflash) plus the same `studio.toml`.
 """
 from __future__ import annotations
 
@@ -17,16 +19,26 @@ from studio.errors import BadInput
 from studio.presets import PRESETS_DIR
 
 ADAPTERS_DIR = PRESETS_DIR / "adapters"
+DRAFTERS_DIR = PRESETS_DIR / "drafters"
 META = "studio.toml"
 
 
-@lru_cache(maxsize=1)
 def shipped() -> dict[str, dict]:
     """name -> {path, model, strategies, description} for every shipped adapter."""
+    return _entries(ADAPTERS_DIR)
+
+
+def shipped_drafter(model: str) -> str | None:
+    """The directory of the DFlash drafter shipped for model preset `model`, or None."""
+    return next((e["path"] for e in _entries(DRAFTERS_DIR).values() if e["model"] == model), None)
+
+
+@lru_cache(maxsize=2)
+def _entries(directory: Path) -> dict[str, dict]:
     out = {}
-    if not ADAPTERS_DIR.is_dir():
+    if not directory.is_dir():
         return out
-    for d in sorted(ADAPTERS_DIR.iterdir()):
+    for d in sorted(directory.iterdir()):
         f = d / META
         if not f.is_file():
             continue

@@ -37,11 +37,12 @@ class Reply:
 
 
 class ChatSession:
-    """`draft`: the engine SimSD turns draft with (`--draft-model`); None: SimSD drafts with the model itself."""
+    """`draft`: the engine SimSD turns draft with (`--draft-model`); None: SimSD drafts with the model itself.
+    `drafter`: the DFlash drafter directory dflash turns draft with (`--draft-model`); None: the shipped one."""
 
-    def __init__(self, engine, choice: RunConfig, chat: bool = True, draft=None):
+    def __init__(self, engine, choice: RunConfig, chat: bool = True, draft=None, drafter: str | None = None):
         from studio.run.conversation import Conversation
-        self.engine, self.choice, self.draft = engine, choice, draft
+        self.engine, self.choice, self.draft, self.drafter = engine, choice, draft, drafter
         self.conversation = Conversation(engine, chat=chat)
 
     @property
@@ -49,21 +50,28 @@ class ChatSession:
         return self.conversation.turns
 
     def start_turn(self, text: str, trace_path: str | None = None) -> Run:
+        strategy, settings = self._build()
+        return self.conversation.start_turn(text, strategy, settings, trace_path)
+
+    def _build(self):
+        """The next turn's strategy (with its drafter) and settings."""
         strategy, settings = self.choice.build()
         if self.draft is not None and hasattr(strategy, "use_draft"):
             strategy.use_draft(self.draft, self.engine.config)
-        return self.conversation.start_turn(text, strategy, settings, trace_path)
+        if self.drafter is not None and hasattr(strategy, "use_drafter"):
+            strategy.use_drafter(self.drafter)
+        return strategy, settings
 
     def costs_pending(self) -> bool:
         """Whether the next turn would first measure this machine's forward costs (`session.costs_pending`)."""
         from studio.run.session import costs_pending
-        return costs_pending(self.engine, self.choice.build()[0])
+        return costs_pending(self.engine, self._build()[0])
 
     def measure_costs(self) -> None:
         """Prepare the next turn's strategy (`session.prepare`: it measures and stores the forward costs it plans
         with): a front end runs this off its UI thread and starts the turn after it."""
         from studio.run.session import prepare
-        prepare(self.engine, self.choice.build()[0])
+        prepare(self.engine, self._build()[0])
 
     def command(self, line: str) -> Reply:
         """Run one slash command; bad input comes back as the reply's message (BadInput is not raised)."""

@@ -216,22 +216,38 @@ class ModelChoice:
                                   graphs=False)
         return start(self.world, build, device=device, adapter=self.adapter, place_experts=self.ep > 1)
 
+    @property
+    def dflash_drafter(self) -> bool:
+        """Whether `--draft-model` is a DFlash drafter (a directory in the published layout), not a SimSD draft model."""
+        from studio.engine.dflash import is_drafter_dir
+        return self.draft_model is not None and is_drafter_dir(self.draft_model)
+
     def load_draft(self) -> Engine | None:
         """SimSD's drafter (`--draft-model`, default: the target model, with `--draft-adapter`) on the target's
-        device and dtype; None without either flag (SimSD then drafts with the target itself)."""
-        if self.draft_model is None and self.draft_adapter is None:
+        device and dtype; None without either flag (SimSD then drafts with the target itself) or when `--draft-model`
+        is a DFlash drafter (`attach_draft` hands its directory to dflash runs)."""
+        if self.draft_model is None and self.draft_adapter is None or self.dflash_drafter:
             return None
         from studio.engine.engine import Engine
         return Engine.load(self.draft_model or self.model, adapter=self.draft_adapter, device=self.device,
                            dtype=self.dtype)
 
-    def attach_draft(self, strategies, engine: Engine) -> None:
-        """Give the SimSD runs among `strategies` the drafter (see `load_draft`)."""
+    def attach_draft(self, strategies, engine: Engine, draft: Engine | None = None) -> None:
+        """Give the runs among `strategies` their drafter: a DFlash drafter's directory to dflash runs, SimSD's draft
+        model (`draft`, else `load_draft`) to simsd runs. BadInput for a --draft-model no run among them reads."""
         if self.draft_model is None and self.draft_adapter is None:
+            return
+        if self.dflash_drafter:
+            takers = [s for s in strategies if hasattr(s, "use_drafter")]
+            if not takers:
+                raise BadInput(f"--draft-model {self.draft_model} is a DFlash drafter: it applies to dflash runs only")
+            for s in takers:
+                s.use_drafter(self.draft_model)
             return
         takers = [s for s in strategies if hasattr(s, "use_draft")]
         if not takers:
-            raise BadInput("--draft-model/--draft-adapter apply to simsd runs only")
-        draft = self.load_draft()
+            raise BadInput("--draft-model/--draft-adapter apply to simsd runs (a DFlash drafter directory: to dflash "
+                           "runs)")
+        draft = draft or self.load_draft()
         for s in takers:
             s.use_draft(draft, engine.config)

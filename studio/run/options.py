@@ -36,7 +36,7 @@ MODEL_OPTIONS = {
                 "adapter's name; 'none' = the plain model. Default: on the default model, each strategy's shipped "
                 "adapter (studio/presets/adapters).")),
     "draft_model": (Optional[str], typer.Option(None, "--draft-model", help="simsd: the draft dLLM (default: self "
-                    "draft).")),
+                    "draft); dflash: a DFlash drafter directory (default: the one shipped for the model).")),
     "draft_adapter": (Optional[str], typer.Option(None, "--draft-adapter", help="simsd: an adapter for the draft "
                       "model.")),
     "device": (str, DEVICE),

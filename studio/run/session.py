@@ -156,11 +156,13 @@ class Prepared:
 
 def prepare(engine: Engine, strategy: Strategy, *, view: Engine | None = None) -> Prepared:
     """Everything a run of `strategy` on `engine` needs before its clock starts: the strategy's adapter (`view`, the
-    adapter view a caller chose, else the one shipped for the strategy unless the engine has a fixed choice), the
+    adapter view a caller chose, else the one shipped for the strategy unless the engine has a fixed choice), what the
+    strategy loads itself (`Strategy.ready`: DFlash's drafter), the
     machine's forward costs for a cost-aware strategy (measured here when none are stored: `costs_pending` says so
     first), and packed weights for a strategy whose forwards score many rows. Cheap after the first call for the
     same engine and strategy."""
     view = view or engine.for_strategy(strategy.name)
+    strategy.ready(view)
     costs = planning_costs(view) if strategy.plans_drafts else None
     if strategy.wide_forwards:
         pack_weights(view.model)

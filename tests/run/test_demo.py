@@ -30,9 +30,9 @@ def mdm_shipped(tmp_path, monkeypatch):
     Trainable(engine.model, r=2, alpha=4).save(path, adapted_rows="all", attention="bidirectional")
     (path / shipped.META).write_text('model = "tiny-llama"\nstrategies = ["canvas"]\n')
     monkeypatch.setattr(shipped, "ADAPTERS_DIR", tmp_path)
-    shipped.shipped.cache_clear()
+    shipped._entries.cache_clear()
     yield tiny_engine("llama", vocab=16)
-    shipped.shipped.cache_clear()
+    shipped._entries.cache_clear()
 
 
 def test_the_demo_runs_canvas_on_the_shipped_mdm_adapter_against_ar_on_the_base_model(mdm_shipped, tmp_path):

@@ -5,6 +5,7 @@ from studio.engine.strategies.ar import AR
 from studio.engine.strategies.base import DecodeContext, Output, Strategy
 from studio.engine.strategies.blockdiff import BlockDiffusion
 from studio.engine.strategies.canvas import Canvas
+from studio.engine.strategies.dflash import DFlash
 from studio.engine.strategies.gemma_canvas import GemmaCanvas
 from studio.engine.strategies.isd import ISD, RISD
 from studio.engine.strategies.jacobi import Jacobi, JacobiMR
@@ -13,7 +14,7 @@ from studio.engine.strategies.s2d2 import S2D2
 from studio.engine.strategies.simsd import SimSD
 from studio.errors import BadInput
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (AR, ISD, RISD, Jacobi, JacobiMR, LookupTree,
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (AR, ISD, RISD, Jacobi, JacobiMR, LookupTree, DFlash,
                                                                       BlockDiffusion, S2D2, SimSD, Canvas, GemmaCanvas)}
 
 

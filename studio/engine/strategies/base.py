@@ -332,6 +332,10 @@ class Strategy:
         """Raise BadInput for out-of-range parameter values."""
 
     # -- what it needs: checked before a run starts (session.kv_length_needed), each refusal one line
+    def ready(self, engine) -> None:
+        """Load what its runs need besides the model and its adapter (DFlash's drafter), once, before any clock starts
+        (`session.prepare`); BadInput when it cannot."""
+
     @classmethod
     def fits(cls, config) -> bool:
         """Whether this strategy decodes a model of this kind at all (a one-line refusal, `misfit`, otherwise). A

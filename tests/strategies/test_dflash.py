@@ -1,0 +1,78 @@
+"""dflash: a DFlash drafter's block verified by the target. Greedy it is `ar` token for token (a chain and a tree,
+three families); sampled it keeps the model's law position by position, with a plan that changes along the run, on
+the real path (the drafter's context cache, the target's KV rollback, the tree's pruned rows)."""
+import pytest
+
+from studio.engine.sampling import SamplingParams
+from studio.engine.strategies import make_strategy
+from studio.errors import BadInput
+from studio.run.session import Settings, run_to_end
+from tests.strategies.test_default_laws import LENGTH, SAMPLING, conditionals
+from tests.support.dflash import tiny_drafter
+from tests.support.exact import PositionLaws, law_samples
+from tests.support.plans import CHAIN_MIXED, plan_with, planned
+from tests.support.tiny import FAMILIES, tiny_engine
+
+PROMPT = [1, 2, 3, 4, 1, 2]
+
+
+def dflash(path, **params):
+    s = make_strategy("dflash", params)
+    s.use_drafter(str(path))
+    return s
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_is_ar_as_a_chain_and_as_a_tree(tmp_path, family):
+    engine = tiny_engine(family, vocab=16, seed=3)
+    tiny_drafter(engine, tmp_path / "d", block=5, seed=1)
+    settings = Settings(max_new_tokens=40, sampling=SamplingParams(0.0))
+    ar = run_to_end(engine, make_strategy("ar"), settings, "", PROMPT)
+    assert len(set(ar.token_ids)) > 2
+    for params in ({"drafting": "fixed"}, {}, {"branches": 3, "drafting": "fixed"}):
+        r = run_to_end(engine, dflash(tmp_path / "d", **params), settings, "", PROMPT)
+        assert r.token_ids == ar.token_ids, params
+        proposes = [e for e in r.events if e["t"] == "propose"]
+        assert proposes and all(e["src"] == "draft_model" for e in proposes)
+        if params.get("branches"):
+            assert any(len(set(e["pos"])) < len(e["pos"]) for e in proposes)   # siblings share a position
+        if params.get("drafting") == "fixed":
+            verifies = [e for e in r.events if e["t"] == "forward" and e["role"] == "verify"]
+            assert verifies and max(e["n_tokens"] for e in verifies) >= 5   # (a trained drafter's accepts:
+            # tests/train/test_dflash_train.py)
+
+
+@pytest.mark.law
+@pytest.mark.parametrize("params,costs", [({}, CHAIN_MIXED), ({"branches": 3}, (1.0,) * 32)], ids=["chain", "tree"])
+def test_sampled_runs_keep_the_model_s_law(monkeypatch, tmp_path, params, costs):
+    """3,000 seeded runs (750 in `make test`) of 8 tokens (top-k and top-p on) against the exact conditionals. The chain's drafts are drawn
+    from the drafter's q, under costs that make its plan change along a run; the tree's are its top tokens, verified
+    by the multi-draft rule."""
+    plan_with(monkeypatch, costs)
+    engine = tiny_engine("llama", seed=11, vocab=8, dim=16, layers=1)
+    tiny_drafter(engine, tmp_path / "d", taps=(0,), block=4, seed=2)
+    laws, switched, accepted, trees = PositionLaws(LENGTH, 4), 0, 0, 0
+    n = law_samples(3000)
+    for seed in range(n):
+        r = run_to_end(engine, dflash(tmp_path / "d", **params),
+                       Settings(max_new_tokens=LENGTH, sampling=SAMPLING, seed=seed), "", PROMPT)
+        laws.add(r.token_ids, conditionals(engine.model, PROMPT, r.token_ids))
+        switched += len(set(planned(r))) > 1
+        accepted += any(e["t"] == "accept" for e in r.events)
+        trees += any(e["t"] == "propose" and len(set(e["pos"])) < len(e["pos"]) for e in r.events)
+    assert laws.impossible == 0 and laws.pvalue() > 0.01, laws.statistic()
+    assert switched > n // 10 and accepted > n // 5, (switched, accepted)
+    assert trees == (n if params else 0)
+
+
+def test_a_run_without_a_drafter_or_with_one_for_another_model_is_refused_in_one_line(tmp_path):
+    engine = tiny_engine("llama", vocab=16)
+    with pytest.raises(BadInput, match="dflash needs a drafter trained for 'tiny-llama'"):
+        run_to_end(engine, make_strategy("dflash"), Settings(max_new_tokens=4), "", PROMPT)
+    tiny_drafter(tiny_engine("llama", vocab=16, dim=64), tmp_path / "wide")
+    with pytest.raises(BadInput, match="64 wide"):
+        run_to_end(engine, dflash(tmp_path / "wide"), Settings(max_new_tokens=4), "", PROMPT)
+    for params, needle in (({"branches": 0}, "branches must be >= 1"), ({"rows": 1}, "rows must be >= 2"),
+                           ({"drafting": "x"}, "drafting must be")):
+        with pytest.raises(BadInput, match=needle):
+            make_strategy("dflash", params)
