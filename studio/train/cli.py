@@ -450,6 +450,84 @@ def tc_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("defaul
                f"({state['stopped']}), {time.perf_counter() - t0:.0f} s; use it with --adapter {out}")
 
 
+@train_app.command("dflash")
+def dflash_cmd(data: Path = DATA, out: Path = typer.Option(..., "--out", help="The drafter directory to write (the "
+                                                           "published layout, checkpointed as it trains)."),
+               model: str = typer.Option("default", "--model", help="The target (a causal model)."),
+               layers: int = typer.Option(1, "--layers", help="The drafter's layers (each the target's shape)."),
+               taps: Optional[str] = typer.Option(None, "--taps", help="The target layers it reads, e.g. 2,15,26 "
+                                                  "(default: the published rule, one per drafter layer)."),
+               block_size: int = typer.Option(16, "--block-size", help="B: the anchor and B - 1 drafts."),
+               anchors: int = typer.Option(16, "--anchors", help="Blocks trained per sequence per step."),
+               gamma: float = typer.Option(7.0, "--gamma", help="The loss's decay over a block's slots."),
+               mask_token: Optional[int] = typer.Option(None, "--mask-token", help="The token whose embedding fills "
+                                                        "the draft rows (default: the model's MASK, else its last)."),
+               steps: int = typer.Option(600, "--steps"), batch_size: int = BATCH,
+               lr: float = typer.Option(6e-4, "--lr"), seed: int = SEED, save_every: int = SAVE_EVERY,
+               time_budget: Optional[str] = BUDGET, resume: bool = RESUME, device: str = DEVICE, dtype: str = DTYPE):
+    """DFlash (arXiv 2602.06036): a small block-diffusion drafter conditioned on the target's tapped hidden states,
+    which are computed once per answer; only the drafter learns. A drafter for dflash (--draft-model OUT)."""
+    import time
+
+    from studio.engine.dflash import DrafterConfig
+    from studio.engine.engine import Engine
+    from studio.errors import BadInput
+    from studio.train import dflash
+    from studio.train.data import load_sequences
+
+    if layers < 1 or block_size < 2 or anchors < 1 or steps < 1 or batch_size < 1 or save_every < 1:
+        raise BadInput("--block-size must be >= 2; --layers, --anchors, --steps, --batch-size and --save-every >= 1")
+    if not gamma > 0 or not lr > 0:
+        raise BadInput("--gamma and --lr must be positive")
+    try:
+        tap_ids = None if taps is None else [int(t) for t in taps.split(",")]
+    except ValueError:
+        raise BadInput(f"--taps: expected layer numbers like 2,15,26, got {taps!r}") from None
+    budget = _parse_budget(time_budget)
+    if not resume and (out / "train_state.json").exists():
+        raise BadInput(f"{out} already holds a training run: --resume to continue it, or another --out")
+    seqs = load_sequences(data)   # a readable data directory, before the model loads
+    engine = Engine.load(model, adapter="none", device=device, dtype=dtype)
+    cfg_m = engine.config
+    if cfg_m.attention != "causal" or not cfg_m.logit_shift:
+        raise BadInput(f"{model!r} is not a causal AR model: a DFlash drafter drafts for one")
+    if tap_ids is not None and not all(0 <= t < cfg_m.n_layers for t in tap_ids):
+        raise BadInput(f"--taps: {model!r} has layers 0..{cfg_m.n_layers - 1}, got {taps}")
+    mask = mask_token if mask_token is not None else (cfg_m.mask_token_id if cfg_m.mask_token_id is not None
+                                                      else cfg_m.vocab_size - 1)
+    if not 0 <= mask < cfg_m.vocab_size:
+        raise BadInput(f"--mask-token must be a token id below {cfg_m.vocab_size}, got {mask}")
+    tap_ids = list(DrafterConfig.for_target(cfg_m, layers, tap_ids, block_size, mask).taps)   # (the default's)
+    cfg = dflash.DFlashConfig(layers=layers, taps=tap_ids, block_size=block_size, mask_token_id=mask,
+                              anchors=anchors, gamma=gamma, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
+                              save_every=save_every)
+    t0 = time.perf_counter()
+    with _progress() as bar:
+        report = _Report(bar)
+
+        def tick(r) -> None:
+            acc = " ".join(f"{a:.2f}" for a in r.accuracy[:4])
+            report.update("train", r.step, steps, f"loss {r.loss:.3f} · acc {acc} · lr {r.lr:.1e}", log_every=10)
+
+        try:
+            deadline = None if budget is None else t0 + budget
+            n = dflash.extract(engine.model, seqs, cfg.taps, out, cfg.max_len, report.update, deadline)
+            if n < len(seqs):
+                typer.echo(f"{out}: features of {n}/{len(seqs)} sequences within the time budget; continue with "
+                           "--resume")
+                return
+            left = None if budget is None else max(0.0, budget - (time.perf_counter() - t0))
+            state = dflash.train(engine.model, dflash.load_features(out), cfg, out,
+                                 resume=(out / "train_state.json").is_file(), time_budget_s=left, on_step=tick)
+        except KeyboardInterrupt:
+            bar.stop()
+            raise Interrupted(f"stopped; the features and the last checkpoint are kept in {out}: continue with "
+                              "--resume") from None
+    typer.echo(f"{out}: step {state['step']}/{steps} ({state['stopped']}), {time.perf_counter() - t0:.0f} s"
+               + (f"; use it with -s dflash --draft-model {out}" if state["stopped"] == "done"
+                  else "; continue with --resume"))
+
+
 def _init_path(init: Optional[Path]) -> Optional[str]:
     """--init as recorded in train_state.json: a shipped adapter's name or a directory, made absolute."""
     from studio.presets.shipped import adapter_path
