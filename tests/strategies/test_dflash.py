@@ -5,6 +5,7 @@ import pytest
 
 from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import make_strategy
+from studio.engine.strategies.dflash import DFlash
 from studio.errors import BadInput
 from studio.run.session import Settings, run_to_end
 from tests.strategies.test_default_laws import LENGTH, SAMPLING, conditionals
@@ -49,6 +50,13 @@ def test_sampled_runs_keep_the_model_s_law(monkeypatch, tmp_path, params, costs)
     from the drafter's q, under costs that make its plan change along a run; the tree's are its top tokens, verified
     by the multi-draft rule."""
     plan_with(monkeypatch, costs)
+    ready = DFlash.ready
+
+    def drafter_free(self, engine):   # a tiny drafter costs what its tiny target does: priced at nothing here, so
+        ready(self, engine)           # the chain's plan switches under CHAIN_MIXED as Jacobi's does
+        self.share = 0.0
+
+    monkeypatch.setattr(DFlash, "ready", drafter_free)
     engine = tiny_engine("llama", seed=11, vocab=8, dim=16, layers=1)
     tiny_drafter(engine, tmp_path / "d", taps=(0,), block=4, seed=2)
     laws, switched, accepted, trees = PositionLaws(LENGTH, 4), 0, 0, 0

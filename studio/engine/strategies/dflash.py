@@ -55,6 +55,7 @@ class DFlash(Strategy):
         super().__init__(params)
         self.drafter_dir: str | None = None   # --draft-model; None: the drafter shipped for the model
         self.drafter: Drafter | None = None
+        self.share = 0.0   # the drafter's forward against the target's (`ready`)
 
     @staticmethod
     def validate(p) -> None:
@@ -83,6 +84,11 @@ class DFlash(Strategy):
         weight = engine.model.lm_head.weight
         self.drafter = _drafter(str(path), str(weight.device), weight.dtype)
         self.drafter.config.check_target(engine.config, engine.name)
+        # the planner prices the drafter's forward of d drafts as this share of a target forward of 1 + d rows: its
+        # weights and the head's against the target's (the cost table prices the target's forwards only). An
+        # estimate, never a clock: a seeded run plans the same from one run to the next
+        count = lambda m: sum(p.numel() for p in m.parameters())   # noqa: E731
+        self.share = (count(self.drafter) + weight.numel()) / count(engine.model)
 
     # -- what it needs
     def _drafts(self) -> int:
@@ -134,7 +140,7 @@ class DFlash(Strategy):
             self.pending, _ = sample_token(logits[0], ctx.sampling, ctx.gen)
             ctx.emit([self.pending])
             return
-        draft_logits = self._draft(ctx)[:k]
+        draft_logits = self._draft(ctx, k)
         if self.params.branches > 1:
             self._tree_step(ctx, draft_logits)
         else:
@@ -147,13 +153,20 @@ class DFlash(Strategy):
         top = min(self._drafts(), room)
         if self.planner is None or top == 0:
             return top
-        b = self.params.branches
-        return self.planner.plan(lambda reach, cost: drafting.chain_rate(
-            reach, cost, ctx.clean_gate, None if b == 1 else min(self.params.rows, 1 + b * len(reach))), limit=top)
+        b, share = self.params.branches, self.share
 
-    def _draft(self, ctx: DecodeContext) -> torch.Tensor:
-        """The drafter's raw logits [B - 1, V] for the positions after `pending`: one forward of its block over the
-        context rows it has not seen (committed into its cache) and the context it has."""
+        def rate(reach, cost):
+            d = len(reach)
+            rows = None if b == 1 else min(self.params.rows, 1 + b * d)
+            with_draft = lambda n, gated: cost(n, gated) + (share * cost(1 + d, 0) if d else 0.0)   # noqa: E731
+            return drafting.chain_rate(reach, with_draft, ctx.clean_gate, rows)
+
+        return self.planner.plan(rate, limit=top)
+
+    def _draft(self, ctx: DecodeContext, k: int) -> torch.Tensor:
+        """The drafter's raw logits [k, V] for the k positions after `pending`: one forward of its block over the
+        context rows it has not seen (committed into its cache) and the context it has; the head reads only the k
+        rows the plan verifies."""
         context = torch.cat(self.unread, dim=1)
         self.unread = []
         L, C, B = self.dkv.length, context.shape[1], self.drafter.config.block_size
@@ -163,7 +176,7 @@ class DFlash(Strategy):
         positions = torch.arange(L, L + C + B, device=ctx.device)[None]
         with torch.inference_mode():
             hidden = self.drafter(context, ctx.model.model.embed_tokens(block), positions, kv=self.dkv)
-            return ctx.model.logits(hidden[0, 1:])
+            return ctx.model.logits(hidden[0, 1:1 + k])
 
     def _chain_step(self, ctx: DecodeContext, draft_logits: torch.Tensor) -> None:
         k, start = draft_logits.shape[0], ctx.n_out
