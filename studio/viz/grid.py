@@ -119,6 +119,8 @@ class _Step:
     row: Row
     touched: dict[int, dict[str, Any]] = field(default_factory=dict)
     emitted: dict[int, int] = field(default_factory=dict)
+    tree: dict[int, list[tuple[int, int]]] = field(default_factory=dict)   # pos -> a draft tree's (node, token)s
+    on_path: set[int] = field(default_factory=set)                         # the tree's accepted nodes
 
     def touch(self, pos: int, kind: str, st: State, **info: Any) -> None:
         """Event `kind` put `pos` in state `st`: the strongest state (PRIORITY) wins, its token with it; the
@@ -267,9 +269,14 @@ class GridBuilder:
 
     def _on_propose(self, s: _Step, e: Mapping[str, Any]) -> None:
         for i, p in enumerate(e["pos"]):
+            if e.get("parent") is not None:   # a draft tree (schema 1.3): siblings share a position
+                s.tree.setdefault(p, []).append((i, e["tok"][i]))
+                if len(s.tree[p]) > 1:        # the cell shows the first candidate; the rest are its branches
+                    continue
             s.touch(p, "propose", State.PROPOSED, tok=e["tok"][i], q=_at(e["q"], i), src=e["src"])
 
     def _on_accept(self, s: _Step, e: Mapping[str, Any]) -> None:
+        s.on_path.update(e.get("node") or ())
         for i, p in enumerate(e["pos"]):
             s.touch(p, "accept", State.ACCEPTED, tok=e["tok"][i], p=_at(e["p"], i), q=_at(e["q"], i))
 
@@ -341,7 +348,9 @@ class GridBuilder:
                     draft_q=c.get("draft_q"), src=c.get("src"),
                     kinds=tuple(c["kinds"]) + (("emit",) if emitted else ()), emitted=emitted,
                     committed_step=s.step if emitted else None, filled_step=c.get("filled_step"),
-                    old=old, old_text=text_of(None, old), guess=guess, guess_text=text_of(None, guess))
+                    old=old, old_text=text_of(None, old), guess=guess, guess_text=text_of(None, guess),
+                    branches=tuple((t, text_of(None, t), node in s.on_path) for node, t in s.tree.get(pos, ())
+                                   if len(s.tree[pos]) > 1))
         if cell.filled_step is None and state not in (State.MASKED, State.NOISE):
             cell.filled_step = self._held_filled_step(pos)   # e.g. the emit of a token filled earlier
         return cell

@@ -35,6 +35,9 @@ class Cell:
     old_text: str | None = None
     guess: int | None = None        # a guess (propose) the noise of a remask at the same step replaced
     guess_text: str | None = None
+    # a draft tree's candidates at this position when its step verified more than one (siblings in the trie): each
+    # (token, text, on the accepted path), in the order they were tried
+    branches: tuple[tuple[int, str | None, bool], ...] = ()
 
     @property
     def ratio(self) -> float | None:
@@ -77,6 +80,9 @@ class Cell:
             lines.append(f"confidence {_fmt(self.conf)}")
         if self.src:
             lines.append(f"proposed by {self.src}")
+        if self.branches:
+            lines.append(f"draft tree: {len(self.branches)} candidates here")
+            lines += [f"  {_token(t, text)} " + ("accepted path" if kept else "pruned") for t, text, kept in self.branches]
         if self.filled_step is not None and "unmask" not in self.kinds and "edit" not in self.kinds:
             lines.append(f"filled at step {self.filled_step}")
         if self.emitted:

@@ -65,7 +65,8 @@ def row_html(grid: Grid, step: int) -> str:
         empty = c.state is State.EMPTY
         cls = f"c s-{c.state.value}" + (" held" if c.held else "") + (" em" if c.emitted else "") + edges.get(p, "")
         tip = "\n".join([f"step {step} · position {p}"] + (["empty"] if empty else c.describe()))
-        parts.append(f'<span class="{cls}" data-pos="{p}" title="{esc(tip)}">{"" if empty else c.glyph}</span>')
+        tree = f'<sup class="br">{len(c.branches)}</sup>' if c.branches else ""   # a draft tree's branch point
+        parts.append(f'<span class="{cls}" data-pos="{p}" title="{esc(tip)}">{"" if empty else c.glyph}{tree}</span>')
     if quiet < hi:
         n, what = hi - quiet, label(tail_state)
         parts.append(f'<span class="cb s-{tail_state.value}" data-lo="{quiet}" data-n="{n}" '
@@ -332,6 +333,9 @@ CSS = f"""
 .c {{ flex: none; display: inline-block; box-sizing: border-box; width: {CELL_PX}px; height: {CELL_PX}px;
       line-height: {CELL_PX - 2}px; text-align: center; border: 1px solid #fff; font-size: 10px; cursor: pointer; }}
 .c.em {{ font-weight: bold; }}
+.c {{ position: relative; }}
+.c sup.br {{ position: absolute; top: -3px; right: 0; font-size: 8px; line-height: 8px; color: #000;
+            background: #F0E442; border-radius: 2px; padding: 0 1px; }}   /* a draft tree's candidates here */
 .c.b {{ border-top-color: #222; border-bottom-color: #222; }}
 .c.bl {{ border-left-color: #222; }} .c.br {{ border-right-color: #222; }}
 .cb {{ flex: none; display: inline-block; height: {CELL_PX - 2}px; margin: 1px 0; cursor: pointer; }}

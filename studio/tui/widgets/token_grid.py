@@ -134,6 +134,8 @@ class TokenGrid(Widget, can_focus=True):
             if p == self.cursor:
                 style = f"{style} reverse" if style else "reverse"
             label = visible_token(cell.text, cell.tok, TEXT_WIDTH) if cell.state not in NO_TEXT else ""
+            if cell.branches:   # a draft tree's branch point: its candidates' count after the shown token
+                label = visible_token(cell.text, cell.tok, TEXT_WIDTH - 2) + f"⑂{min(len(cell.branches), 9)}"
             cells.append((BLOCK_MARK if p in marks else " ", marks.get(p, ""), f"{cell.glyph}{label:<{TEXT_WIDTH}}",
                           style))
         key = (per_row, tuple(cells))
