@@ -47,7 +47,8 @@ def demo_configs(strategies: str | None, max_new_tokens: int, model: str = "defa
     if strategies is None or strategies.strip() in ("", "all"):
         presets = set(list_presets("strategies"))
         strategies = ",".join(f"{name}-cpu" if f"{name}-cpu" in presets else name
-                              for name, cls in STRATEGIES.items() if cls.decodes_ar_models or shipped_for(model, name))
+                              for name, cls in STRATEGIES.items()
+                              if (cls.decodes_ar_models or shipped_for(model, name)) and cls.ready_for(model))
     out: dict[str, RunConfig] = {}
     for label, config in compare_configs(strategies, RunConfig(temperature=0.0, max_new_tokens=max_new_tokens)).items():
         out[label] = config

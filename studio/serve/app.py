@@ -159,11 +159,11 @@ async def _complete(http: HttpRequest, chat: bool, engine, default: RunConfig, *
 
 
 def _runnable(engine) -> list[str]:
-    """The strategies that fit the model, then the strategy presets whose strategy does (a preset named like its
-    strategy, once)."""
+    """The strategies that fit the model and find what they load by default (DFlash: a drafter shipped for it), then
+    the strategy presets whose strategy fits (a preset named like its strategy, once)."""
     from studio.engine.strategies import STRATEGIES
     from studio.run.config import presets_for
-    names = [n for n, s in STRATEGIES.items() if s.fits(engine.config)]
+    names = [n for n, s in STRATEGIES.items() if s.fits(engine.config) and s.ready_for(engine.name)]
     return names + [p for p in presets_for(engine.config) if p not in names]
 
 

@@ -332,6 +332,12 @@ class Strategy:
         """Raise BadInput for out-of-range parameter values."""
 
     # -- what it needs: checked before a run starts (session.kv_length_needed), each refusal one line
+    @classmethod
+    def ready_for(cls, model: str) -> bool:
+        """Whether a run on the model preset `model` finds what `ready` loads by default (DFlash: a drafter shipped
+        for it): the demo and the server's model list offer only such strategies."""
+        return True
+
     def ready(self, engine) -> None:
         """Load what its runs need besides the model and its adapter (DFlash's drafter), once, before any clock starts
         (`session.prepare`); BadInput when it cannot."""

@@ -50,10 +50,11 @@ class DFlash(Strategy):
                               tune=(1, 4))
         rows: int = param(32, "a tree's nodes at most, the anchor's row included: the verifying forward's width")
         drafting: str = param("auto", drafting.HELP, choices=drafting.DRAFTING, tune=True)
+        drafter: str = param("", "a DFlash drafter directory in the published layout (--draft-model); empty: the one "
+                                 "shipped for the model")
 
     def __init__(self, params: dict | None = None):
         super().__init__(params)
-        self.drafter_dir: str | None = None   # --draft-model; None: the drafter shipped for the model
         self.drafter: Drafter | None = None
         self.share = 0.0   # the drafter's forward against the target's (`ready`)
 
@@ -66,7 +67,12 @@ class DFlash(Strategy):
 
     def use_drafter(self, path: str) -> None:
         """Draft with the published DFlash drafter at `path` (`--draft-model`) instead of the shipped one."""
-        self.drafter_dir = path
+        self.params.drafter = str(path)
+
+    @classmethod
+    def ready_for(cls, model: str) -> bool:
+        from studio.presets.shipped import shipped_drafter
+        return shipped_drafter(model) is not None
 
     def ready(self, engine) -> None:
         from studio.engine.compiled import is_compiled
@@ -77,7 +83,7 @@ class DFlash(Strategy):
         if is_compiled(engine.model):
             raise BadInput("dflash with --compile: the drafter reads the target's layers through hooks, which a "
                            "compiled step does not call")
-        path = self.drafter_dir or shipped_drafter(engine.name)
+        path = self.params.drafter or shipped_drafter(engine.name)
         if path is None:
             raise BadInput(f"dflash needs a drafter trained for {engine.name!r}: give --draft-model DIR (a DFlash "
                            "drafter in the published layout) or train one with `dlm-studio train dflash`")
@@ -110,7 +116,7 @@ class DFlash(Strategy):
         return True
 
     def header_params(self) -> dict:
-        return dict(super().header_params(), drafter=self.drafter_dir or "shipped")
+        return dict(super().header_params(), drafter=self.params.drafter or "shipped")
 
     # -- decoding
     def start(self, ctx: DecodeContext, prompt: list[int]) -> None:
