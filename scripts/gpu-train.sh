@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # The training campaign of every shipped adapter in one short GPU run (docs/training.md#the-gpu-campaign):
-# self-distilled data at scale, then r-isd, jacobi, mdm + trajectory compression, isd and block, in that order, each
+# self-distilled data at scale, then r-isd, jacobi, mdm + trajectory compression, isd, block and the DFlash drafter,
+# in that order, each
 # from the shipped adapter and within its share of the time; then every new adapter is evaluated beside the shipped
 # one on held-out prompts, and the ones with a higher TPF at unchanged exactness are packed under $DIR/winners.
 # Each trainer checkpoints as it goes, so a run cut off at any point leaves usable adapters and their records.
 # `make gpu-train` runs it with the venv's Python; a GPU machine without the venv runs
 #   PYTHON=python3 scripts/gpu-train.sh
-# Knobs: SECONDS_PER_STAGE (the stage budgets, in order: data risd jacobi mdm tc isd block), STEPS_PER_STAGE (each
+# Knobs: SECONDS_PER_STAGE (the stage budgets, in order: data risd jacobi mdm tc isd block dflash), STEPS_PER_STAGE (each
 # trainer's step count, which sets its warmup and cosine: a budget that runs out first leaves the schedule part-way),
 # N_PROMPTS (prompts answered), MAX_NEW (their answer length), N_EVAL (held-out prompts per evaluation), STAGES,
 # MODEL, DEVICE, DTYPE, SHIPPED=0 (train from scratch and keep every adapter: a model with no shipped ones),
 # BATCH (training sequences per step), DATA_BATCH (prompts answered at once), JACOBI_BLOCK, CANVAS (the canvas
-# length trajectory compression records), EVAL_NEW (tokens per evaluated answer), DIR.
+# length trajectory compression records), EVAL_NEW (tokens per evaluated answer), DFLASH_TAPS, DIR.
 set -uo pipefail
 PYTHON=${PYTHON:-.venv/bin/python}
 MODEL=${MODEL:-default}
@@ -27,9 +28,10 @@ SHIPPED=${SHIPPED:-1}
 JACOBI_BLOCK=${JACOBI_BLOCK:-16}
 CANVAS=${CANVAS:-64}
 EVAL_NEW=${EVAL_NEW:-128}
-STAGES=" ${STAGES:-data risd jacobi mdm tc isd block eval} "
-read -r T_DATA T_RISD T_JACOBI T_MDM T_TC T_ISD T_BLOCK <<< "${SECONDS_PER_STAGE:-60 75 75 30 30 30 25}"
-read -r S_RISD S_JACOBI S_MDM S_TC S_ISD S_BLOCK <<< "${STEPS_PER_STAGE:-1000 600 400 400 400 400}"
+DFLASH_TAPS=${DFLASH_TAPS:-1,14,27}   # the target layers the drafter reads (the embedded model's 30)
+STAGES=" ${STAGES:-data risd jacobi mdm tc isd block dflash eval} "
+read -r T_DATA T_RISD T_JACOBI T_MDM T_TC T_ISD T_BLOCK T_DFLASH <<< "${SECONDS_PER_STAGE:-60 70 70 30 30 25 25 30}"
+read -r S_RISD S_JACOBI S_MDM S_TC S_ISD S_BLOCK S_DFLASH <<< "${STEPS_PER_STAGE:-1000 600 400 400 400 400 1500}"
 mkdir -p "$DIR"
 failed=0
 studio=("$PYTHON" -m studio)
@@ -80,12 +82,20 @@ wants isd && step isd "${train[@]}" idlm --out "$DIR/isd" --gate all --clean-los
 wants block && step block "${train[@]}" block --out "$DIR/block" --steps "$S_BLOCK" --lr 5e-4 \
   --time-budget "${T_BLOCK}s" $(init smollm2-block) $(resume "$DIR/block/train_state.json") "${shared[@]}"
 
+# the drafter from scratch (only it learns: the target's taps are computed once per answer); "shipped" is the one in
+# studio/presets/drafters, which the evaluation below measures beside it
+wants dflash && step dflash "${train[@]}" dflash --out "$DIR/dflash" --layers 2 --taps "$DFLASH_TAPS" --block-size 8 --gamma 4 \
+  --anchors 16 --steps "$S_DFLASH" --lr 1e-3 --time-budget "${T_DFLASH}s" $(resume "$DIR/dflash/train_state.json") \
+  "${shared[@]}"
+
 if wants eval; then
   # name, shipped adapter, the strategies it is for
   for row in "risd smollm2-risd r-isd" "jacobi none jacobi,jacobi-mr-cpu" "mdm smollm2-mdm canvas-cpu" \
-             "tc smollm2-mdm canvas-cpu" "isd smollm2-isd isd" "block smollm2-block s2d2-cpu,simsd-cpu"; do
+             "tc smollm2-mdm canvas-cpu" "isd smollm2-isd isd" "block smollm2-block s2d2-cpu,simsd-cpu" \
+             "dflash studio/presets/drafters/smollm2-dflash dflash"; do
     read -r name shipped strategies <<< "$row"
-    [ -e "$DIR/$name/adapter_config.json" ] || continue
+    [ -e "$DIR/$name/adapter_config.json" ] || [ -e "$DIR/$name/config.json" ] || continue
+    [ -e "$shipped" ] || [[ $shipped != */* ]] || shipped=none   # no drafter shipped for this model
     ev=("${studio[@]}" train eval --n-prompts "$N_EVAL" --max-new-tokens "$EVAL_NEW" -s "$strategies" --json "${common[@]}")
     step "eval-$name" "${ev[@]}" "$DIR/$name"
     if [ "$SHIPPED" = 1 ] && [ "$shipped" != none ]; then

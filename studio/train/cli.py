@@ -548,9 +548,12 @@ def eval_cmd(
     device: str = DEVICE,
     dtype: str = DTYPE,
 ):
-    """TPF, acceptance by draft position, tok/s vs ar and agreement with ar on held-out prompts (greedy)."""
+    """TPF, acceptance by draft position, tok/s vs ar and agreement with ar on held-out prompts (greedy). ADAPTER may
+    also be a DFlash drafter (`train dflash`): its strategy is dflash on the plain model."""
+    import dataclasses
     import json
 
+    from studio.engine.dflash import is_drafter_dir
     from studio.presets.shipped import adapter_path
     from studio.run.compare import compare_configs
     from studio.run.config import RunConfig
@@ -561,10 +564,15 @@ def eval_cmd(
     if n_prompts < 1 or max_new_tokens < 1:
         raise BadInput("--n-prompts and --max-new-tokens must be >= 1")
     path = adapter_path(adapter)
-    configs = evaluate.measuring_every_slot(compare_configs(strategies or evaluate.default_runs(path),
-                                                            RunConfig(temperature=0.0, max_new_tokens=max_new_tokens)))
+    drafter = is_drafter_dir(path)
+    configs = compare_configs(strategies or ("dflash" if drafter else evaluate.default_runs(path)),
+                              RunConfig(temperature=0.0, max_new_tokens=max_new_tokens))
+    if drafter:   # every dflash run drafts with it
+        configs = {label: dataclasses.replace(c, params={**c.params, "drafter": path}) if c.build()[0].name == "dflash"
+                   else c for label, c in configs.items()}
+    configs = evaluate.measuring_every_slot(configs)
     texts = builtin.read_prompt_file(prompts) if prompts else builtin.eval_prompts(n_prompts)
-    engine = Engine.load(model, adapter=path, device=device, dtype=dtype)
+    engine = Engine.load(model, adapter="none" if drafter else path, device=device, dtype=dtype)
     with _progress() as bar:
         report, done = _Report(bar), iter(range(1, len(texts) * len(configs) + 1))
 
