@@ -15,6 +15,7 @@ from studio.engine import kernels
 from studio.engine.graphs import WIDE, GraphRunner
 from studio.engine.moe import MoE
 from studio.engine.cost_table import FLAT_COSTS, CostTable
+from studio.engine.draft_tree import DraftTree, TreeVerdict, verify as walk_tree
 from studio.engine.oracle import oracle_chain
 from studio.engine.sampling import ChainResult, Proposal, SamplingParams, verify_chain
 from studio.errors import BadInput
@@ -266,6 +267,26 @@ class DecodeContext:
             res = verify_chain(drafts, p, q, proposal, sampling, self.gen, **rule)
         self._report_chain(pos, drafts, res, forced, None if logits is None else logits[0])
         return res
+
+    def verify_tree(self, tree: DraftTree, pending: int, src: str, forward=None) -> TreeVerdict:
+        """One forward over [pending] + a draft tree (`draft_tree`: positions by depth, each node seeing its ancestors),
+        the walk that verifies it, the K/V of the pending token and the accepted path kept (the rest rolled back), and
+        the events: `propose` with the tree's parents, `accept` with the path's nodes, `bonus` or `resample`. The
+        caller emits the accepted tokens and the verdict's next one. `forward` (default: this context's) runs the
+        forward, for a strategy that reads more of it than the logits."""
+        L, start = self.kv.length, self.n_out
+        self.event("propose", pos=[start - 1 + d for d in tree.depths()], tok=tree.tokens, q=[1.0] * len(tree),
+                   src=src, parent=tree.parents)
+        logits = (forward or self.forward)("verify", [pending] + tree.tokens, tree.positions(L),
+                                           mask=tree.attention_mask(L, device=self.device))
+        v = walk_tree(tree, logits, self.sampling, self.gen)
+        self.keep([0] + [1 + i for i in v.accepted])
+        accepted = [tree.tokens[i] for i in v.accepted]
+        if accepted:
+            self.event("accept", pos=list(range(start, start + len(accepted))), tok=accepted, p=v.p,
+                       q=[1.0] * len(accepted), node=v.accepted)
+        self.event("bonus" if v.bonus else "resample", pos=start + len(accepted), tok=v.next_token)
+        return v
 
     def _report_chain(self, pos: list[int], drafts: list[int], res: ChainResult, forced: int,
                       target_logits: torch.Tensor | None) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from studio.engine.dflash import WEIGHTS, Drafter, load_drafter
-from studio.engine.draft_tree import DraftTree, verify as verify_tree
+from studio.engine.draft_tree import DraftTree
 from studio.engine.sampling import Proposal, process_logits, sample, sample_token
 from studio.engine.strategies import drafting
 from studio.engine.strategies.base import DecodeContext, Strategy
@@ -212,26 +212,19 @@ class DFlash(Strategy):
         ctx.emit(new)
 
     def _tree_step(self, ctx: DecodeContext, draft_logits: torch.Tensor) -> None:
-        tree = self._tree(draft_logits)
-        L, start = ctx.kv.length, ctx.n_out
-        depths = tree.depths()
-        ctx.event("propose", pos=[start - 1 + d for d in depths], tok=tree.tokens, q=[1.0] * len(tree),
-                  src="draft_model", parent=tree.parents)
-        logits, hidden = self._forward(ctx, "verify", [self.pending] + tree.tokens, tree.positions(L),
-                                       mask=tree.attention_mask(L, device=ctx.device))
-        v = verify_tree(tree, logits, ctx.sampling, ctx.gen)
+        tree, taps = self._tree(draft_logits), []
+
+        def forward(*args, **kwargs):   # the tree's forward, its tapped rows kept for the drafter
+            logits, hidden = self._forward(ctx, *args, **kwargs)
+            taps.append(hidden)
+            return logits
+
+        v = ctx.verify_tree(tree, self.pending, "draft_model", forward)
         if self.planner is not None:   # the chain's slots: how deep the walk went of how deep the tree is
-            self.planner.observe(max(depths), len(v.accepted))
-        kept = [0] + [1 + i for i in v.accepted]
-        ctx.keep(kept)
-        self.unread.append(hidden[:, kept])
-        accepted = [tree.tokens[i] for i in v.accepted]
-        if accepted:
-            ctx.event("accept", pos=list(range(start, start + len(accepted))), tok=accepted, p=v.p,
-                      q=[1.0] * len(accepted), node=v.accepted)
-        ctx.event("bonus" if v.bonus else "resample", pos=start + len(accepted), tok=v.next_token)
+            self.planner.observe(max(tree.depths()), len(v.accepted))
+        self.unread.append(taps[0][:, [0] + [1 + i for i in v.accepted]])
         self.pending = v.next_token
-        ctx.emit(accepted + [v.next_token])
+        ctx.emit([tree.tokens[i] for i in v.accepted] + [v.next_token])
 
     def _tree(self, draft_logits: torch.Tensor) -> DraftTree:
         """The chain of the drafter's argmax tokens, and under each of its nodes' parents the slot's next

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from studio.engine.draft_tree import DraftTree, verify
+from studio.engine.draft_tree import DraftTree
 from studio.engine.sampling import sample_token
 from studio.engine.strategies import lookup as prompt_lookup
 from studio.engine.strategies.base import DecodeContext, Strategy
@@ -63,21 +63,9 @@ class LookupTree(Strategy):
             self.pending, _ = sample_token(logits[0], ctx.sampling, ctx.gen)
             ctx.emit([self.pending])
             return
-        L, start = ctx.kv.length, ctx.n_out
-        depths = tree.depths()
-        ctx.event("propose", pos=[start - 1 + d for d in depths], tok=tree.tokens, q=[1.0] * len(tree), src="ngram",
-                  parent=tree.parents)
-        logits = ctx.forward("verify", [self.pending] + tree.tokens, tree.positions(L),
-                             mask=tree.attention_mask(L, device=ctx.device))
-        v = verify(tree, logits, ctx.sampling, ctx.gen)
-        ctx.keep([0] + [1 + i for i in v.accepted])
-        accepted = [tree.tokens[i] for i in v.accepted]
-        if accepted:
-            ctx.event("accept", pos=list(range(start, start + len(accepted))), tok=accepted, p=v.p,
-                      q=[1.0] * len(accepted), node=v.accepted)
-        ctx.event("bonus" if v.bonus else "resample", pos=start + len(accepted), tok=v.next_token)
+        v = ctx.verify_tree(tree, self.pending, "ngram")
         self.pending = v.next_token
-        ctx.emit(accepted + [v.next_token])
+        ctx.emit([tree.tokens[i] for i in v.accepted] + [v.next_token])
 
     def _tree(self) -> DraftTree:
         """The candidates' trie, cut to `rows` - 1 nodes (the root's row is the forward's first)."""
