@@ -4,8 +4,8 @@ Reads DIR/eval-NAME.out (the new adapter's `train eval --json`) and DIR/eval-NAM
 the same held-out prompts). A new adapter wins when its strategies' mean TPF is higher and it is as exact: no fewer
 outputs identical to their reference on any strategy, and (canvas, which makes no exactness promise) a token
 agreement no more than a point lower. With nothing shipped to beat, it wins when every output equals its reference.
-Winners are packed (`train pack`, bf16; a DFlash drafter in its published layout, bf16) as DIR/winners/<shipped name>;
-DIR/winners.md has the table.
+Winners are packed (`train pack`, bf16: an adapter, or a DFlash drafter in its published layout) as
+DIR/winners/<shipped name>; DIR/winners.md has the table.
 """
 from __future__ import annotations
 
@@ -45,22 +45,6 @@ def verdict(new: dict, old: dict | None) -> tuple[bool, str]:
     return True, f"TPF {new['tpf']:.2f}" + ("" if old is None else f" > shipped {old['tpf']:.2f}")
 
 
-def pack_drafter(src: Path, out: Path, description: str) -> None:
-    """A shippable copy of a drafter (studio/presets/drafters/NAME): bf16 weights, its record, a studio.toml."""
-    import shutil
-
-    import torch
-
-    from studio.engine.dflash import load_drafter, save_drafter
-    state = json.loads((src / "train_state.json").read_text())
-    target_layers = json.loads((src / "config.json").read_text())["num_target_layers"]
-    save_drafter(load_drafter(src), out, target_layers, dtype=torch.bfloat16)
-    for record in ("train_state.json", "train_log.jsonl"):
-        shutil.copy(src / record, out / record)
-    (out / "studio.toml").write_text(f'model = "default"\nstrategies = ["dflash"]\ndescription = "{description} '
-                                     f'(step {state["step"]})"\n', encoding="utf-8")
-
-
 def main(root: Path) -> int:
     lines = ["| adapter | new TPF | shipped TPF | verdict |", "|---|---|---|---|"]
     best: dict[str, tuple[float, str]] = {}
@@ -79,9 +63,6 @@ def main(root: Path) -> int:
     for shipped, (_, name) in best.items():
         out = root / "winners" / shipped
         if out.exists():
-            continue
-        if name == "dflash":
-            pack_drafter(root / name, out, f"{shipped}: trained by scripts/gpu-train.sh")
             continue
         subprocess.run([sys.executable, "-m", "studio", "train", "pack", str(root / name), str(out), "--strategies",
                         SHIPPED_AS[name][1], "--description", f"{shipped}: trained by scripts/gpu-train.sh"],

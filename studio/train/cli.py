@@ -590,7 +590,7 @@ def eval_cmd(
 
 @train_app.command("pack")
 def pack_cmd(
-    adapter: Path = typer.Argument(..., help="A trained adapter directory."),
+    adapter: Path = typer.Argument(..., help="A trained adapter (or DFlash drafter) directory."),
     out: Path = typer.Argument(..., help="Where to write the packed copy (must not exist)."),
     dtype: str = typer.Option("bf16", "--dtype", help="bf16 | fp16 | fp32: the stored weights' type."),
     strategies: Optional[str] = typer.Option(None, "--strategies",
@@ -599,13 +599,15 @@ def pack_cmd(
     description: str = typer.Option("", "--description", help="studio.toml: one line about it."),
 ):
     """A compact, shippable copy of an adapter: the PEFT files with weights in --dtype, the training
-    record (train_state.json, train_log.jsonl) alongside, optimizer moments left out."""
+    record (train_state.json, train_log.jsonl) alongside, optimizer moments left out. A DFlash drafter (`train
+    dflash`) is packed the same way, in its published layout."""
     import json
     import shutil
 
     import torch
     from safetensors.torch import save_file
 
+    from studio.engine.dflash import CONFIG, WEIGHTS, is_drafter_dir, load_drafter
     from studio.engine.lora import CONFIG_FILE, WEIGHTS_FILE, read_adapter
     from studio.engine.lazy_tensors import read_safetensors
     from studio.errors import BadInput
@@ -613,13 +615,15 @@ def pack_cmd(
     types = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     if dtype not in types:
         raise BadInput(f"--dtype must be one of {', '.join(types)}, got {dtype!r}")
-    read_adapter(adapter)                      # a valid adapter, or one line and exit 2
+    drafter = is_drafter_dir(adapter)
+    config, weights = (CONFIG, WEIGHTS) if drafter else (CONFIG_FILE, WEIGHTS_FILE)
+    load_drafter(adapter) if drafter else read_adapter(adapter)   # a valid one, or one line and exit 2
     if out.exists():
         raise BadInput(f"{out} exists: choose a new directory")
     out.mkdir(parents=True)
-    tensors = {k: v.to(types[dtype]).contiguous() for k, v in read_safetensors(adapter / WEIGHTS_FILE).items()}
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    shutil.copy(adapter / CONFIG_FILE, out / CONFIG_FILE)
+    tensors = {k: v.to(types[dtype]).contiguous() for k, v in read_safetensors(adapter / weights).items()}
+    save_file(tensors, str(out / weights), metadata={"format": "pt"})
+    shutil.copy(adapter / config, out / config)
     for f in ("train_state.json", "train_log.jsonl"):
         if (adapter / f).is_file():
             shutil.copy(adapter / f, out / f)
@@ -627,5 +631,5 @@ def pack_cmd(
         names = [s.strip() for s in strategies.split(",") if s.strip()]
         (out / "studio.toml").write_text(f"model = {json.dumps(model)}\nstrategies = {json.dumps(names)}\n"
                                          f"description = {json.dumps(description)}\n", encoding="utf-8")
-    size = (out / WEIGHTS_FILE).stat().st_size / 1e6
+    size = (out / weights).stat().st_size / 1e6
     typer.echo(f"{out}: {len(tensors)} tensors in {dtype}, {size:.1f} MB")

@@ -33,7 +33,7 @@ from studio.engine.taps import LayerTaps
 from studio.errors import BadInput
 from studio.interrupts import uninterruptible
 from studio.train.data import Sequence
-from studio.train.trainer import LOG, STATE_JSON, STATE_TENSORS, batch_for_step, lr_at
+from studio.train.trainer import LOG, STATE_JSON, STATE_TENSORS, batch_for_step, begin_step
 
 FEATURES = "features"
 SHARD = 64   # sequences per feature shard
@@ -188,10 +188,7 @@ def train(target, feats: list[Features], cfg: DFlashConfig, out: Path, resume: b
                 state["stopped"] = "time budget"
                 break
             t0 = time.perf_counter()
-            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-            lr = lr_at(cfg, step)
-            for g in opt.param_groups:
-                g["lr"] = lr
+            gen, lr = begin_step(opt, cfg, step)
             opt.zero_grad(set_to_none=True)
             total, hits, counts, rows = 0.0, 0.0, 0.0, 0
             batch = [b for f in batch_for_step(feats, cfg, step) if (b := make_blocks(f, cfg, gen)) is not None]
@@ -240,9 +237,12 @@ def _start(target, cfg: DFlashConfig, out: Path, resume: bool) -> tuple[Drafter,
         torch.manual_seed(cfg.seed)
         drafter = Drafter(DrafterConfig.for_target(target.config, cfg.layers, cfg.taps, cfg.block_size,
                                                    cfg.mask_token_id))
-        for name, p in drafter.named_parameters():   # Hugging Face's initialisation: N(0, 0.02), norms at 1
-            with torch.no_grad():
-                p.normal_(0.0, 0.02) if p.dim() == 2 else p.fill_(1.0)
+        with torch.no_grad():   # Hugging Face's initialisation: N(0, 0.02), norms at 1
+            for p in drafter.parameters():
+                if p.dim() == 2:
+                    p.normal_(0.0, 0.02)
+                else:
+                    p.fill_(1.0)
         out.mkdir(parents=True, exist_ok=True)
         (out / LOG).write_text("", encoding="utf-8")
         state = {"config": asdict(cfg), "step": 0}

@@ -69,6 +69,15 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
+def begin_step(opt, cfg, step: int) -> tuple[torch.Generator, float]:
+    """Step `step`'s learning rate set on `opt`, and its generator: a pure function of (seed, step), so a resumed
+    run draws what an uninterrupted one does."""
+    lr = lr_at(cfg, step)
+    for g in opt.param_groups:
+        g["lr"] = lr
+    return torch.Generator().manual_seed(cfg.seed * 1_000_003 + step), lr
+
+
 def batch_for_step(seqs: list[Sequence], cfg: TrainConfig, step: int) -> list[Sequence]:
     """The sequences of step `step`: epochs of seeded permutations, a pure function of (seed, step)."""
     n = len(seqs)
@@ -117,12 +126,9 @@ def train(model, seqs: list[Sequence], objective: Objective, cfg: TrainConfig, o
                 state["stopped"] = "time budget"
                 break
             t0 = time.perf_counter()
-            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+            gen, lr = begin_step(opt, cfg, step)
             width = objective.block_width(step / cfg.steps)
             batch = objective.make_batch(batch_for_step(seqs, cfg, step), cfg.rows_per_seq, step / cfg.steps, gen)
-            lr = lr_at(cfg, step)
-            for g in opt.param_groups:
-                g["lr"] = lr
             trainable.bind()
             losses = objective.loss(model, batch, n_slots)
             opt.zero_grad(set_to_none=True)

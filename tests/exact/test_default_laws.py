@@ -5,7 +5,7 @@ writes LENGTH tokens, long enough for a cost-aware plan to change along it; the 
 against the exact conditionals of the model the run says it decodes (`PositionLaws`). `ar` is the control, and `isd`,
 which decodes the adapted model, doubles as the power check: its samples against the base model's law must fail.
 
-About 30 minutes on a 2-core machine for the eight cases (`make test-exact`, which `.ci/run` runs after `make test`):
+About 37 minutes on a 2-core machine for the ten cases (`make test-exact`, which `.ci/run` runs after `make test`):
 DLM_EXACT=1 runs them, DLM_EXACT_SAMPLES sets the sample count (600 by default), and with DLM_EXACT_REPORT=FILE each
 strategy appends its line (p, samples, the plans its runs made) to FILE."""
 import os
@@ -38,6 +38,8 @@ CASES = {
     "jacobi-mr": ("jacobi-mr", {}),
     "s2d2 policy=always": ("s2d2", {"policy": "always"}),   # S2D2 is exact on the tokens its verifier decides
     "simsd": ("simsd", {}),
+    "dflash": ("dflash", {}),                      # the shipped drafter's chain: sampled drafts against its q
+    "dflash branches=3": ("dflash", {"branches": 3}),   # its draft tree: the multi-draft rule
 }
 
 

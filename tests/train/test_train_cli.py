@@ -33,6 +33,9 @@ def test_a_prompt_file_with_a_held_out_prompt_is_refused(tmp_path):
     (["jacobi", "--data", "d", "--out", "o", "--block-size", "8", "--rows", "4"], "--rows must hold a whole block"),
     (["jacobi", "--data", "d", "--out", "o", "--resume"], "nothing to resume in o"),
     (["jacobi", "--data", "nowhere", "--out", "o"], "not a training-data directory"),
+    (["dflash", "--data", "d", "--out", "o", "--taps", "1,x"], "--taps: expected layer numbers"),
+    (["dflash", "--data", "d", "--out", "o", "--block-size", "1"], "--block-size must be >= 2"),
+    (["dflash", "--data", "nowhere", "--out", "o"], "not a training-data directory"),
 ])
 def test_bad_training_arguments_are_one_line_errors(tmp_path, args, needle):
     assert_one_line_error(cli("train", *args, cwd=tmp_path), needle)
@@ -167,3 +170,30 @@ def test_train_tc_compresses_the_shipped_canvas_adapter_s_trajectories(tmp_path,
     run = json.loads(cli("run", "Name two planets.", "--preset", "canvas-cpu", "--adapter", str(out),
                          "--max-new-tokens", "16", "--json", check_rc=0).stdout)
     assert run["model"]["adapter"] == str(out) and run["token_ids"]
+
+
+@pytest.mark.slow
+def test_dflash_trains_a_drafter_that_run_eval_and_compare_read(tmp_path, embedded_data):
+    """train dflash on the embedded model (the features, two steps), then the drafter in the published layout drives
+    `run -s dflash --draft-model` (ar's tokens), `train eval DRAFTER` and a refusal of a model it was not made for."""
+    out = tmp_path / "drafter"
+    r = cli("train", "dflash", "--data", str(embedded_data), "--out", str(out), "--steps", "2", "--batch-size", "2",
+            "--anchors", "2", "--block-size", "4", "--layers", "1", "--taps", "3,20", check_rc=0)
+    assert "step 2/2 (done)" in r.stdout and f"--draft-model {out}" in r.stdout
+    assert json.loads((out / "config.json").read_text())["dflash_config"]["target_layer_ids"] == [3, 20]
+    prompt = "Name two planets."
+    ar = json.loads(cli("run", prompt, "-s", "ar", "--max-new-tokens", "12", "--json", check_rc=0).stdout)
+    run = json.loads(cli("run", prompt, "-s", "dflash", "-p", "drafting=fixed", "--draft-model", str(out),
+                         "--max-new-tokens", "12", "--json", check_rc=0).stdout)
+    assert run["token_ids"] == ar["token_ids"] and run["params"]["drafter"] == str(out)
+    report = json.loads(cli("train", "eval", str(out), "--n-prompts", "1", "--max-new-tokens", "8", "--json",
+                            check_rc=0).stdout)
+    assert [row["label"] for row in report["rows"]] == ["ar", "dflash"] and report["rows"][1]["identical_prompts"] == 1
+    assert_one_line_error(cli("run", prompt, "-s", "dflash", "--draft-model", str(out), "--model",
+                              "random:qwen3-0.6b@1"), "wide")
+    cli("train", "pack", str(out), str(tmp_path / "packed"), "--strategies", "dflash", check_rc=0)
+    from studio.engine.dflash import load_drafter
+    from studio.engine.lazy_tensors import read_safetensors
+    assert {str(t.dtype) for t in read_safetensors(tmp_path / "packed" / "model.safetensors").values()} == \
+        {"torch.bfloat16"}
+    assert load_drafter(tmp_path / "packed").config == load_drafter(out).config
