@@ -35,6 +35,8 @@ def test_greedy_is_ar_as_a_chain_and_as_a_tree(tmp_path, family):
         assert r.token_ids == ar.token_ids, params
         proposes = [e for e in r.events if e["t"] == "propose"]
         assert proposes and all(e["src"] == "draft_model" for e in proposes)
+        verifies = {e["step"] for e in r.events if e["t"] == "forward" and e["role"] == "verify"}
+        assert {e["step"] for e in proposes} == verifies   # each proposal in the step of the forward verifying it
         if params.get("branches"):
             assert any(len(set(e["pos"])) < len(e["pos"]) for e in proposes)   # siblings share a position
         if params.get("drafting") == "fixed":

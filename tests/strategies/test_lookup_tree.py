@@ -25,6 +25,8 @@ def test_greedy_is_ar_with_fewer_forwards_and_trees_with_siblings(family):
     assert len(forwards) < len(ar.token_ids)
     proposes = [e for e in tree.events if e["t"] == "propose"]
     assert any(len(set(e["pos"])) < len(e["pos"]) for e in proposes)   # siblings: drafts sharing a position
+    verifies = {e["step"] for e in tree.events if e["t"] == "forward" and e["role"] == "verify"}
+    assert {e["step"] for e in proposes} == verifies   # each tree in the step of the forward verifying it
     for e in proposes:
         assert all(-1 <= p < i for i, p in enumerate(e["parent"]))
     for e in (e for e in tree.events if e["t"] == "accept"):

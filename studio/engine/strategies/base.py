@@ -275,10 +275,10 @@ class DecodeContext:
         caller emits the accepted tokens and the verdict's next one. `forward` (default: this context's) runs the
         forward, for a strategy that reads more of it than the logits."""
         L, start = self.kv.length, self.n_out
-        self.event("propose", pos=[start - 1 + d for d in tree.depths()], tok=tree.tokens, q=[1.0] * len(tree),
-                   src=src, parent=tree.parents)
         logits = (forward or self.forward)("verify", [pending] + tree.tokens, tree.positions(L),
                                            mask=tree.attention_mask(L, device=self.device))
+        self.event("propose", pos=[start - 1 + d for d in tree.depths()], tok=tree.tokens, q=[1.0] * len(tree),
+                   src=src, parent=tree.parents)   # after the forward: an event belongs to the forward's step
         v = walk_tree(tree, logits, self.sampling, self.gen)
         self.keep([0] + [1 + i for i in v.accepted])
         accepted = [tree.tokens[i] for i in v.accepted]

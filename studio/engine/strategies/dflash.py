@@ -192,9 +192,9 @@ class DFlash(Strategy):
             q = process_logits(draft_logits, ctx.sampling)
             drafts, proposal = sample(q, ctx.gen).tolist(), Proposal.SAMPLED
         pos = list(range(start, start + k))
-        ctx.event("propose", pos=pos, tok=drafts, src="draft_model",
-                  q=[1.0] * k if q is None else q[torch.arange(k), drafts].tolist())
         logits, hidden = self._forward(ctx, "verify", [self.pending] + drafts)
+        ctx.event("propose", pos=pos, tok=drafts, src="draft_model",   # (the verifying forward's step)
+                  q=[1.0] * k if q is None else q[torch.arange(k), drafts].tolist())
         res = ctx.verify(pos, drafts, process_logits(logits[:k], ctx.sampling), q, proposal,
                          logits=(logits[:k], None if q is None else draft_logits))
         a = res.n_accepted
