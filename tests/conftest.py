@@ -104,3 +104,24 @@ def _tiny_models_plan_on_a_fixed_cost_table(request, monkeypatch):
         from studio.engine.cost_table import FLAT_COSTS
         monkeypatch.setattr("studio.run.session.cost_table", lambda engine: FLAT_COSTS)
         monkeypatch.setattr("studio.run.session.stored_table", lambda engine: FLAT_COSTS)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _drafters_for_the_tiny_models(tmp_path_factory):
+    """Every strategy runs on the tiny models in the tests that go through them all: `dflash` finds a drafter
+    "shipped" for tiny-llama, tiny-qwen2 and tiny-qwen3 at their default shape (random, one tap: a one-layer model
+    has it too), beside the real shipped ones."""
+    from studio.presets import shipped
+    from tests.support.dflash import tiny_drafter
+    from tests.support.tiny import FAMILIES, tiny_engine
+    root = tmp_path_factory.mktemp("drafters")
+    for d in shipped.DRAFTERS_DIR.iterdir():
+        if (d / shipped.META).is_file():
+            (root / d.name).symlink_to(d, target_is_directory=True)
+    for family in FAMILIES:
+        engine = tiny_engine(family)
+        tiny_drafter(engine, root / f"tiny-{family}", taps=(0,), block=4, mask=0)
+        (root / f"tiny-{family}" / shipped.META).write_text(f'model = "tiny-{family}"\nstrategies = ["dflash"]\n')
+    real, shipped.DRAFTERS_DIR = shipped.DRAFTERS_DIR, root
+    yield
+    shipped.DRAFTERS_DIR = real

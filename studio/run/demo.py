@@ -52,8 +52,10 @@ def demo_configs(strategies: str | None, max_new_tokens: int, model: str = "defa
     out: dict[str, RunConfig] = {}
     for label, config in compare_configs(strategies, RunConfig(temperature=0.0, max_new_tokens=max_new_tokens)).items():
         out[label] = config
-        if getattr(config.build()[0].params, "drafting", None) == "auto":
-            out[label + FIXED] = dataclasses.replace(config, params={**config.params, **PAPERS_LAYOUT})
+        params = config.build()[0].params
+        if getattr(params, "drafting", None) == "auto":   # (dflash copies nothing from the context: no `lookup`)
+            layout = {k: v for k, v in PAPERS_LAYOUT.items() if hasattr(params, k)}
+            out[label + FIXED] = dataclasses.replace(config, params={**config.params, **layout})
     return out
 
 

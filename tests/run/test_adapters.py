@@ -61,9 +61,9 @@ def shipped_dir(tmp_path, monkeypatch, two_adapters):
     a, _ = two_adapters
     (a / "studio.toml").write_text('model = "tiny-llama"\nstrategies = ["isd", "r-isd"]\n')
     monkeypatch.setattr(adapters, "ADAPTERS_DIR", tmp_path)
-    adapters.shipped.cache_clear()
+    adapters._entries.cache_clear()
     yield a
-    adapters.shipped.cache_clear()
+    adapters._entries.cache_clear()
 
 
 def test_a_shipped_adapter_is_used_for_its_strategies_only(shipped_dir):

@@ -1,6 +1,8 @@
 """dflash: a DFlash drafter's block verified by the target. Greedy it is `ar` token for token (a chain and a tree,
 three families); sampled it keeps the model's law position by position, with a plan that changes along the run, on
 the real path (the drafter's context cache, the target's KV rollback, the tree's pruned rows)."""
+import dataclasses
+
 import pytest
 
 from studio.engine.sampling import SamplingParams
@@ -76,8 +78,8 @@ def test_sampled_runs_keep_the_model_s_law(monkeypatch, tmp_path, params, costs)
 
 
 def test_a_run_without_a_drafter_or_with_one_for_another_model_is_refused_in_one_line(tmp_path):
-    engine = tiny_engine("llama", vocab=16)
-    with pytest.raises(BadInput, match="dflash needs a drafter trained for 'tiny-llama'"):
+    engine = dataclasses.replace(tiny_engine("llama", vocab=16), name="tiny-undrafted")   # nothing shipped for it
+    with pytest.raises(BadInput, match="dflash needs a drafter trained for 'tiny-undrafted'"):
         run_to_end(engine, make_strategy("dflash"), Settings(max_new_tokens=4), "", PROMPT)
     tiny_drafter(tiny_engine("llama", vocab=16, dim=64), tmp_path / "wide")
     with pytest.raises(BadInput, match="64 wide"):

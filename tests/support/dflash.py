@@ -6,10 +6,12 @@ import torch
 from studio.engine.dflash import Drafter, DrafterConfig, save_drafter
 
 
-def tiny_drafter(engine, path, layers: int = 1, taps=(0, 1), block: int = 4, seed: int = 0) -> Drafter:
-    """A random drafter for `engine`'s model (its width, MASK = the last vocab entry), saved at `path`."""
+def tiny_drafter(engine, path, layers: int = 1, taps=(0, 1), block: int = 4, seed: int = 0,
+                 mask: int | None = None) -> Drafter:
+    """A random drafter for `engine`'s model (its width; MASK: `mask`, else the last vocab entry), saved at `path`."""
     torch.manual_seed(seed)
-    cfg = DrafterConfig.for_target(engine.config, layers, list(taps), block, engine.config.vocab_size - 1)
+    cfg = DrafterConfig.for_target(engine.config, layers, list(taps), block,
+                                   engine.config.vocab_size - 1 if mask is None else mask)
     drafter = Drafter(cfg).eval()
     with torch.no_grad():
         for name, p in drafter.named_parameters():

@@ -433,7 +433,7 @@ async def submit(pilot, selector, value):
 def test_n_and_tau_set_the_parameter_with_that_role_in_each_strategy():
     # (N, τ) of each strategy; None: the field is disabled
     roles = {"ar": (None, None), "isd": ("stride", "tau"), "r-isd": ("stride", "tau"), "jacobi": ("block_size", None),
-             "jacobi-mr": ("block_size", None), "lookup-tree": ("depth", None),
+             "jacobi-mr": ("block_size", None), "lookup-tree": ("depth", None), "dflash": ("block", None),
              "blockdiff": ("block_size", "threshold"),
              "s2d2": ("block_size", "threshold"), "simsd": ("block_size", "threshold"),
              "canvas": ("block_size", "threshold"), "gemma-canvas": ("canvas_length", "entropy_bound")}
