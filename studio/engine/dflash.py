@@ -61,7 +61,7 @@ class DrafterConfig:
         extra = raw.get("dflash_config") or {}
         pick = lambda key, default=None: extra.get(key, raw.get(key, default))   # noqa: E731
         archs = raw.get("architectures") or [ARCHITECTURE]
-        if not any("DFlash" in a for a in archs):
+        if not _names_dflash(archs):
             raise BadInput(f"{where}: architectures {archs} is not a DFlash drafter ({ARCHITECTURE})")
         if any(t != "full_attention" for t in raw.get("layer_types") or []):
             raise BadInput(f"{where}: sliding-window drafter layers are not supported")
@@ -192,10 +192,14 @@ def is_drafter_dir(path: str | Path) -> bool:
     """Whether `path` is a directory whose config.json names a DFlash drafter (what `--draft-model` reads for dflash)."""
     f = Path(path).expanduser() / CONFIG
     try:
-        archs = json.loads(f.read_text(encoding="utf-8")).get("architectures") or []
+        return _names_dflash(json.loads(f.read_text(encoding="utf-8")).get("architectures") or [])
     except (OSError, ValueError, AttributeError):
         return False
-    return any("DFlash" in str(a) for a in archs)
+
+
+def _names_dflash(architectures: list) -> bool:
+    """Whether a config's `architectures` name a DFlash drafter (DFlashDraftModel and its variants)."""
+    return any("DFlash" in str(a) for a in architectures)
 
 
 def load_drafter(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Drafter:

@@ -469,7 +469,7 @@ def dflash_cmd(data: Path = DATA, out: Path = typer.Option(..., "--out", help="T
     which are computed once per answer; only the drafter learns. A drafter for dflash (--draft-model OUT)."""
     import time
 
-    from studio.engine.dflash import DrafterConfig
+    from studio.engine.dflash import default_taps
     from studio.engine.engine import Engine
     from studio.errors import BadInput
     from studio.train import dflash
@@ -497,7 +497,7 @@ def dflash_cmd(data: Path = DATA, out: Path = typer.Option(..., "--out", help="T
                                                       else cfg_m.vocab_size - 1)
     if not 0 <= mask < cfg_m.vocab_size:
         raise BadInput(f"--mask-token must be a token id below {cfg_m.vocab_size}, got {mask}")
-    tap_ids = list(DrafterConfig.for_target(cfg_m, layers, tap_ids, block_size, mask).taps)   # (the default's)
+    tap_ids = default_taps(cfg_m.n_layers, layers) if tap_ids is None else tap_ids
     cfg = dflash.DFlashConfig(layers=layers, taps=tap_ids, block_size=block_size, mask_token_id=mask,
                               anchors=anchors, gamma=gamma, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                               save_every=save_every)
