@@ -12,7 +12,7 @@ from studio.engine.sampling import SamplingParams, process_logits
 from studio.engine.strategies import make_strategy
 from studio.run.session import Settings, run_to_end
 
-from tests.support.exact import PositionLaws
+from tests.support.exact import PositionLaws, assert_law
 from tests.support.lora import merged_model, random_adapter
 from tests.support.plans import CHAIN_MIXED, ISD_MIXED, plan_with, planned
 from tests.support.tiny import tiny_dlm, tiny_engine
@@ -77,14 +77,19 @@ def test_a_plan_that_switches_along_the_run_keeps_the_law(monkeypatch, tmp_path,
         monkeypatch.setattr("studio.engine.strategies.drafting.RISK_SHARE", math.inf)
     engine, reference = build(tmp_path)
     mask_id = engine.config.mask_token_id if build is block_engine else None
-    laws = PositionLaws(LENGTH, 4)
-    switched = 0
-    for seed in range(RUNS):
-        r = run(engine, name, params, seed)
-        laws.add(r.token_ids, conditionals(reference, PROMPT, r.token_ids, mask_id))
-        switched += len(set(planned(r))) > 1
-    assert laws.pvalue() > 0.01, laws.statistic()
-    assert switched > RUNS // 10, f"the plan changed along the run in only {switched} of {RUNS} runs"
+    switched = []
+
+    def pvalue(seeds: range) -> float:
+        laws = PositionLaws(LENGTH, 4)
+        switched.append(0)
+        for seed in seeds:
+            r = run(engine, name, params, seed)
+            laws.add(r.token_ids, conditionals(reference, PROMPT, r.token_ids, mask_id))
+            switched[-1] += len(set(planned(r))) > 1
+        return laws.pvalue()
+
+    assert_law(pvalue, RUNS)
+    assert switched[0] > RUNS // 10, f"the plan changed along the run in only {switched[0]} of {RUNS} runs"
 
 
 def test_the_position_laws_see_the_adapters_law(tmp_path):
@@ -121,3 +126,22 @@ def test_the_position_laws_see_a_plan_that_reads_its_drafts(monkeypatch, tmp_pat
         r = run(engine, "r-isd", params, seed)
         laws.add(r.token_ids, conditionals(reference, PROMPT, r.token_ids))
     assert laws.pvalue() < 1e-3, laws.statistic()
+
+
+def test_a_law_one_batch_of_seeds_rejects_is_judged_on_the_next_and_fails_where_both_reject():
+    def batches(*pvalues):
+        seen = []
+
+        def pvalue(seeds: range) -> float:
+            seen.append(seeds)
+            return pvalues[len(seen) - 1]
+        return pvalue, seen
+
+    pvalue, seen = batches(0.3)
+    assert_law(pvalue, 50)
+    assert seen == [range(50)]
+    pvalue, seen = batches(0.004, 0.6)
+    assert_law(pvalue, 50)
+    assert seen == [range(50), range(50, 100)]
+    with pytest.raises(AssertionError, match=r"seeds 0-49 \(p=0.004\) and on 50-99 \(p=0.002\)"):
+        assert_law(batches(0.004, 0.002)[0], 50)

@@ -8,7 +8,7 @@ from studio.engine.strategies import make_strategy
 from studio.run.session import Settings, run_to_end
 from studio.errors import BadInput
 from tests.strategies.test_default_laws import LENGTH, SAMPLING, conditionals
-from tests.support.exact import PositionLaws
+from tests.support.exact import PositionLaws, assert_law
 from tests.support.tiny import FAMILIES, tiny_engine
 
 PROMPT = [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2]   # "1 2" followed by three different tokens: three branches
@@ -60,11 +60,18 @@ def test_sampled_runs_keep_the_model_s_law_position_by_position():
     """1,500 seeded runs of 8 tokens (top-k and top-p on) against the exact conditionals of the model, the trees'
     pruned K/V rolled back on the real path."""
     engine = tiny_engine("llama", seed=11, vocab=8, dim=16, layers=1)
-    laws, trees = PositionLaws(LENGTH, 4), 0
-    for seed in range(1500):
-        r = run_to_end(engine, make_strategy("lookup-tree", {"shortest": 1}),
-                       Settings(max_new_tokens=LENGTH, sampling=SAMPLING, seed=seed), "", PROMPT)
-        laws.add(r.token_ids, conditionals(engine.model, PROMPT, r.token_ids))
-        trees += any(e["t"] == "propose" and len(set(e["pos"])) < len(e["pos"]) for e in r.events)
-    assert laws.impossible == 0 and laws.pvalue() > 0.01, laws.statistic()
-    assert trees > 750   # most runs verified a tree with siblings
+    trees = []
+
+    def pvalue(seeds: range) -> float:
+        laws = PositionLaws(LENGTH, 4)
+        trees.append(0)
+        for seed in seeds:
+            r = run_to_end(engine, make_strategy("lookup-tree", {"shortest": 1}),
+                           Settings(max_new_tokens=LENGTH, sampling=SAMPLING, seed=seed), "", PROMPT)
+            laws.add(r.token_ids, conditionals(engine.model, PROMPT, r.token_ids))
+            trees[-1] += any(e["t"] == "propose" and len(set(e["pos"])) < len(e["pos"]) for e in r.events)
+        assert laws.impossible == 0
+        return laws.pvalue()
+
+    assert_law(pvalue, 1500)
+    assert trees[0] > 750   # most runs verified a tree with siblings
