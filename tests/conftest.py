@@ -99,11 +99,13 @@ def _one_thread_for_tiny_models(request):
 def _tiny_models_plan_on_a_fixed_cost_table(request, monkeypatch):
     """Cost-aware drafting plans on the machine's measured table, which for a tiny random model is measured anew in
     every process: tests pin it (rows cost what one does) so a plan, and a snapshot of it, is the same everywhere.
-    Tests marked slow (the embedded model) plan on the real table; `tests.support.plans` sets others."""
+    Tests marked slow (the embedded model) plan on the real table; `tests.support.plans` sets others. A DFlash
+    drafter's measured price is pinned the same way (a fifth of a step)."""
     if not request.node.get_closest_marker("slow"):
         from studio.engine.cost_table import FLAT_COSTS
         monkeypatch.setattr("studio.run.session.cost_table", lambda engine: FLAT_COSTS)
         monkeypatch.setattr("studio.run.session.stored_table", lambda engine: FLAT_COSTS)
+        monkeypatch.setattr("studio.engine.drafter_cost.measure", lambda engine, draft: 0.2)
 
 
 @pytest.fixture(scope="session", autouse=True)

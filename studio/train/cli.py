@@ -462,6 +462,9 @@ def dflash_cmd(data: Path = DATA, out: Path = typer.Option(..., "--out", help="T
                gamma: float = typer.Option(7.0, "--gamma", help="The loss's decay over a block's slots."),
                mask_token: Optional[int] = typer.Option(None, "--mask-token", help="The token whose embedding fills "
                                                         "the draft rows (default: the model's MASK, else its last)."),
+               draft_vocab: int = typer.Option(8192, "--draft-vocab", help="The head rows the drafter reads: the N "
+                                               "tokens most frequent in the answers (0: the whole vocabulary; may "
+                                               "change on --resume)."),
                steps: int = typer.Option(600, "--steps"), batch_size: int = BATCH,
                lr: float = typer.Option(6e-4, "--lr"), seed: int = SEED, save_every: int = SAVE_EVERY,
                time_budget: Optional[str] = BUDGET, resume: bool = RESUME, device: str = DEVICE, dtype: str = DTYPE):
@@ -475,8 +478,9 @@ def dflash_cmd(data: Path = DATA, out: Path = typer.Option(..., "--out", help="T
     from studio.train import dflash
     from studio.train.data import load_sequences
 
-    if layers < 1 or block_size < 2 or anchors < 1 or steps < 1 or batch_size < 1 or save_every < 1:
-        raise BadInput("--block-size must be >= 2; --layers, --anchors, --steps, --batch-size and --save-every >= 1")
+    if layers < 1 or block_size < 2 or anchors < 1 or steps < 1 or batch_size < 1 or save_every < 1 or draft_vocab < 0:
+        raise BadInput("--block-size must be >= 2; --layers, --anchors, --steps, --batch-size and --save-every >= 1; "
+                       "--draft-vocab >= 0")
     if not gamma > 0 or not lr > 0:
         raise BadInput("--gamma and --lr must be positive")
     try:
@@ -500,7 +504,7 @@ def dflash_cmd(data: Path = DATA, out: Path = typer.Option(..., "--out", help="T
     tap_ids = default_taps(cfg_m.n_layers, layers) if tap_ids is None else tap_ids
     cfg = dflash.DFlashConfig(layers=layers, taps=tap_ids, block_size=block_size, mask_token_id=mask,
                               anchors=anchors, gamma=gamma, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
-                              save_every=save_every)
+                              save_every=save_every, draft_vocab=draft_vocab)
     t0 = time.perf_counter()
     with _progress() as bar:
         report = _Report(bar)
@@ -523,7 +527,9 @@ def dflash_cmd(data: Path = DATA, out: Path = typer.Option(..., "--out", help="T
             bar.stop()
             raise Interrupted(f"stopped; the features and the last checkpoint are kept in {out}: continue with "
                               "--resume") from None
-    typer.echo(f"{out}: step {state['step']}/{steps} ({state['stopped']}), {time.perf_counter() - t0:.0f} s"
+    vocab = state["draft_vocab"]
+    typer.echo(f"{out}: step {state['step']}/{steps} ({state['stopped']}), {time.perf_counter() - t0:.0f} s; its head "
+               f"reads {vocab['tokens']:,} tokens ({vocab['coverage']:.1%} of the answers' tokens)"
                + (f"; use it with -s dflash --draft-model {out}" if state["stopped"] == "done"
                   else "; continue with --resume"))
 
@@ -621,7 +627,8 @@ def pack_cmd(
     if out.exists():
         raise BadInput(f"{out} exists: choose a new directory")
     out.mkdir(parents=True)
-    tensors = {k: v.to(types[dtype]).contiguous() for k, v in read_safetensors(adapter / weights).items()}
+    tensors = {k: (v.to(types[dtype]) if v.is_floating_point() else v).contiguous()   # a drafter's token ids stay
+               for k, v in read_safetensors(adapter / weights).items()}
     save_file(tensors, str(out / weights), metadata={"format": "pt"})
     shutil.copy(adapter / config, out / config)
     for f in ("train_state.json", "train_log.jsonl"):
@@ -632,4 +639,4 @@ def pack_cmd(
         (out / "studio.toml").write_text(f"model = {json.dumps(model)}\nstrategies = {json.dumps(names)}\n"
                                          f"description = {json.dumps(description)}\n", encoding="utf-8")
     size = (out / weights).stat().st_size / 1e6
-    typer.echo(f"{out}: {len(tensors)} tensors in {dtype}, {size:.1f} MB")
+    typer.echo(f"{out}: {len(tensors)} tensors, the floats in {dtype}, {size:.1f} MB")

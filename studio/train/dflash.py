@@ -10,7 +10,9 @@ Training (`train`), the paper's block objective: each step takes `batch_size` se
 anchor positions a in the answer. Block a is [token a, MASK x (B - 1)] at positions a .. a + B - 1; it sees the
 context rows before a and its own block, and all of a sequence's blocks run in one forward under that mask. Row i of
 block a is trained towards the data's token a + i by cross-entropy weighted exp(-(i - 1) / gamma): the early slots
-decide how much of a block is accepted. The target's embedding and head are the drafter's, frozen.
+decide how much of a block is accepted. The target's embedding and head are the drafter's, frozen. The loss reads
+the whole head; the checkpoint names the `draft_vocab` tokens its head reads when drafting (`draft_vocabulary`: the
+answers' most frequent), chosen from the data and never trained, so --resume may change it.
 
 An output directory is a drafter in the published layout at every checkpoint (`--draft-model DIR`), plus
 train_state.json (settings, step), train_state.safetensors (AdamW's moments) and train_log.jsonl (a line per step).
@@ -55,6 +57,7 @@ class DFlashConfig:
     seed: int = 0
     save_every: int = 25
     max_len: int = 320
+    draft_vocab: int = 8192         # the head's rows the drafter reads: the answers' most frequent tokens (0: all)
 
 
 @dataclass
@@ -171,12 +174,35 @@ def block_loss(drafter: Drafter, target, b: Blocks, gamma: float) -> tuple[torch
     return (ce * weights).sum() / weights.sum(), hits, counts
 
 
+def draft_vocabulary(feats: list[Features], vocab_size: int, n: int) -> torch.Tensor | None:
+    """The n tokens most frequent in the answers (ascending ids; ties to the lower id), or None where n is 0 or
+    covers the whole vocabulary."""
+    if n <= 0 or n >= vocab_size:
+        return None
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for f in feats:
+        counts += torch.bincount(torch.tensor(f.tokens[f.prompt_len:], dtype=torch.int64), minlength=vocab_size)
+    return torch.sort(-counts, stable=True).indices[:n].sort().values   # stable: equal counts keep id order
+
+
+def vocabulary_coverage(feats: list[Features], vocab: torch.Tensor | None) -> float:
+    """The share of the answers' tokens inside `vocab` (1.0 for the whole vocabulary)."""
+    if vocab is None:
+        return 1.0
+    inside = set(vocab.tolist())
+    tokens = [t for f in feats for t in f.tokens[f.prompt_len:]]
+    return sum(t in inside for t in tokens) / max(1, len(tokens))
+
+
 # -- the loop ---------------------------------------------------------------------------------------------------------
 def train(target, feats: list[Features], cfg: DFlashConfig, out: Path, resume: bool = False,
           time_budget_s: float | None = None, on_step: Callable[[StepReport], None] | None = None) -> dict:
     """Train a drafter for `target` (frozen) until cfg.steps or the time budget; returns the final state. Ctrl+C
     checkpoints first."""
     drafter, state = _start(target, cfg, out, resume)
+    drafter.vocab = draft_vocabulary(feats, target.config.vocab_size, cfg.draft_vocab)
+    state["draft_vocab"] = {"tokens": target.config.vocab_size if drafter.vocab is None else len(drafter.vocab),
+                            "coverage": vocabulary_coverage(feats, drafter.vocab)}   # of the training answers
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if resume:
@@ -225,7 +251,9 @@ def _start(target, cfg: DFlashConfig, out: Path, resume: bool) -> tuple[Drafter,
         if not f.is_file():
             raise BadInput(f"nothing to resume in {out} (no {STATE_JSON})")
         state = json.loads(f.read_text(encoding="utf-8"))
-        differ = [k for k, v in asdict(cfg).items() if k != "steps" and state["config"].get(k) != v]
+        # the schedule's length and the draft vocabulary (chosen from the data, never trained) may change
+        differ = [k for k, v in asdict(cfg).items()
+                  if k not in ("steps", "draft_vocab") and state["config"].get(k) != v]
         if differ:
             raise BadInput(f"cannot resume {out}: it was trained with {differ[0]}={state['config'].get(differ[0])!r}, "
                            f"now {getattr(cfg, differ[0])!r}")

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from studio.engine.dflash import DrafterConfig, default_taps, is_drafter_dir, load_drafter
+from studio.engine.dflash import DrafterConfig, default_taps, is_drafter_dir, load_drafter, save_drafter
 from studio.engine.taps import LayerTaps
 from studio.errors import BadInput
 from tests.support.dflash import tiny_drafter
@@ -111,3 +111,20 @@ def test_bad_drafters_are_one_line(tmp_path):
     wide = DrafterConfig.from_json({**raw, "hidden_size": 64})
     with pytest.raises(BadInput, match="64 wide"):
         wide.check_target(engine.config, "tiny")
+    (tmp_path / "d" / "config.json").write_text(json.dumps(raw))
+    for vocab, needle in ((torch.tensor([3, 1, 3]), "distinct"), (torch.tensor([[1, 2]]), "1-D tensor of token ids"),
+                          (torch.tensor([2, 16]), "token 16, outside 'tiny'")):
+        drafter = tiny_drafter(engine, tmp_path / "v")
+        drafter.vocab = vocab   # written as it is
+        save_drafter(drafter, tmp_path / "v", engine.config.n_layers)
+        with pytest.raises(BadInput, match=needle):
+            loaded = load_drafter(tmp_path / "v")
+            loaded.config.check_target(engine.config, "tiny", loaded.vocab)
+
+
+def test_a_draft_vocabulary_is_saved_and_read_back_sorted(tmp_path):
+    engine = tiny_engine("qwen3", vocab=16)
+    tiny_drafter(engine, tmp_path / "d", vocab=[9, 2, 5])
+    assert load_drafter(tmp_path / "d").vocab.tolist() == [2, 5, 9]
+    tiny_drafter(engine, tmp_path / "all")
+    assert load_drafter(tmp_path / "all").vocab is None

@@ -32,11 +32,15 @@ def test_greedy_is_ar_as_a_chain_and_as_a_tree(tmp_path, family):
     settings = Settings(max_new_tokens=40, sampling=SamplingParams(0.0))
     ar = run_to_end(engine, make_strategy("ar"), settings, "", PROMPT)
     assert len(set(ar.token_ids)) > 2
-    for params in ({"drafting": "fixed"}, {}, {"branches": 3, "drafting": "fixed"}):
+    for params in ({"drafting": "fixed", "lookup": 0}, {"lookup": 0}, {"branches": 3, "drafting": "fixed", "lookup": 0},
+                   {"drafting": "fixed"}, {}):
         r = run_to_end(engine, dflash(tmp_path / "d", **params), settings, "", PROMPT)
         assert r.token_ids == ar.token_ids, params
         proposes = [e for e in r.events if e["t"] == "propose"]
-        assert proposes and all(e["src"] == "draft_model" for e in proposes)
+        sources = {e["src"] for e in proposes}
+        assert sources == ({"draft_model"} if "lookup" in params else {"draft_model", "ngram"}), params
+        drafter_steps = {e["step"] for e in proposes if e["src"] == "draft_model"}
+        assert not drafter_steps & {e["step"] for e in proposes if e["src"] == "ngram"}   # a lookup spares the drafter
         verifies = {e["step"] for e in r.events if e["t"] == "forward" and e["role"] == "verify"}
         assert {e["step"] for e in proposes} == verifies   # each proposal in the step of the forward verifying it
         if params.get("branches"):
@@ -48,11 +52,15 @@ def test_greedy_is_ar_as_a_chain_and_as_a_tree(tmp_path, family):
 
 
 @pytest.mark.law
-@pytest.mark.parametrize("params,costs", [({}, CHAIN_MIXED), ({"branches": 3}, (1.0,) * 32)], ids=["chain", "tree"])
-def test_sampled_runs_keep_the_model_s_law(monkeypatch, tmp_path, params, costs):
-    """3,000 seeded runs (750 in `make test`) of 8 tokens (top-k and top-p on) against the exact conditionals. The chain's drafts are drawn
-    from the drafter's q, under costs that make its plan change along a run; the tree's are its top tokens, verified
-    by the multi-draft rule."""
+@pytest.mark.parametrize("params,costs,vocab", [({}, CHAIN_MIXED, None), ({"branches": 3}, (1.0,) * 32, None),
+                                               ({}, CHAIN_MIXED, [0, 1, 2, 4, 6])],
+                         ids=["chain", "tree", "chain, a draft vocabulary"])
+def test_sampled_runs_keep_the_model_s_law(monkeypatch, tmp_path, params, costs, vocab):
+    """3,000 seeded runs (750 in `make test`) of 8 tokens (top-k and top-p on) against the exact conditionals. The
+    chain's drafts are drawn from the drafter's q, under costs that make its plan change along a run; the tree's are
+    its top tokens, verified by the multi-draft rule; where the context repeats, looked-up candidates are verified
+    instead, as a tree. A drafter whose head reads 5 of the 8 tokens never drafts the other 3, which the target still
+    writes as corrections."""
     plan_with(monkeypatch, costs)
     ready = DFlash.ready
 
@@ -62,25 +70,27 @@ def test_sampled_runs_keep_the_model_s_law(monkeypatch, tmp_path, params, costs)
 
     monkeypatch.setattr(DFlash, "ready", drafter_free)
     engine = tiny_engine("llama", seed=11, vocab=8, dim=16, layers=1)
-    tiny_drafter(engine, tmp_path / "d", taps=(0,), block=4, seed=2)
+    tiny_drafter(engine, tmp_path / "d", taps=(0,), block=4, seed=2, vocab=vocab)
     n, seen = law_samples(3000), []
 
     def pvalue(seeds: range) -> float:
-        laws, switched, accepted, trees = PositionLaws(LENGTH, 4), 0, 0, 0
+        laws, switched, accepted, trees, looked = PositionLaws(LENGTH, 4), 0, 0, 0, 0
         for seed in seeds:
             r = run_to_end(engine, dflash(tmp_path / "d", **params),
                            Settings(max_new_tokens=LENGTH, sampling=SAMPLING, seed=seed), "", PROMPT)
             laws.add(r.token_ids, conditionals(engine.model, PROMPT, r.token_ids))
             switched += len(set(planned(r))) > 1
             accepted += any(e["t"] == "accept" for e in r.events)
-            trees += any(e["t"] == "propose" and len(set(e["pos"])) < len(e["pos"]) for e in r.events)
+            proposes = [e for e in r.events if e["t"] == "propose"]
+            trees += any(e["src"] == "draft_model" and len(set(e["pos"])) < len(e["pos"]) for e in proposes)
+            looked += any(e["src"] == "ngram" for e in proposes)
         assert laws.impossible == 0
-        seen.append((switched, accepted, trees))
+        seen.append((switched, accepted, trees, looked))
         return laws.pvalue()
 
     assert_law(pvalue, n)
-    switched, accepted, trees = seen[0]
-    assert switched > n // 10 and accepted > n // 5, (switched, accepted)
+    switched, accepted, trees, looked = seen[0]
+    assert switched > n // 10 and accepted > n // 5 and looked > n // 5, (switched, accepted, looked)
     assert trees == (n if params else 0)
 
 

@@ -1,6 +1,8 @@
 """train dflash: the tapped features are the target's own; trained on a tiny model's greedy answers, the drafter
 raises dflash's tokens per forward over an untrained one while dflash stays `ar` token for token (a chain and a
 tree); a resumed run trains what an uninterrupted one does."""
+from collections import Counter
+
 import pytest
 import torch
 
@@ -76,3 +78,23 @@ def test_a_resumed_run_trains_what_an_uninterrupted_one_does(tmp_path):
         torch.testing.assert_close(cut[name], whole[name], atol=1e-6, rtol=1e-5)
     steps = [line for line in (tmp_path / "cut" / "train_log.jsonl").read_text().splitlines()]
     assert len(steps) == 6
+
+
+def test_the_draft_vocabulary_is_the_answers_most_frequent_tokens_and_drafts_stay_inside_it(tmp_path):
+    engine = tiny_engine("qwen3", vocab=16, seed=3)
+    seqs = _data(engine, n=8)
+    train_dflash.extract(engine.model, seqs, [0, 1], tmp_path, 320)
+    feats = train_dflash.load_features(tmp_path)
+    counts = Counter(t for s in seqs for t in s.tokens[s.prompt_len:])
+    state = train_dflash.train(engine.model, feats, _config(steps=4, draft_vocab=5), tmp_path)
+    vocab = load_drafter(tmp_path).vocab.tolist()
+    assert len(vocab) == 5 and min(counts[t] for t in vocab) >= max(counts[t] for t in range(16) if t not in vocab)
+    assert state["draft_vocab"] == {"tokens": 5, "coverage": sum(counts[t] for t in vocab) / sum(counts.values())}
+    for p in ([1, 2, 3, 4, 1, 2], [5, 3, 9, 1, 0, 7]):
+        s = make_strategy("dflash", {"drafting": "fixed", "lookup": 0})
+        s.use_drafter(str(tmp_path))
+        r = run_to_end(engine, s, GREEDY, "", p)
+        assert r.token_ids == run_to_end(engine, make_strategy("ar"), GREEDY, "", p).token_ids
+        drafted = {t for e in r.events if e["t"] == "propose" for t in e["tok"]}
+        assert drafted and drafted <= set(vocab)
+    assert train_dflash.draft_vocabulary(feats, 16, 0) is None and train_dflash.draft_vocabulary(feats, 16, 16) is None

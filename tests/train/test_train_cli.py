@@ -179,7 +179,7 @@ def test_dflash_trains_a_drafter_that_run_eval_and_compare_read(tmp_path, embedd
     out = tmp_path / "drafter"
     r = cli("train", "dflash", "--data", str(embedded_data), "--out", str(out), "--steps", "2", "--batch-size", "2",
             "--anchors", "2", "--block-size", "4", "--layers", "1", "--taps", "3,20", check_rc=0)
-    assert "step 2/2 (done)" in r.stdout and f"--draft-model {out}" in r.stdout
+    assert "step 2/2 (done)" in r.stdout and f"--draft-model {out}" in r.stdout and "reads 8,192 tokens" in r.stdout
     assert json.loads((out / "config.json").read_text())["dflash_config"]["target_layer_ids"] == [3, 20]
     prompt = "Name two planets."
     ar = json.loads(cli("run", prompt, "-s", "ar", "--max-new-tokens", "12", "--json", check_rc=0).stdout)
@@ -194,6 +194,7 @@ def test_dflash_trains_a_drafter_that_run_eval_and_compare_read(tmp_path, embedd
     cli("train", "pack", str(out), str(tmp_path / "packed"), "--strategies", "dflash", check_rc=0)
     from studio.engine.dflash import load_drafter
     from studio.engine.lazy_tensors import read_safetensors
-    assert {str(t.dtype) for t in read_safetensors(tmp_path / "packed" / "model.safetensors").values()} == \
-        {"torch.bfloat16"}
+    packed = read_safetensors(tmp_path / "packed" / "model.safetensors")
+    assert {str(t.dtype) for name, t in packed.items() if name != "draft_vocab"} == {"torch.bfloat16"}
     assert load_drafter(tmp_path / "packed").config == load_drafter(out).config
+    assert load_drafter(tmp_path / "packed").vocab.tolist() == load_drafter(out).vocab.tolist()   # ids, not bf16

@@ -114,7 +114,9 @@ class DecodeContext:
         self._adapters: dict[int, bool] = {}   # id(model) -> has a LoRA adapter attached
         self._moe: dict[int, list] = {}         # id(model) -> its MoE layers (their expert counts go in the events)
         self.step = 0          # index of the last forward (0 = prefill)
-        self.table_ms = 0.0    # what `costs` prices the forwards after the prefill at (cost-aware drafting's regret)
+        # what `costs` prices the forwards after the prefill at, and a drafter's forwards (`price`): cost-aware
+        # drafting's regret
+        self.table_ms = 0.0
         self._elapsed_s = 0.0  # the run's own clock: it runs only while the run is advancing, so a run
         self._since: float | None = None   # stepped in lock-step with others stamps only its own time
         self._pending: list[dict] = []
@@ -185,6 +187,11 @@ class DecodeContext:
         self.event("forward", role=role, n_tokens=len(tokens), lora_rows=gated,
                    wall_ms=(time.perf_counter() - t) * 1000.0, **({"experts": [int(m.experts_run) for m in moe]} if moe else {}))
         return logits
+
+    def price(self, steps: float) -> None:
+        """Count work besides the target's forwards (a drafter's forward), priced at `steps` 1-token steps, in the
+        run's priced time: a planner's regret then sees what the drafts cost to make, as well as to verify."""
+        self.table_ms += steps * self.costs.forward_ms(1, 0)
 
     def _skip_reused(self, role, tokens, positions, mask, lora_gate, logits_rows):
         """The run's first forward on a cache that holds a reused prefix. A prefill passes its tokens from

@@ -1,7 +1,9 @@
 """DFlash: a small block-diffusion drafter (studio.engine.dflash) drafts a whole block from the target's tapped hidden
 states in one forward, and the target verifies it with the exact rules -- a chain (greedy: the drafter's argmax;
 sampled: drafts drawn from its q rows, verified against them) or, with `branches` > 1, a draft tree of each slot's
-top tokens verified in one forward (studio.engine.draft_tree). Lossless either way.
+top tokens verified in one forward (studio.engine.draft_tree). Lossless either way. Where the context's last tokens
+occurred before (`lookup`), what followed them is verified instead, as a tree of up to `matches` candidates, with no
+drafter forward: a small model repeats itself, and a looked-up guess costs nothing to make.
 
 The last committed token (`pending`) is not in the target's KV cache yet: it anchors the drafter's block and leads
 every target forward, whose tapped hidden states of the committed rows become the drafter's next context rows.
@@ -17,9 +19,12 @@ from pathlib import Path
 import torch
 
 from studio.engine.dflash import WEIGHTS, Drafter, load_drafter
+from studio.engine.drafter_cost import CONTEXT, drafter_share
 from studio.engine.draft_tree import DraftTree
+from studio.engine.kernels.projection import vocab_logits
 from studio.engine.sampling import Proposal, process_logits, sample, sample_token
 from studio.engine.strategies import drafting
+from studio.engine.strategies import lookup as prompt_lookup
 from studio.engine.strategies.base import DecodeContext, Strategy
 from studio.engine.strategies.params import N, param
 from studio.engine.taps import LayerTaps
@@ -38,6 +43,13 @@ def _load(path: str, version: int, device: str, dtype: torch.dtype) -> Drafter:
     return load_drafter(path, device, dtype)
 
 
+@functools.lru_cache(maxsize=4)
+def _head_rows(weight: torch.Tensor, vocab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft vocabulary's ids on the head's device and its rows of the head, copied once per head and drafter."""
+    ids = vocab.to(weight.device)
+    return ids, weight[ids].contiguous()
+
+
 class DFlash(Strategy):
     name = "dflash"
 
@@ -50,20 +62,24 @@ class DFlash(Strategy):
                               tune=(1, 4))
         rows: int = param(32, "a tree's nodes at most, the anchor's row included: the verifying forward's width")
         drafting: str = param("auto", drafting.HELP, choices=drafting.DRAFTING, tune=True)
+        lookup: int = param(2, prompt_lookup.HELP + ", verified instead of the drafter's block")
+        matches: int = param(4, "looked-up continuations at most, verified as one tree", tune=(1, 8))
         drafter: str = param("", "a DFlash drafter directory in the published layout (--draft-model); empty: the one "
                                  "shipped for the model")
 
     def __init__(self, params: dict | None = None):
         super().__init__(params)
         self.drafter: Drafter | None = None
-        self.share = 0.0   # the drafter's forward against the target's (`ready`)
+        self.share = 0.0   # the drafter's forward against the target's 1-token step (`ready`)
+        self.vocab = self.head = None   # the draft vocabulary's ids and head rows (`ready`; None: the whole head)
 
     @staticmethod
     def validate(p) -> None:
         drafting.validate("dflash", p.drafting)
-        for name, low in (("block", 0), ("branches", 1), ("rows", 2)):
+        for name, low in (("block", 0), ("branches", 1), ("rows", 2), ("matches", 1)):
             if getattr(p, name) < low:
                 raise BadInput(f"dflash {name} must be >= {low}, got {getattr(p, name)}")
+        prompt_lookup.validate("dflash", p.lookup)
 
     def use_drafter(self, path: str) -> None:
         """Draft with the published DFlash drafter at `path` (`--draft-model`) instead of the shipped one."""
@@ -89,12 +105,29 @@ class DFlash(Strategy):
                            "drafter in the published layout) or train one with `dlm-studio train dflash`")
         weight = engine.model.lm_head.weight
         self.drafter = _drafter(str(path), str(weight.device), weight.dtype)
-        self.drafter.config.check_target(engine.config, engine.name)
-        # the planner prices the drafter's forward of d drafts as this share of a target forward of 1 + d rows: its
-        # weights and the head's against the target's (the cost table prices the target's forwards only). An
-        # estimate, never a clock: a seeded run plans the same from one run to the next
-        count = lambda m: sum(p.numel() for p in m.parameters())   # noqa: E731
-        self.share = (count(self.drafter) + weight.numel()) / count(engine.model)
+        vocab = self.drafter.vocab
+        self.drafter.config.check_target(engine.config, engine.name, vocab)
+        # the head's rows the drafter reads: its draft vocabulary's, else the target's whole head
+        self.vocab, self.head = (None, None) if vocab is None else _head_rows(weight, vocab)
+        # the planner prices the drafter's forward as this share of the target's 1-token step (the cost table
+        # prices the target's forwards only): measured once per machine, target and drafter, then cached
+        weights = Path(path).expanduser() / WEIGHTS
+        identity = {"path": str(weights.resolve()), "size": weights.stat().st_size, "mtime": weights.stat().st_mtime_ns,
+                    "drafts": self._drafts()}
+        self.share = drafter_share(engine, identity, lambda: self._timed_draft(engine.model))
+
+    def _timed_draft(self, model):
+        """A drafter forward as a run makes it, for `drafter_share` to time: a new context row, the whole block, the
+        head on the block's drafts, after CONTEXT rows of the drafter's own cache."""
+        taps = torch.zeros(1, CONTEXT, len(self.drafter.config.taps) * model.config.dim,
+                           dtype=self.drafter.fc.weight.dtype, device=model.lm_head.weight.device)
+        kv = self.drafter.new_cache(CONTEXT + 1 + self.drafter.config.block_size)
+        self._draft_logits(model, taps[:, :-1], 0, 1, kv)
+
+        def draft():
+            self._draft_logits(model, taps[:, -1:], 0, self._drafts(), kv)
+            kv.rollback(CONTEXT - 1)
+        return draft
 
     # -- what it needs
     def _drafts(self) -> int:
@@ -102,7 +135,8 @@ class DFlash(Strategy):
         return min(self.params.block, whole) if self.params.block else whole
 
     def kv_headroom(self, config=None) -> int:
-        return max(self.params.rows, self._drafts() + 1) if self.params.branches > 1 else self._drafts() + 1
+        trees = self.params.branches > 1 or (self.params.lookup and self.params.matches > 1)
+        return max(self.params.rows, self._drafts() + 1) if trees else self._drafts() + 1
 
     def graph_tokens(self) -> int | None:
         return 0   # eager: the taps are forward hooks, which a graph replay does not call
@@ -123,7 +157,11 @@ class DFlash(Strategy):
         if self.drafter is None:
             raise BadInput("dflash: no drafter loaded (prepare the run first)")
         self.dkv = self.drafter.new_cache(ctx.kv.max_len + self.drafter.config.block_size)
-        self.planner = drafting.DraftPlanner(ctx, self._drafts()) if self.plans_drafts else None
+        # looked-up drafts are right far more often than the drafter's on repeats: each source keeps its own
+        # acceptance by slot (as Jacobi's do)
+        self.planners = {src: drafting.DraftPlanner(ctx, self._drafts()) for src in ("draft_model", "ngram")} \
+            if self.plans_drafts else {}
+        self.lookup = prompt_lookup.ContextLookup(prompt, self.params.lookup) if self.params.lookup else None
         logits, hidden = self._forward(ctx, "prefill", prompt, logits_rows=[len(prompt) - 1])
         ctx.commit(len(prompt))
         self.unread = [hidden]   # context rows the drafter has not seen yet
@@ -138,51 +176,89 @@ class DFlash(Strategy):
             return logits, taps.take()
 
     def step(self, ctx: DecodeContext) -> None:
-        k = self._plan(ctx)
+        looked = self._look_up(ctx)
+        if looked:
+            tree = self._looked_up_tree(ctx, looked)
+            if len(tree):
+                self._tree_step(ctx, tree, "ngram")
+            else:
+                self._ar_step(ctx)
+            return
+        k = self._plan(ctx, "draft_model", self.params.branches)
         if k == 0:
-            logits, hidden = self._forward(ctx, "extend", [self.pending])
-            ctx.commit(1)
-            self.unread.append(hidden)
-            self.pending, _ = sample_token(logits[0], ctx.sampling, ctx.gen)
-            ctx.emit([self.pending])
+            self._ar_step(ctx)
             return
         draft_logits = self._draft(ctx, k)
         if self.params.branches > 1:
-            self._tree_step(ctx, draft_logits)
+            self._tree_step(ctx, self._tree(draft_logits), "draft_model")
         else:
             self._chain_step(ctx, draft_logits)
 
-    def _plan(self, ctx: DecodeContext) -> int:
-        """Drafts the next forward verifies: the block's, or as many as pay under drafting=auto; never more than
-        the answer has room for."""
-        room = ctx.out.draft_room()
-        top = min(self._drafts(), room)
-        if self.planner is None or top == 0:
+    def _ar_step(self, ctx: DecodeContext) -> None:
+        logits, hidden = self._forward(ctx, "extend", [self.pending])
+        ctx.commit(1)
+        self.unread.append(hidden)
+        self.pending, _ = sample_token(logits[0], ctx.sampling, ctx.gen)
+        ctx.emit([self.pending])
+
+    def _look_up(self, ctx: DecodeContext) -> list[list[int]]:
+        """What followed the latest occurrences of the context's last tokens (up to `matches` candidates of up to the
+        block's drafts), [] where they never occurred or lookup is off."""
+        if self.lookup is None:
+            return []
+        self.lookup.follow(ctx.out)
+        return self.lookup.branches(self._drafts(), self.params.matches)
+
+    def _looked_up_tree(self, ctx: DecodeContext, looked: list[list[int]]) -> DraftTree:
+        """The candidates' trie cut to the depth that pays (all of it under drafting=fixed; empty: an AR step)."""
+        depth = max(map(len, looked))
+        if "ngram" in self.planners:
+            depth = self._plan(ctx, "ngram", len(looked), depth)
+        return DraftTree.from_chains([c[:depth] for c in looked if depth], max_nodes=self.params.rows - 1)
+
+    def _plan(self, ctx: DecodeContext, src: str, branches: int, limit: int | None = None) -> int:
+        """Drafts the next forward verifies from `src` (the chain's depth: a tree's has `branches` nodes a level):
+        the block's, or as many as pay under drafting=auto; never more than the answer has room for. The drafter's
+        own forward is priced in for its drafts."""
+        top = min(self._drafts() if limit is None else limit, ctx.out.draft_room())
+        planner = self.planners.get(src)
+        if planner is None or top == 0:
             return top
-        b, share = self.params.branches, self.share
+        share = self.share if src == "draft_model" else 0.0
 
         def rate(reach, cost):
             d = len(reach)
-            rows = None if b == 1 else min(self.params.rows, 1 + b * d)
-            with_draft = lambda n, gated: cost(n, gated) + (share * cost(1 + d, 0) if d else 0.0)   # noqa: E731
+            rows = None if branches == 1 else min(self.params.rows, 1 + branches * d)
+            with_draft = lambda n, gated: cost(n, gated) + (share * cost(1, 0) if d else 0.0)   # noqa: E731
             return drafting.chain_rate(reach, with_draft, ctx.clean_gate, rows)
 
-        return self.planner.plan(rate, limit=top)
+        return planner.plan(rate, limit=top)
 
     def _draft(self, ctx: DecodeContext, k: int) -> torch.Tensor:
-        """The drafter's raw logits [k, V] for the k positions after `pending`: one forward of its block over the
-        context rows it has not seen (committed into its cache) and the context it has; the head reads only the k
-        rows the plan verifies."""
+        """The drafter's raw logits [k, V] for the k positions after `pending`, from the context rows it has not seen
+        (committed into its cache now) and the context it has."""
         context = torch.cat(self.unread, dim=1)
         self.unread = []
-        L, C, B = self.dkv.length, context.shape[1], self.drafter.config.block_size
-        if L + C != ctx.kv.length:
-            raise RuntimeError(f"dflash: the drafter's context ({L + C}) is not the committed length ({ctx.kv.length})")
-        block = torch.tensor([[self.pending] + [self.drafter.config.mask_token_id] * (B - 1)], device=ctx.device)
-        positions = torch.arange(L, L + C + B, device=ctx.device)[None]
+        if self.dkv.length + context.shape[1] != ctx.kv.length:
+            raise RuntimeError(f"dflash: the drafter's context ({self.dkv.length + context.shape[1]}) is not the "
+                               f"committed length ({ctx.kv.length})")
+        ctx.price(self.share)
+        return self._draft_logits(ctx.model, context, self.pending, k, self.dkv)
+
+    def _draft_logits(self, model, context: torch.Tensor, pending: int, k: int, kv) -> torch.Tensor:
+        """One forward of the block [pending, MASK x (B - 1)] over `context` (new rows, committed into `kv`) and what
+        `kv` holds; the head reads only the k rows the plan verifies, and only the draft vocabulary's tokens."""
+        L, C, B = kv.length, context.shape[1], self.drafter.config.block_size
+        device = model.lm_head.weight.device
+        block = torch.tensor([[pending] + [self.drafter.config.mask_token_id] * (B - 1)], device=device)
+        positions = torch.arange(L, L + C + B, device=device)[None]
         with torch.inference_mode():
-            hidden = self.drafter(context, ctx.model.model.embed_tokens(block), positions, kv=self.dkv)
-            return ctx.model.logits(hidden[0, 1:1 + k])
+            hidden = self.drafter(context, model.model.embed_tokens(block), positions, kv=kv)[0, 1:1 + k]
+            if self.head is None:
+                return model.logits(hidden)
+            logits = torch.full((k, model.lm_head.weight.shape[0]), float("-inf"), device=device)
+            logits[:, self.vocab] = vocab_logits(self.head, hidden)   # tokens outside it are never drafted
+            return logits
 
     def _chain_step(self, ctx: DecodeContext, draft_logits: torch.Tensor) -> None:
         k, start = draft_logits.shape[0], ctx.n_out
@@ -198,8 +274,8 @@ class DFlash(Strategy):
         res = ctx.verify(pos, drafts, process_logits(logits[:k], ctx.sampling), q, proposal,
                          logits=(logits[:k], None if q is None else draft_logits))
         a = res.n_accepted
-        if self.planner is not None:
-            self.planner.observe(k, a)
+        if "draft_model" in self.planners:
+            self.planners["draft_model"].observe(k, a)
         ctx.commit(1 + a)
         self.unread.append(hidden[:, :1 + a])
         if a < k:
@@ -211,17 +287,17 @@ class DFlash(Strategy):
         self.pending = new[-1]
         ctx.emit(new)
 
-    def _tree_step(self, ctx: DecodeContext, draft_logits: torch.Tensor) -> None:
-        tree, taps = self._tree(draft_logits), []
+    def _tree_step(self, ctx: DecodeContext, tree: DraftTree, src: str) -> None:
+        taps = []
 
         def forward(*args, **kwargs):   # the tree's forward, its tapped rows kept for the drafter
             logits, hidden = self._forward(ctx, *args, **kwargs)
             taps.append(hidden)
             return logits
 
-        v = ctx.verify_tree(tree, self.pending, "draft_model", forward)
-        if self.planner is not None:   # the chain's slots: how deep the walk went of how deep the tree is
-            self.planner.observe(max(tree.depths()), len(v.accepted))
+        v = ctx.verify_tree(tree, self.pending, src, forward)
+        if src in self.planners:   # the chain's slots: how deep the walk went of how deep the tree is
+            self.planners[src].observe(max(tree.depths()), len(v.accepted))
         self.unread.append(taps[0][:, [0] + [1 + i for i in v.accepted]])
         self.pending = v.next_token
         ctx.emit([tree.tokens[i] for i in v.accepted] + [v.next_token])
