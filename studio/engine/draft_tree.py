@@ -98,12 +98,13 @@ class TreeVerdict:
     next_token: int            # the token after it: a correction where children were refused, else a bonus
     p: list[float]             # p of each accepted node's token when it was verified
     bonus: bool                # whether next_token came from a leaf's row (every draft on the way accepted)
+    refused: list[tuple[int, float]] = field(default_factory=list)   # (node, p when verified) of each refused node
 
 
 def verify(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> TreeVerdict:
     """Walk the tree against the target's logits [1 + n, V] (row 0: the root's): the accepted path and the next
     token, committed tokens distributed exactly as the target's (see the module's docstring)."""
-    accepted, ps = [], []
+    accepted, ps, refused = [], [], []
     node, row = -1, 0
     while True:
         p = process_logits(logits[row], params)
@@ -113,6 +114,7 @@ def verify(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, gen: t
             best = int(torch.argmax(p).item())
             taken = next((c for c in kids if tree.tokens[c] == best), None)
             p_taken, next_token = float(p[best].item()), best
+            refused += [(c, float(p[tree.tokens[c]].item())) for c in kids if c != taken]
         else:
             for c in kids:   # each sibling in turn, the earlier ones taken out of p
                 p_taken = float(p[tree.tokens[c]].item())
@@ -120,10 +122,11 @@ def verify(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, gen: t
                 if rest is None or float(torch.rand(1, generator=gen, device=gen.device).item()) < p_taken:
                     taken = c   # (rest None: the token held all of p)
                     break
+                refused.append((c, p_taken))   # (the siblings after a taken one are never tried)
                 p = rest
             next_token = None if taken is not None else int(sample(p, gen))
         if taken is None:
-            return TreeVerdict(accepted, next_token, ps, bonus=not kids)
+            return TreeVerdict(accepted, next_token, ps, bonus=not kids, refused=refused)
         accepted.append(taken)
         ps.append(p_taken)
         node, row = taken, 1 + taken

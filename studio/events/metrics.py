@@ -24,10 +24,12 @@ class Acceptance:
     drafted_per_verify_step: dict[int, int] = field(default_factory=dict)  # step -> verified drafts
 
     def add_chain(self, step: int, chain: list[tuple[int, bool]]) -> None:
-        """One step's verified proposals as (pos, accepted) pairs, in any order."""
-        chain = sorted(chain)
-        for k, (_, ok) in enumerate(chain):
-            if k == len(self.verified_by_pos):
+        """One step's verified proposals as (pos, accepted) pairs, in any order; a draft tree's siblings share a
+        position, and so a slot."""
+        slot = {p: k for k, p in enumerate(sorted({p for p, _ in chain}))}
+        for pos, ok in chain:
+            k = slot[pos]
+            while k >= len(self.verified_by_pos):
                 self.verified_by_pos.append(0)
                 self.accepted_by_pos.append(0)
             self.verified_by_pos[k] += 1

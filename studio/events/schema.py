@@ -9,7 +9,7 @@ know, and keep them in the dicts), event kinds and enum values; a reader skips t
 it does not know (`TraceReader.skipped` counts them). Changed meanings need a new major, which this build
 refuses to read. 1.1 added `edit`, `remask`, `kv {op: refresh}` and the header's `canvas`; 1.2 added `plan` (the
 draft count a cost-aware strategy chose for its next forward and the speed-up over a plain AR step it expects); 1.3
-added draft trees: `propose.parent` and `accept.node`.
+added draft trees: `propose.parent`, `accept.node` and `reject.node`.
 
 Values must be plain Python types (use ``.tolist()`` / ``.item()`` on tensors); consumers share the
 event dicts and must not mutate them. A read trace may hold ``None`` for any float (see trace.py).
@@ -59,9 +59,10 @@ EVENT_FIELDS: dict[str, dict[str, Any]] = {
 # forward pays for: every expert it touches is read). accept.h / reject.h: the target's entropy (nats, softmax of
 # its raw logits at temperature 1) at each verified position, where the strategy verified from raw logits.
 # propose.parent (1.3, a draft tree): each draft's parent among this propose's drafts (-1: the committed context), so
-# drafts at one position are siblings; accept.node: the accepted drafts' indices in that propose (the path taken).
+# drafts at one position are siblings; accept.node: the accepted drafts' indices in that propose (the path taken);
+# reject.node: a refused candidate's index (a step may refuse several, siblings at one position).
 OPTIONAL_FIELDS: dict[str, dict[str, Any]] = {"emit": {"pieces": list[str]}, "forward": {"experts": list[int]},
-                                              "accept": {"h": list[float], "node": list[int]}, "reject": {"h": float},
+                                              "accept": {"h": list[float], "node": list[int]}, "reject": {"h": float, "node": int},
                                               "propose": {"parent": list[int]}}
 ROLES: tuple[str, ...] = get_args(EVENT_FIELDS["forward"]["role"])
 SOURCES: tuple[str, ...] = get_args(EVENT_FIELDS["propose"]["src"])

@@ -20,7 +20,8 @@ CALIBRATION_AT = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
 
 
 def verdicts(events: Iterable[Mapping[str, Any]]) -> list[dict]:
-    """Every verified proposal: {step, slot (rank in its chain), pos, accepted, q, h (None: not recorded)}."""
+    """Every verified proposal: {step, slot (its position's rank in its step: a tree's siblings share one), pos,
+    accepted, q, h (None: not recorded)}."""
     by_step: dict[int, list[dict]] = defaultdict(list)
     for e in events:
         if e["t"] == "accept":
@@ -32,8 +33,9 @@ def verdicts(events: Iterable[Mapping[str, Any]]) -> list[dict]:
                                        "h": e.get("h")})
     out = []
     for chain in by_step.values():
-        for slot, v in enumerate(sorted(chain, key=lambda v: v["pos"])):
-            out.append({**v, "slot": slot + 1})
+        slot = {p: k for k, p in enumerate(sorted({v["pos"] for v in chain}))}
+        for v in sorted(chain, key=lambda v: v["pos"]):
+            out.append({**v, "slot": slot[v["pos"]] + 1})
     return out
 
 

@@ -121,6 +121,11 @@ class _Step:
     emitted: dict[int, int] = field(default_factory=dict)
     tree: dict[int, list[tuple[int, int]]] = field(default_factory=dict)   # pos -> a draft tree's (node, token)s
     on_path: set[int] = field(default_factory=set)                         # the tree's accepted nodes
+    refused: set[int] = field(default_factory=set)                         # and the ones its walk refused
+
+    def verdict(self, node: int) -> str:
+        """A tree candidate's fate: on the accepted path, refused by the walk, or pruned (never reached)."""
+        return "accepted path" if node in self.on_path else "refused" if node in self.refused else "pruned"
 
     def touch(self, pos: int, kind: str, st: State, **info: Any) -> None:
         """Event `kind` put `pos` in state `st`: the strongest state (PRIORITY) wins, its token with it; the
@@ -281,6 +286,11 @@ class GridBuilder:
             s.touch(p, "accept", State.ACCEPTED, tok=e["tok"][i], p=_at(e["p"], i), q=_at(e["q"], i))
 
     def _on_reject(self, s: _Step, e: Mapping[str, Any]) -> None:
+        if e.get("node") is not None:   # a tree's refused candidate: its cell keeps the path's token, or the first
+            s.refused.add(e["node"])    # refusal there (the rest are its branches)
+            kinds = s.touched.get(e["pos"], {}).get("kinds", ())
+            if "accept" in kinds or "reject" in kinds:
+                return
         s.touch(e["pos"], "reject", State.REJECTED, tok=e["tok"], p=e["p"], q=e["q"])
 
     def _on_resample(self, s: _Step, e: Mapping[str, Any]) -> None:
@@ -349,7 +359,7 @@ class GridBuilder:
                     kinds=tuple(c["kinds"]) + (("emit",) if emitted else ()), emitted=emitted,
                     committed_step=s.step if emitted else None, filled_step=c.get("filled_step"),
                     old=old, old_text=text_of(None, old), guess=guess, guess_text=text_of(None, guess),
-                    branches=tuple((t, text_of(None, t), node in s.on_path) for node, t in s.tree.get(pos, ())
+                    branches=tuple((t, text_of(None, t), s.verdict(node)) for node, t in s.tree.get(pos, ())
                                    if len(s.tree[pos]) > 1))
         if cell.filled_step is None and state not in (State.MASKED, State.NOISE):
             cell.filled_step = self._held_filled_step(pos)   # e.g. the emit of a token filled earlier

@@ -36,8 +36,8 @@ class Cell:
     guess: int | None = None        # a guess (propose) the noise of a remask at the same step replaced
     guess_text: str | None = None
     # a draft tree's candidates at this position when its step verified more than one (siblings in the trie): each
-    # (token, text, on the accepted path), in the order they were tried
-    branches: tuple[tuple[int, str | None, bool], ...] = ()
+    # (token, text, verdict: "accepted path", "refused" or "pruned"), in the order they were tried
+    branches: tuple[tuple[int, str | None, str], ...] = ()
 
     @property
     def ratio(self) -> float | None:
@@ -82,7 +82,7 @@ class Cell:
             lines.append(f"proposed by {self.src}")
         if self.branches:
             lines.append(f"draft tree: {len(self.branches)} candidates here")
-            lines += [f"  {_token(t, text)} " + ("accepted path" if kept else "pruned") for t, text, kept in self.branches]
+            lines += [f"  {_token(t, text)} {verdict}" for t, text, verdict in self.branches]
         if self.filled_step is not None and "unmask" not in self.kinds and "edit" not in self.kinds:
             lines.append(f"filled at step {self.filled_step}")
         if self.emitted:

@@ -81,9 +81,12 @@ def test_greedy_walks_down_the_argmax_and_stops_with_it():
     logits[5, 2] = 5.0                 # node 4 is a leaf: its argmax, 2, is the bonus
     v = verify(tree, logits, SamplingParams(0.0), torch.Generator())
     assert v.accepted == [0, 1, 4] and v.next_token == 2 and v.bonus
+    siblings = {c for n in (-1, 0, 1) for c in tree.children(n)} - {0, 1, 4}
+    assert siblings and {node for node, _ in v.refused} == siblings   # the path's siblings, refused
     logits[2, 8], logits[2, 12] = -5.0, 5.0   # node 1's argmax is no child: a correction
     v = verify(tree, logits, SamplingParams(0.0), torch.Generator())
     assert v.accepted == [0, 1] and v.next_token == 12 and not v.bonus
+    assert {node for node, _ in v.refused} >= set(tree.children(1))   # every child of the last node, refused
 
 
 @pytest.mark.law

@@ -10,6 +10,7 @@ import pytest
 
 from studio import events as ev
 from studio.events import read_trace, summarize
+from studio.events.metrics import Tally
 from studio.viz.grid import build_grid
 from studio.viz.palette import (INK, PALETTE, PRIORITY, RICH_FG, RICH_STYLE, RICH_TEXT, State, glyph, legend_text,
                                  tint)
@@ -357,21 +358,26 @@ def test_a_trace_view_names_tokens_from_its_emits_then_the_tokenizer():
     assert named.grid.cell(0, 0).text == "Sure"   # an emitted token keeps the text its emit gave it
 
 
-def test_a_draft_tree_step_shows_its_branch_points_with_the_accepted_path_and_the_pruned_siblings():
-    """A tree whose root has children x and y (y accepted, x pruned) and y a child z (accepted), then a bonus."""
+def test_a_draft_tree_step_shows_its_branch_points_with_the_accepted_path_and_the_refused_and_pruned_siblings():
+    """A tree whose root has children x, y and w (x refused, y accepted, w never tried) and y a child z (accepted),
+    then a bonus. The cell keeps the path's token; acceptance counts x against slot 1."""
     events = [ev.make("forward", 0, 1.0, role="prefill", n_tokens=3, lora_rows=0, wall_ms=1.0),
               ev.make("emit", 0, 1.0, pos=[0], tok=[1], text="b", pieces=["b"]),
-              ev.make("forward", 1, 2.0, role="verify", n_tokens=4, lora_rows=0, wall_ms=1.0),
-              ev.make("propose", 1, 2.0, pos=[1, 1, 2], tok=[5, 6, 7], q=[1.0] * 3, src="draft_model",
-                      parent=[-1, -1, 1]),
+              ev.make("forward", 1, 2.0, role="verify", n_tokens=5, lora_rows=0, wall_ms=1.0),
+              ev.make("propose", 1, 2.0, pos=[1, 1, 2, 1], tok=[5, 6, 7, 9], q=[1.0] * 4, src="draft_model",
+                      parent=[-1, -1, 1, -1]),
               ev.make("accept", 1, 2.0, pos=[1, 2], tok=[6, 7], p=[0.6, 0.9], q=[1.0, 1.0], node=[1, 2]),
+              ev.make("reject", 1, 2.0, pos=1, tok=5, p=0.2, q=1.0, node=0),
               ev.make("bonus", 1, 2.0, pos=3, tok=8),
               ev.make("emit", 1, 2.0, pos=[1, 2, 3], tok=[6, 7, 8], text="ghi", pieces=["g", "h", "i"])]
     grid = build_grid(None, events, token_text=lambda t: chr(97 + t))
     fork = grid.cell(1, 1)
-    assert fork.tok == 6 and [(t, kept) for t, _, kept in fork.branches] == [(5, False), (6, True)]
+    assert fork.tok == 6 and fork.draft_tok is None
+    assert [(t, verdict) for t, _, verdict in fork.branches] == [(5, "refused"), (6, "accepted path"), (9, "pruned")]
     assert grid.cell(1, 2).branches == ()   # one candidate there: a plain cell
     lines = fork.describe()
-    assert "draft tree: 2 candidates here" in lines and '  5 "f" pruned' in lines and '  6 "g" accepted path' in lines
+    assert "draft tree: 3 candidates here" in lines and '  5 "f" refused' in lines and '  6 "g" accepted path' in lines
+    assert '  9 "j" pruned' in lines
+    assert Tally().feed_all(events).acceptance.by_pos == [0.5, 1.0]
     from studio.web.render import row_html
-    assert row_html(grid, 1).count('<sup class="br">2</sup>') == 1
+    assert row_html(grid, 1).count('<sup class="br">3</sup>') == 1

@@ -278,7 +278,8 @@ class DecodeContext:
     def verify_tree(self, tree: DraftTree, pending: int, src: str, forward=None) -> TreeVerdict:
         """One forward over [pending] + a draft tree (`draft_tree`: positions by depth, each node seeing its ancestors),
         the walk that verifies it, the K/V of the pending token and the accepted path kept (the rest rolled back), and
-        the events: `propose` with the tree's parents, `accept` with the path's nodes, `bonus` or `resample`. The
+        the events: `propose` with the tree's parents, `accept` with the path's nodes, a `reject` with its node for
+        each candidate the walk refused (a sibling of the path, or a child of its last node), `bonus` or `resample`. The
         caller emits the accepted tokens and the verdict's next one. `forward` (default: this context's) runs the
         forward, for a strategy that reads more of it than the logits."""
         L, start = self.kv.length, self.n_out
@@ -292,6 +293,9 @@ class DecodeContext:
         if accepted:
             self.event("accept", pos=list(range(start, start + len(accepted))), tok=accepted, p=v.p,
                        q=[1.0] * len(accepted), node=v.accepted)
+        depths = tree.depths()
+        for node, p in v.refused:
+            self.event("reject", pos=start - 1 + depths[node], tok=tree.tokens[node], p=p, q=1.0, node=node)
         self.event("bonus" if v.bonus else "resample", pos=start + len(accepted), tok=v.next_token)
         return v
 
