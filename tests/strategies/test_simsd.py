@@ -9,7 +9,7 @@ from studio.engine.strategies import make_strategy
 from studio.errors import BadInput
 from studio.run.session import Settings, run_to_end
 from tests.support.dlm import block_size_one_law, generate, opened
-from tests.support.exact import chi_square_pvalue, law_samples
+from tests.support.exact import assert_law, chi_square_pvalue, law_samples
 from tests.support.plans import planned
 from tests.support.tiny import FAMILIES, tiny_dlm
 
@@ -33,9 +33,15 @@ def test_self_draft_right_shifted_sampled_matches_the_ar_law(monkeypatch, params
     engine = tiny_dlm("llama", True, vocab=6, seed=11, dim=16, layers=1)
     prompt = [1, 2, 3, 4, 5]
     law = block_size_one_law(engine, prompt, 3, SamplingParams(1.0))
-    runs = [generate(engine, "simsd", {"cache": "causal", "block_size": 4, **params}, prompt=prompt, n=3,
-                     temperature=1.0, seed=seed) for seed in range(n)]
-    assert chi_square_pvalue([tuple(r.token_ids) for r in runs], law) > 0.01
+    batches = []
+
+    def pvalue(seeds: range) -> float:
+        batches.append([generate(engine, "simsd", {"cache": "causal", "block_size": 4, **params}, prompt=prompt, n=3,
+                                 temperature=1.0, seed=seed) for seed in seeds])
+        return chi_square_pvalue([tuple(r.token_ids) for r in batches[-1]], law)
+
+    assert_law(pvalue, n)
+    runs = batches[0]
     if "drafting" not in params:
         plans = [planned(r) for r in runs]
         assert any(0 in p for p in plans) and all(p[0] > 0 for p in plans)
