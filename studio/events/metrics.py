@@ -15,6 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 
+def position_slots(positions) -> dict[int, int]:
+    """Each verified position's slot in its step: its rank among the step's positions (a chain's drafts in order; a
+    draft tree's siblings share a position, and so a slot)."""
+    return {p: k for k, p in enumerate(sorted(set(positions)))}
+
+
 @dataclass
 class Acceptance:
     """Acceptance counts by draft slot and by verify step."""
@@ -26,7 +32,7 @@ class Acceptance:
     def add_chain(self, step: int, chain: list[tuple[int, bool]]) -> None:
         """One step's verified proposals as (pos, accepted) pairs, in any order; a draft tree's siblings share a
         position, and so a slot."""
-        slot = {p: k for k, p in enumerate(sorted({p for p, _ in chain}))}
+        slot = position_slots(p for p, _ in chain)
         for pos, ok in chain:
             k = slot[pos]
             while k >= len(self.verified_by_pos):

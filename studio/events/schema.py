@@ -62,8 +62,8 @@ EVENT_FIELDS: dict[str, dict[str, Any]] = {
 # drafts at one position are siblings; accept.node: the accepted drafts' indices in that propose (the path taken);
 # reject.node: a refused candidate's index (a step may refuse several, siblings at one position).
 OPTIONAL_FIELDS: dict[str, dict[str, Any]] = {"emit": {"pieces": list[str]}, "forward": {"experts": list[int]},
-                                              "accept": {"h": list[float], "node": list[int]}, "reject": {"h": float, "node": int},
-                                              "propose": {"parent": list[int]}}
+                                              "accept": {"h": list[float], "node": list[int]},
+                                              "reject": {"h": float, "node": int}, "propose": {"parent": list[int]}}
 ROLES: tuple[str, ...] = get_args(EVENT_FIELDS["forward"]["role"])
 SOURCES: tuple[str, ...] = get_args(EVENT_FIELDS["propose"]["src"])
 

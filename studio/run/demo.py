@@ -53,7 +53,7 @@ def demo_configs(strategies: str | None, max_new_tokens: int, model: str = "defa
     for label, config in compare_configs(strategies, RunConfig(temperature=0.0, max_new_tokens=max_new_tokens)).items():
         out[label] = config
         params = config.build()[0].params
-        if getattr(params, "drafting", None) == "auto":   # (dflash copies nothing from the context: no `lookup`)
+        if getattr(params, "drafting", None) == "auto":   # the layout's parameters the strategy has
             layout = {k: v for k, v in PAPERS_LAYOUT.items() if hasattr(params, k)}
             out[label + FIXED] = dataclasses.replace(config, params={**config.params, **layout})
     return out

@@ -13,6 +13,8 @@ import statistics
 from collections import defaultdict
 from typing import Any, Iterable, Mapping
 
+from studio.events.metrics import position_slots
+
 POSITION_BIN = 16                                   # answer positions per bucket
 ENTROPY_EDGES = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)     # nats; the last bin is open
 CONFIDENCE_EDGES = (0.0, 0.2, 0.4, 0.6, 0.8, 0.95)  # the draft's q; the last bin is [0.95, 1]
@@ -33,7 +35,7 @@ def verdicts(events: Iterable[Mapping[str, Any]]) -> list[dict]:
                                        "h": e.get("h")})
     out = []
     for chain in by_step.values():
-        slot = {p: k for k, p in enumerate(sorted({v["pos"] for v in chain}))}
+        slot = position_slots(v["pos"] for v in chain)
         for v in sorted(chain, key=lambda v: v["pos"]):
             out.append({**v, "slot": slot[v["pos"]] + 1})
     return out

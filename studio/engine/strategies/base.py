@@ -282,10 +282,10 @@ class DecodeContext:
         each candidate the walk refused (a sibling of the path, or a child of its last node), `bonus` or `resample`. The
         caller emits the accepted tokens and the verdict's next one. `forward` (default: this context's) runs the
         forward, for a strategy that reads more of it than the logits."""
-        L, start = self.kv.length, self.n_out
+        L, start, depths = self.kv.length, self.n_out, tree.depths()
         logits = (forward or self.forward)("verify", [pending] + tree.tokens, tree.positions(L),
                                            mask=tree.attention_mask(L, device=self.device))
-        self.event("propose", pos=[start - 1 + d for d in tree.depths()], tok=tree.tokens, q=[1.0] * len(tree),
+        self.event("propose", pos=[start - 1 + d for d in depths], tok=tree.tokens, q=[1.0] * len(tree),
                    src=src, parent=tree.parents)   # after the forward: an event belongs to the forward's step
         v = walk_tree(tree, logits, self.sampling, self.gen)
         self.keep([0] + [1 + i for i in v.accepted])
@@ -293,7 +293,6 @@ class DecodeContext:
         if accepted:
             self.event("accept", pos=list(range(start, start + len(accepted))), tok=accepted, p=v.p,
                        q=[1.0] * len(accepted), node=v.accepted)
-        depths = tree.depths()
         for node, p in v.refused:
             self.event("reject", pos=start - 1 + depths[node], tok=tree.tokens[node], p=p, q=1.0, node=node)
         self.event("bonus" if v.bonus else "resample", pos=start + len(accepted), tok=v.next_token)

@@ -112,7 +112,8 @@ class DFlash(Strategy):
         # the planner prices the drafter's forward as this share of the target's 1-token step (the cost table
         # prices the target's forwards only): measured once per machine, target and drafter, then cached
         weights = Path(path).expanduser() / WEIGHTS
-        identity = {"path": str(weights.resolve()), "size": weights.stat().st_size, "mtime": weights.stat().st_mtime_ns,
+        stat = weights.stat()
+        identity = {"path": str(weights.resolve()), "size": stat.st_size, "mtime": stat.st_mtime_ns,
                     "drafts": self._drafts()}
         self.share = drafter_share(engine, identity, lambda: self._timed_draft(engine.model))
 
@@ -214,7 +215,7 @@ class DFlash(Strategy):
         depth = max(map(len, looked))
         if "ngram" in self.planners:
             depth = self._plan(ctx, "ngram", len(looked), depth)
-        return DraftTree.from_chains([c[:depth] for c in looked if depth], max_nodes=self.params.rows - 1)
+        return DraftTree.from_chains([c[:depth] for c in looked] if depth else [], max_nodes=self.params.rows - 1)
 
     def _plan(self, ctx: DecodeContext, src: str, branches: int, limit: int | None = None) -> int:
         """Drafts the next forward verifies from `src` (the chain's depth: a tree's has `branches` nodes a level):
