@@ -30,6 +30,10 @@ class DraftTree:
     their children. A token is at most once among one node's children."""
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
+    _nodes: dict[tuple[int, int], int] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        self._nodes.update(((p, t), i) for i, (t, p) in enumerate(zip(self.tokens, self.parents)))
 
     @classmethod
     def from_chains(cls, chains: list[list[int]], max_nodes: int | None = None) -> "DraftTree":
@@ -49,14 +53,13 @@ class DraftTree:
 
     def child(self, parent: int, token: int, add: bool = False) -> int | None:
         """The node under `parent` holding `token` (made when `add`), or None."""
-        for i, (t, p) in enumerate(zip(self.tokens, self.parents)):
-            if p == parent and t == token:
-                return i
-        if not add:
-            return None
+        node = self._nodes.get((parent, token))
+        if node is not None or not add:
+            return node
         self.tokens.append(token)
         self.parents.append(parent)
-        return len(self.tokens) - 1
+        node = self._nodes[parent, token] = len(self.tokens) - 1
+        return node
 
     def children(self, parent: int) -> list[int]:
         return [i for i, p in enumerate(self.parents) if p == parent]
@@ -66,6 +69,16 @@ class DraftTree:
         out: list[int] = []
         for p in self.parents:
             out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+    def path_of(self, chain: list[int]) -> list[int]:
+        """The nodes holding `chain`'s tokens from the root down (as far as the tree holds them)."""
+        out, node = [], -1
+        for token in chain:
+            node = self.child(node, token)
+            if node is None:
+                break
+            out.append(node)
         return out
 
     def path(self, node: int) -> list[int]:

@@ -65,13 +65,30 @@ def cycling_engine(family="llama", vocab=16, seed=0, dim=32):
 
 
 def ngram_accepted(result) -> int:
-    """Tokens of a propose{src: ngram} that an accept of the same step covered (a recycled candidate won)."""
+    """Tokens of a propose{src: ngram} (drafts looked up in the context) that an accept of the same step covered."""
     proposed, n = {}, 0
     for e in result.events:
         if e["t"] == "propose" and e["src"] == "ngram":
             proposed.setdefault(e["step"], set()).update(zip(e["pos"], e["tok"]))
         elif e["t"] == "accept":
             n += len(proposed.get(e["step"], set()) & set(zip(e["pos"], e["tok"])))
+    return n
+
+
+def _window(parents: list[int]) -> int:
+    """How many of a Jacobi MR tree's nodes are the window's drafts: the leading chain, node i under node i - 1."""
+    return next((i for i, p in enumerate(parents) if p != i - 1), len(parents))
+
+
+def recycled_accepted(result) -> int:
+    """Accepted drafts that a recycled candidate added to a tree step (a candidate won). A Jacobi MR tree holds the
+    window's drafts first, as a chain (node i under node i - 1), then the nodes the candidates add."""
+    window, n = {}, 0
+    for e in result.events:
+        if e["t"] == "propose" and "parent" in e:
+            window[e["step"]] = _window(e["parent"])
+        elif e["t"] == "accept" and "node" in e:
+            n += sum(node >= window[e["step"]] for node in e["node"])
     return n
 
 
@@ -112,11 +129,16 @@ def test_recycled_ngrams_are_accepted_on_repetitive_output(family):
     jac = generate(engine, "jacobi", no_lookup)
     mr = generate(engine, "jacobi-mr", no_lookup)
     assert mr.token_ids == ar.token_ids == jac.token_ids
-    assert ngram_accepted(mr) > 0
+    assert recycled_accepted(mr) > 0
+    # the candidates are one tree with the window: each shared prefix is one row, so some candidate node hangs under
+    # a node of the window or of another candidate, not under the pending token
+    shared = [p for e in mr.events if e["t"] == "propose" and "parent" in e
+              for p in e["parent"][_window(e["parent"]):] if p >= 0]
+    assert shared
     assert mr.footer["tpf"] > 2.0                              # measured 4.21 (80 tokens, 19 forwards)
     assert mr.footer["tpf"] > jac.footer["tpf"]                # plain Jacobi: 1.01 on a first-order model
     no_pool = generate(engine, "jacobi-mr", dict(no_lookup, pool_size=0))
-    assert ngram_accepted(no_pool) == 0 and no_pool.footer["forwards"] > mr.footer["forwards"]
+    assert recycled_accepted(no_pool) == 0 and no_pool.footer["forwards"] > mr.footer["forwards"]
 
 
 def _promoted_kept(result) -> tuple[int, int]:
@@ -193,7 +215,7 @@ def test_sampled_jacobi_mr_matches_the_ar_distribution(monkeypatch, law_engine, 
     runs = [generate(engine, "jacobi-mr", params, n=3, temperature=1.0, seed=seed) for seed in range(300)]
     if drafting == "fixed":   # the machinery under test was exercised: pseudo blocks, candidates, candidates that won
         kinds = {e["t"] + "/" + e.get("src", "") for r in runs for e in r.events}
-        assert {"block/", "unmask/", "propose/ngram"} <= kinds and sum(map(ngram_accepted, runs)) > 0
+        assert {"block/", "unmask/"} <= kinds and sum(map(recycled_accepted, runs)) > 0
     else:                     # the plan followed the verdicts: AR steps and forwards with drafts
         assert {0, 1} <= {d for r in runs for d in planned(r)}
 
@@ -215,7 +237,7 @@ def test_committed_kv_is_exactly_the_clean_tokens(temperature, engine_kind):
     while not out.finished:
         strat.step(ctx)
         events += ctx.drain()
-    won = ngram_accepted(type("R", (), {"events": events}))
+    won = recycled_accepted(type("R", (), {"events": events}))
     if engine_kind == "cycling":
         assert won > 0
     ids = PROMPT + out.token_ids
@@ -244,20 +266,27 @@ def test_events_tell_the_whole_story(name, params):
     assert fwd[0]["role"] == "prefill" and all(f["role"] == "jacobi" for f in fwd[1:])
     assert r.footer["forwards"] == len(fwd) - 1
     assert all(f["n_tokens"] <= make_strategy(name, params).kv_headroom() for f in fwd[1:])
-    # every verdict is about a draft proposed in the same step; one chain per step decides
-    proposed, verdicts = {}, {}
+    # every verdict is about a draft proposed in the same step; a chain's are one run of positions, a tree's (Jacobi
+    # MR's window with the recycled candidates) name their nodes, siblings refused at the path's positions
+    proposed, verdicts, trees = {}, {}, set()
     for e in r.events:
         if e["t"] == "propose":
             assert e["src"] in ("jacobi", "ngram") and e["q"] == [1.0] * len(e["tok"])
             proposed.setdefault(e["step"], set()).update(zip(e["pos"], e["tok"]))
+            if "parent" in e:
+                trees.add(e["step"])
         elif e["t"] == "accept":
             assert set(zip(e["pos"], e["tok"])) <= proposed[e["step"]]
+            assert ("node" in e) == (e["step"] in trees)
             verdicts.setdefault(e["step"], []).extend(e["pos"])
         elif e["t"] == "reject":
             assert (e["pos"], e["tok"]) in proposed[e["step"]]
+            assert ("node" in e) == (e["step"] in trees)
             verdicts.setdefault(e["step"], []).append(e["pos"])
-    for positions in verdicts.values():
-        assert positions == list(range(positions[0], positions[0] + len(positions)))
+    for step, positions in verdicts.items():
+        run = sorted(set(positions)) if step in trees else positions
+        assert run == list(range(positions[0], positions[0] + len(run)))
+    assert bool(trees) == (name == "jacobi-mr")
     assert 0.0 < r.footer["accept_rate"] <= 1.0
     if name == "jacobi-mr":
         blocks = [e for e in r.events if e["t"] == "block"]

@@ -5,7 +5,7 @@ greedy output equals greedy AR token for token and sampled output has the AR law
 (`pending`) is not in the KV cache yet: every forward starts with it and extends the committed KV.
 
 Design: docs/strategies.md#jacobi and docs/strategies.md#jacobi-mr (layouts, draft initialisation, pseudo
-blocks, rejection recycling, why candidates share one forward, how one chain is chosen, events).
+blocks, rejection recycling, the tree of the window and the candidates, events).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from studio.engine.draft_tree import DraftTree
 from studio.engine.sampling import Proposal, process_logits, sample_token
 from studio.engine.strategies import drafting
 from studio.engine.strategies.base import DecodeContext, Strategy
@@ -255,19 +256,21 @@ class JacobiMR(_JacobiBase):
         looked = self._look_up(ctx, m)
         window[:len(looked)] = looked
         self.guess.update(zip(range(n_out, n_out + len(looked)), looked))
-        cands = self._candidates(self.pending, window[:m])
+        chains = [window[:m]] + self._candidates(self.pending, m)
+        tree = DraftTree.from_chains(chains)          # the RA's drafts, then what the candidates add to them
         # cost-aware: the whole layout, or a narrow forward of the first k RA drafts (pseudo blocks wait); not the
         # whole layout where it reaches the last position (as _plan's cap: drafts there never become output)
         whole = not self.plans_drafts or horizon < ctx.out.max_new_tokens
-        k = self._plan(ctx, m, len(looked), full_rows=1 + len(window) + sum(map(len, cands)) if whole else None)
+        k = self._plan(ctx, m, len(looked), full_rows=1 + len(window) + len(tree) - m if whole else None)
         narrow = k < m or not whole
         if narrow:
-            window, cands = window[:k], []
-        fwd = self._forward(ctx, window, cands, m)
-        self._propose(ctx, n_out, window[:k], min(len(looked), k))
-        for c in cands:
-            ctx.event("propose", pos=list(range(n_out, n_out + len(c))), tok=c, q=[1.0] * len(c), src="ngram")
-        best, drafts, new = self._verify_best_chain(ctx, fwd, window[:k], cands)
+            window = window[:k]
+        if narrow or len(tree) == m:   # no candidate adds a row: one causal chain
+            fwd = self._chain_forward(ctx, window, m)
+            self._propose(ctx, n_out, window[:k], min(len(looked), k))
+            new = self._verify_chain(ctx, fwd, window[:k])
+        else:
+            fwd, new = self._tree_forward(ctx, tree, chains, window[m:])
         if ctx.out.finished:
             return
         # rejection recycling: the rejected noisy tail (RA drafts, then pseudo guesses) after the (up to n)
@@ -278,68 +281,70 @@ class JacobiMR(_JacobiBase):
             if j is not None:
                 out = ctx.out.token_ids
                 self._push((*out[max(0, n_out + j - n):n_out + j], *window[j:j + n]))
-        self._jacobi_update(ctx, fwd, best, drafts, narrow, horizon)
+        self._jacobi_update(ctx, fwd, narrow, horizon)
 
-    def _forward(self, ctx: DecodeContext, window: list[int], cands: list[list[int]], m: int) -> "_Forward":
-        """One forward: [pending | window (RA drafts + pseudo blocks), causal] + candidate rows."""
-        n_out, L = ctx.n_out, ctx.kv.length
-        t_main = 1 + len(window)
-        tokens = [self.pending] + window
-        positions = list(range(L, L + t_main))
-        offsets = []
-        for c in cands:
-            offsets.append(len(tokens))
-            tokens += c
-            positions += range(L + 1, L + 1 + len(c))
-        rows = [r for r in range(t_main) if r <= m or not self._frozen(n_out + r)] + list(range(t_main, len(tokens)))
-        mask = self._mask(ctx, L, t_main, [len(c) for c in cands]) if cands else None
-        logits = ctx.forward("jacobi", tokens, positions=positions if cands else None, mask=mask,
-                             logits_rows=None if len(rows) == len(tokens) else rows)
-        return _Forward(logits, {r: i for i, r in enumerate(rows)}, logits.argmax(-1).tolist(), n_out, t_main,
-                        offsets)
+    def _rows(self, n_out: int, m: int, predicted: list[int]) -> list[int]:
+        """The layout rows whose logits are read: all but those predicting a frozen pseudo position (`predicted`:
+        the position each row predicts)."""
+        return [r for r, pos in enumerate(predicted) if pos - n_out <= m or not self._frozen(pos)]
 
-    def _verify_best_chain(self, ctx: DecodeContext, fwd: "_Forward", drafts: list[int],
-                           cands: list[list[int]]) -> tuple[int, list[int], list[int]]:
-        """Verify the chain (RA drafts or an n-gram candidate) with the longest expected accepted run, commit
-        what it accepts; (its index, its drafts, the new tokens)."""
+    def _chain_forward(self, ctx: DecodeContext, window: list[int], m: int) -> "_Forward":
+        """One causal forward of [pending | window (RA drafts + pseudo blocks)]."""
+        n_out, t = ctx.n_out, 1 + len(window)
+        rows = self._rows(n_out, m, list(range(n_out, n_out + t)))
+        logits = ctx.forward("jacobi", [self.pending] + window, logits_rows=None if len(rows) == t else rows)
+        return _Forward(logits, {r: i for i, r in enumerate(rows)}, logits.argmax(-1).tolist(), n_out,
+                        main=list(range(t)), won=list(range(t)))
+
+    def _verify_chain(self, ctx: DecodeContext, fwd: "_Forward", drafts: list[int]) -> list[int]:
+        """Verify the RA's drafts, commit what they accept; the new tokens."""
         k, logits, at = len(drafts), fwd.logits, fwd.at
-        # chains: (drafts, verify rows, bonus row, KV rows of the drafts)
-        chains = [(drafts, list(range(k)), k, list(range(1, k + 1)))]
-        for c, o in zip(cands, fwd.offsets):
-            chains.append((c, [0] + list(range(o, o + len(c) - 1)), o + len(c) - 1, list(range(o, o + len(c)))))
-        verify_rows = sorted({r for ch in chains for r in ch[1]})
-        p_all = process_logits(logits[[at[r] for r in verify_rows]], ctx.sampling)
-        p_at = {r: i for i, r in enumerate(verify_rows)}
-
-        def p_of(ch):
-            return p_all[[p_at[r] for r in ch[1]]]
-
-        def expected_len(ch) -> float:
-            if not ch[0]:
-                return 0.0
-            pd = p_of(ch).gather(1, torch.tensor(ch[0], device=p_all.device)[:, None])[:, 0].double()
-            return float(torch.cumprod(pd, 0).sum())
-
-        best = 0 if len(chains) == 1 else max(range(len(chains)), key=lambda i: expected_len(chains[i]))
-        drafts, _, bonus_row, kv_rows = chains[best]
-        target_rows = logits[[at[r] for r in chains[best][1]]]
-        a, new = self._decide(ctx, drafts, p_of(chains[best]), target_rows, logits[at[bonus_row]], fwd.n_out)
-        ctx.keep([0] + kv_rows[:a])
+        target_rows = logits[[at[r] for r in range(k)]]
+        a, new = self._decide(ctx, drafts, process_logits(target_rows, ctx.sampling), target_rows, logits[at[k]],
+                              fwd.n_out)
+        ctx.keep(list(range(1 + a)))
         self.pending = new[-1]
         ctx.emit(new)
-        return best, drafts, new
+        return new
 
-    def _jacobi_update(self, ctx: DecodeContext, fwd: "_Forward", best: int, drafts: list[int], narrow: bool,
-                       horizon: int) -> None:
+    def _tree_forward(self, ctx: DecodeContext, tree: DraftTree, chains: list[list[int]],
+                      pseudo: list[int]) -> tuple["_Forward", list[int]]:
+        """One forward of the draft tree of the RA's drafts and the recycled candidates (shared prefixes once), the
+        pseudo blocks' guesses under the RA's last draft; the tree's walk commits what it accepts (`verify_tree`: the
+        multi-draft rule keeps the target's law). Returns the forward and the new tokens."""
+        n_out, L, m = ctx.n_out, ctx.kv.length, len(chains[0])
+        layout = DraftTree(list(tree.tokens), list(tree.parents))
+        main = tree.path_of(chains[0])
+        node = main[-1]
+        for token in pseudo:
+            node = layout.child(node, token, add=True)
+            main.append(node)
+        depths = layout.depths()
+        rows = self._rows(n_out, m, [n_out] + [n_out + d for d in depths])
+        read = {}
+
+        def forward(role, tokens, positions, mask):   # the whole layout; the walk reads the tree's rows
+            read["logits"] = ctx.forward("jacobi", [self.pending] + layout.tokens, layout.positions(L),
+                                         mask=layout.attention_mask(L, device=ctx.device),
+                                         logits_rows=None if len(rows) == 1 + len(layout) else rows)
+            return read["logits"][:1 + len(tree)]
+
+        v = ctx.verify_tree(tree, self.pending, "jacobi", forward)
+        if self.source in self.planners:
+            self.planners[self.source].observe(m, len(v.accepted))
+        new = [tree.tokens[i] for i in v.accepted] + [v.next_token]
+        self.pending = new[-1]
+        ctx.emit(new)
+        # the chain the walk followed (the RA's drafts where it stayed on them) predicts the RA's next guesses
+        won = next(p for p in map(tree.path_of, chains) if p[:len(v.accepted)] == v.accepted)
+        logits = read["logits"]
+        return _Forward(logits, {r: i for i, r in enumerate(rows)}, logits.argmax(-1).tolist(), n_out,
+                        main=[0] + [1 + i for i in main], won=[0] + [1 + i for i in won]), new
+
+    def _jacobi_update(self, ctx: DecodeContext, fwd: "_Forward", narrow: bool, horizon: int) -> None:
         """Grow the pseudo blocks' frozen prefixes, take the forward's predictions as the next guesses, restart a
         stalled block, settle."""
         n, n_out, new_n_out = self.params.block_size, fwd.n_out, ctx.n_out
-
-        def next_guess(pos: int) -> int:
-            if best and pos <= n_out + len(drafts):   # a candidate won: its rows predict the RA positions
-                o = fwd.offsets[best - 1]
-                return fwd.pred[fwd.at[0 if pos == n_out else o + pos - n_out - 1]]
-            return fwd.main_pred(pos)
 
         # pseudo blocks: grow the frozen prefix by the leading matches + the prediction after them
         old_frozen = {pos for b in self.pseudo for pos in range(b.start, b.start + b.acc)}
@@ -351,17 +356,17 @@ class JacobiMR(_JacobiBase):
             if b.acc < n:
                 b.acc += 1
             unmasked += range(b.start + old, b.start + b.acc)
-        # the Jacobi update of every open position that was not frozen: RA positions take the winning
-        # chain's predictions, pseudo positions the main chain's (they were conditioned on it); positions a narrow
-        # forward did not reach keep their guesses
+        # the Jacobi update of every open position that was not frozen: RA positions take the predictions of the
+        # chain the verdict followed, pseudo positions the main chain's (they were conditioned on it); positions a
+        # narrow forward did not reach keep their guesses
         def update(pos: int) -> int | None:
             if pos in old_frozen:
                 return None
-            return fwd.main_pred(pos) if pos >= self.ra_end else next_guess(pos)
+            return fwd.main_pred(pos) if pos >= self.ra_end else fwd.next_guess(pos)
         self.guess = {pos: g if (g := update(pos)) is not None else self.guess[pos] for pos in range(new_n_out, horizon)}
         unmasked = [pos for pos in unmasked if pos >= new_n_out]
         if unmasked:
-            conf = torch.softmax(fwd.logits[[fwd.at[pos - n_out] for pos in unmasked]].float(), -1)
+            conf = torch.softmax(fwd.logits[[fwd.at[fwd.main[pos - n_out]] for pos in unmasked]].float(), -1)
             toks = [fwd.main_pred(pos) for pos in unmasked]
             ctx.event("unmask", pos=unmasked, tok=toks,
                       conf=conf.gather(1, torch.tensor(toks, device=conf.device)[:, None])[:, 0].tolist())
@@ -414,49 +419,39 @@ class JacobiMR(_JacobiBase):
             self.pool.remove(entry)
         self.pool.append(entry)
 
-    def _candidates(self, pending: int, ra_drafts: list[int]) -> list[list[int]]:
+    def _candidates(self, pending: int, m: int) -> list[list[int]]:
         """One candidate per pool entry (newest first) that contains `pending`: the tokens after its first
-        occurrence, cut to the RA's open length; duplicates and prefixes of the RA's drafts are skipped."""
-        m, out = len(ra_drafts), []
-        if not m:
-            return out
+        occurrence, cut to the RA's `m` open positions (the tree shares what repeats the RA's drafts or another)."""
+        out = []
         for entry in reversed(self.pool):
             try:
                 i = entry.index(pending, 0, len(entry) - 1)
             except ValueError:
                 continue
-            c = list(entry[i + 1:i + 1 + m])
-            if c != ra_drafts[:len(c)] and c not in out:
-                out.append(c)
+            out.append(list(entry[i + 1:i + 1 + m]))
         return out
-
-    @staticmethod
-    def _mask(ctx: DecodeContext, L: int, t_main: int, lens: list[int]) -> torch.Tensor:
-        """bool [T, L + T]: the main rows are causal; each candidate's rows see the committed KV, the
-        pending row (the first new row) and their own earlier rows, nothing else."""
-        T = t_main + sum(lens)
-        mask = torch.zeros(T, L + T, dtype=torch.bool, device=ctx.device)
-        mask[:, :L] = True
-        mask[:t_main, L:L + t_main] = torch.ones(t_main, t_main, dtype=torch.bool, device=ctx.device).tril()
-        o = t_main
-        for l in lens:
-            mask[o:o + l, L] = True
-            mask[o:o + l, L + o:L + o + l] = torch.ones(l, l, dtype=torch.bool, device=ctx.device).tril()
-            o += l
-        return mask
 
 
 @dataclass
 class _Forward:
-    """One Jacobi forward: its logits by row (`at`: layout row -> logits row), their argmax, and the layout."""
+    """One Jacobi forward: its logits by row (`at`: layout row -> logits row, for the rows read), their argmax, and
+    the rows of two chains, by depth (row 0: the pending token, predicting the first open position): the main one
+    (the window) and the one the verdict followed (the window, or the recycled candidate it accepted)."""
     logits: torch.Tensor
     at: dict[int, int]
     pred: list[int]
-    n_out: int                 # the output length when it ran (layout row r is position n_out + r)
-    t_main: int                # rows of the main chain: pending + window
-    offsets: list[int]         # where each n-gram candidate's rows start
+    n_out: int                 # the output length when it ran (depth d predicts position n_out + d)
+    main: list[int]
+    won: list[int]
+
+    def _pred(self, rows: list[int], pos: int) -> int | None:
+        d = pos - self.n_out
+        return self.pred[self.at[rows[d]]] if 0 <= d < len(rows) and rows[d] in self.at else None
 
     def main_pred(self, pos: int) -> int | None:
         """The main chain's prediction for position `pos`, None where no row of it was read."""
-        r = pos - self.n_out
-        return self.pred[self.at[r]] if 0 <= r < self.t_main and r in self.at else None
+        return self._pred(self.main, pos)
+
+    def next_guess(self, pos: int) -> int | None:
+        """The next guess for an RA position: the followed chain's prediction where it reaches, else the main one's."""
+        return self._pred(self.won, pos) if pos - self.n_out < len(self.won) else self.main_pred(pos)
