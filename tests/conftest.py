@@ -105,7 +105,7 @@ def _tiny_models_plan_on_a_fixed_cost_table(request, monkeypatch):
         from studio.engine.cost_table import FLAT_COSTS
         monkeypatch.setattr("studio.run.session.cost_table", lambda engine: FLAT_COSTS)
         monkeypatch.setattr("studio.run.session.stored_table", lambda engine: FLAT_COSTS)
-        monkeypatch.setattr("studio.engine.drafter_cost.measure", lambda engine, draft: 0.2)
+        monkeypatch.setattr("studio.engine.drafter_cost.measure", lambda engine, drafts: dict.fromkeys(drafts, 0.2))
 
 
 @pytest.fixture(scope="session", autouse=True)

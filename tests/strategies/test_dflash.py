@@ -66,7 +66,7 @@ def test_sampled_runs_keep_the_model_s_law(monkeypatch, tmp_path, params, costs,
 
     def drafter_free(self, engine):   # a tiny drafter costs what its tiny target does: priced at nothing here, so
         ready(self, engine)           # the chain's plan switches under CHAIN_MIXED as Jacobi's does
-        self.share = 0.0
+        self.price = lambda k: 0.0
 
     monkeypatch.setattr(DFlash, "ready", drafter_free)
     engine = tiny_engine("llama", seed=11, vocab=8, dim=16, layers=1)

@@ -13,13 +13,14 @@ Design: docs/strategies.md#dflash
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from studio.engine.dflash import WEIGHTS, Drafter, load_drafter
-from studio.engine.drafter_cost import CONTEXT, drafter_share
+from studio.engine.dflash import CONFIG, WEIGHTS, Drafter, DrafterConfig, load_drafter
+from studio.engine.drafter_cost import CONTEXT, DrafterPrice, drafter_share
 from studio.engine.draft_tree import DraftTree
 from studio.engine.kernels.projection import vocab_logits
 from studio.engine.sampling import Proposal, process_logits, sample, sample_token
@@ -70,7 +71,7 @@ class DFlash(Strategy):
     def __init__(self, params: dict | None = None):
         super().__init__(params)
         self.drafter: Drafter | None = None
-        self.share = 0.0   # the drafter's forward against the target's 1-token step (`ready`)
+        self.price: DrafterPrice | None = None   # its forward against the target's 1-token step, by drafts (`ready`)
         self.vocab = self.head = None   # the draft vocabulary's ids and head rows (`ready`; None: the whole head)
 
     @staticmethod
@@ -109,30 +110,45 @@ class DFlash(Strategy):
         self.drafter.config.check_target(engine.config, engine.name, vocab)
         # the head's rows the drafter reads: its draft vocabulary's, else the target's whole head
         self.vocab, self.head = (None, None) if vocab is None else _head_rows(weight, vocab)
-        # the planner prices the drafter's forward as this share of the target's 1-token step (the cost table
-        # prices the target's forwards only): measured once per machine, target and drafter, then cached
+        # the planner prices the drafter's forward as a share of the target's 1-token step (the cost table prices
+        # the target's forwards only), by the drafts it makes: measured once per machine, target and drafter, cached
         weights = Path(path).expanduser() / WEIGHTS
         stat = weights.stat()
-        identity = {"path": str(weights.resolve()), "size": stat.st_size, "mtime": stat.st_mtime_ns,
-                    "drafts": self._drafts()}
-        self.share = drafter_share(engine, identity, lambda: self._timed_draft(engine.model))
+        identity = {"path": str(weights.resolve()), "size": stat.st_size, "mtime": stat.st_mtime_ns}
+        self.price = drafter_share(engine, identity, self._drafts(), lambda k: self._timed_draft(engine.model, k))
 
-    def _timed_draft(self, model):
-        """A drafter forward as a run makes it, for `drafter_share` to time: a new context row, the whole block, the
-        head on the block's drafts, after CONTEXT rows of the drafter's own cache."""
+    def _timed_draft(self, model, k: int):
+        """A drafter forward of k drafts as a run makes it, for `drafter_share` to time: a new context row, the
+        anchor and k MASK rows, the head on the drafts, after CONTEXT rows of the drafter's own cache."""
         taps = torch.zeros(1, CONTEXT, len(self.drafter.config.taps) * model.config.dim,
                            dtype=self.drafter.fc.weight.dtype, device=model.lm_head.weight.device)
         kv = self.drafter.new_cache(CONTEXT + 1 + self.drafter.config.block_size)
         self._draft_logits(model, taps[:, :-1], 0, 1, kv)
 
         def draft():
-            self._draft_logits(model, taps[:, -1:], 0, self._drafts(), kv)
+            self._draft_logits(model, taps[:, -1:], 0, k, kv)
             kv.rollback(CONTEXT - 1)
         return draft
 
+    def drafts_for(self, engine) -> int | None:
+        """The drafts per forward a run on `engine` would make at most (`block` 0: the drafter's whole block), from the
+        drafter's config alone; None where there is no drafter to read (the run says why)."""
+        from studio.presets.shipped import shipped_drafter
+
+        path = self.params.drafter or shipped_drafter(engine.name)
+        try:
+            raw = json.loads((Path(path).expanduser() / CONFIG).read_text(encoding="utf-8"))
+            whole = DrafterConfig.from_json(raw).block_size - 1
+        except (TypeError, OSError, ValueError, BadInput):
+            return None
+        return self._within(whole)
+
     # -- what it needs
     def _drafts(self) -> int:
-        whole = self.drafter.config.block_size - 1 if self.drafter is not None else 15
+        return self._within(self.drafter.config.block_size - 1 if self.drafter is not None else 15)
+
+    def _within(self, whole: int) -> int:
+        """The drafts per forward at most, for a drafter of `whole` drafts a block."""
         return min(self.params.block, whole) if self.params.block else whole
 
     def kv_headroom(self, config=None) -> int:
@@ -225,12 +241,11 @@ class DFlash(Strategy):
         planner = self.planners.get(src)
         if planner is None or top == 0:
             return top
-        share = self.share if src == "draft_model" else 0.0
-
         def rate(reach, cost):
             d = len(reach)
+            share = self.price(d) if src == "draft_model" and d else 0.0
             rows = None if branches == 1 else min(self.params.rows, 1 + branches * d)
-            with_draft = lambda n, gated: cost(n, gated) + (share * cost(1, 0) if d else 0.0)   # noqa: E731
+            with_draft = lambda n, gated: cost(n, gated) + share * cost(1, 0)   # noqa: E731
             return drafting.chain_rate(reach, with_draft, ctx.clean_gate, rows)
 
         return planner.plan(rate, limit=top)
@@ -243,16 +258,18 @@ class DFlash(Strategy):
         if self.dkv.length + context.shape[1] != ctx.kv.length:
             raise RuntimeError(f"dflash: the drafter's context ({self.dkv.length + context.shape[1]}) is not the "
                                f"committed length ({ctx.kv.length})")
-        ctx.price(self.share)
+        ctx.price(self.price(k))
         return self._draft_logits(ctx.model, context, self.pending, k, self.dkv)
 
     def _draft_logits(self, model, context: torch.Tensor, pending: int, k: int, kv) -> torch.Tensor:
-        """One forward of the block [pending, MASK x (B - 1)] over `context` (new rows, committed into `kv`) and what
-        `kv` holds; the head reads only the k rows the plan verifies, and only the draft vocabulary's tokens."""
-        L, C, B = kv.length, context.shape[1], self.drafter.config.block_size
+        """One forward of the block's first 1 + k rows [pending, MASK x k] over `context` (new rows, committed into
+        `kv`) and what `kv` holds, the head on the k draft rows and only on the draft vocabulary's tokens. A plan of a
+        few drafts does not pay for the block's other rows: on the embedded model the drafts it verifies are as
+        often right without them (docs/strategies.md#dflash), and the forward costs less."""
+        L, C = kv.length, context.shape[1]
         device = model.lm_head.weight.device
-        block = torch.tensor([[pending] + [self.drafter.config.mask_token_id] * (B - 1)], device=device)
-        positions = torch.arange(L, L + C + B, device=device)[None]
+        block = torch.tensor([[pending] + [self.drafter.config.mask_token_id] * k], device=device)
+        positions = torch.arange(L, L + C + 1 + k, device=device)[None]
         with torch.inference_mode():
             hidden = self.drafter(context, model.model.embed_tokens(block), positions, kv=kv)[0, 1:1 + k]
             if self.head is None:
