@@ -474,3 +474,4 @@ def test_the_run_panel_shows_the_block_size_a_run_would_use(tmp_path):
     assert asyncio.run(shown(adapted, "s2d2")) == ("8 (adapter)", {8})
     assert asyncio.run(shown(tiny_dlm("llama", shift=True, block=4, vocab=20), "simsd")) == ("4 (model)", {4})
     assert asyncio.run(shown(plain, "blockdiff")) == ("4 (default)", {4})
+    assert asyncio.run(shown(tiny_engine("llama"), "dflash")) == ("3 (drafter)", set())   # its drafter's block is 4

@@ -93,8 +93,7 @@ class Controls(Vertical):
         select = self.query_one("#ctl-strategy", Select)
         with select.prevent(Select.Changed):
             select.value = choice.label
-        config = engine.for_strategy(strategy.name).config if engine is not None else None
-        values = {N: shown_n(strategy, config), TAU: shown_role(strategy, TAU),
+        values = {N: shown_n(strategy, engine), TAU: shown_role(strategy, TAU),
                   "temperature": settings.sampling.temperature, "top_k": settings.sampling.top_k,
                   "top_p": settings.sampling.top_p, "seed": settings.seed, "max_new_tokens": settings.max_new_tokens}
         self._shown = {key: str(value) for key, value in values.items()}
@@ -148,12 +147,19 @@ def shown_role(strategy, role: str) -> object:
     return UNUSED if name is None else getattr(strategy.params, name)
 
 
-def shown_n(strategy, config) -> object:
-    """N as a run would use it: a block size of 0 resolved with the engine's `config` by the strategy itself
-    (`block_size(config)`), with where it came from."""
+def shown_n(strategy, engine) -> object:
+    """N as a run would use it: a block size of 0 resolved with the `engine`'s config by the strategy itself
+    (`block_size(config)`), or a drafter's block by the drafter the run would load (`drafts_for(engine)`), with where
+    it came from."""
     value = shown_role(strategy, N)
-    if value != 0 or config is None or not hasattr(strategy, "block_size"):
+    if value != 0 or engine is None:
         return value
+    if hasattr(strategy, "drafts_for"):
+        drafts = strategy.drafts_for(engine)
+        return value if drafts is None else f"{drafts} (drafter)"
+    if not hasattr(strategy, "block_size"):
+        return value
+    config = engine.for_strategy(strategy.name).config
     size = strategy.block_size(config)
     source = ("model" if size == config.block_size else "adapter" if size == config.adapter_block_size
               else "default")
