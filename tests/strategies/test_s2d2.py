@@ -77,13 +77,13 @@ def test_a_forced_first_slot_is_verified_but_not_counted_as_an_accepted_proposal
         assert r.token_ids == generate(engine, "ar", n=30).token_ids
 
 
-def _first_token_samples(engine, params, n, prompt):
-    """The token the first S2D2 step commits at the first masked slot, over n seeds (same state)."""
+def _first_token_samples(engine, params, n, prompt, first=0):
+    """The token the first S2D2 step commits at the first masked slot, over n seeds from `first` (same state)."""
     strat = make_strategy("s2d2", params)
     ctx = opened(engine, strat, prompt, temperature=1.0)
     slot = strat.block.masked_slots()[0]
     samples = []
-    for seed in range(n):
+    for seed in range(first, first + n):
         s = copy.copy(strat)
         s.block, s.policy = copy.deepcopy(strat.block), AlwaysPolicy()
         ctx.gen.manual_seed(seed)
@@ -98,11 +98,12 @@ def _first_token_samples(engine, params, n, prompt):
 def test_verify_step_commits_the_verifier_distribution():
     """The 2L verifier path (position-aligned); the right-shifted path is covered by whole sequences below."""
     engine = tiny_dlm("qwen3", False, vocab=6, seed=11, dim=16, layers=1)
-    samples, prefix = _first_token_samples(engine, {"policy": "always", "cache": "causal"}, law_samples(20_000),
-                                           [1, 2, 3, 4, 1, 2])
+    params, prompt = {"policy": "always", "cache": "causal"}, [1, 2, 3, 4, 1, 2]
+    _, prefix = _first_token_samples(engine, params, 1, prompt)
     p = block_size_one_probs(engine, prefix, SamplingParams(1.0))
     law = {(v,): float(p[v]) for v in range(6)}
-    assert chi_square_pvalue(samples, law) > 0.01
+    assert_law(lambda seeds: chi_square_pvalue(_first_token_samples(engine, params, len(seeds), prompt,
+                                                                    seeds.start)[0], law), law_samples(20_000))
 
 
 def test_tempering_gamma_is_lossy():
