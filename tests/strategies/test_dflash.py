@@ -51,6 +51,24 @@ def test_greedy_is_ar_as_a_chain_and_as_a_tree(tmp_path, family):
             # tests/train/test_dflash_train.py)
 
 
+def test_a_lookup_that_does_not_pay_leaves_the_step_to_the_drafter(monkeypatch, tmp_path):
+    """The context repeats (the prompt does), so lookup finds candidates; a plan that prices them out leaves the step to
+    the drafter, whose plan drafts: every step verifies the drafter's block, none is a plain AR step."""
+    engine = tiny_engine("llama", vocab=16, seed=3)
+    tiny_drafter(engine, tmp_path / "d", block=5, seed=1)
+    settings = Settings(max_new_tokens=24, sampling=SamplingParams(0.0))
+    found = []
+    look_up = DFlash._look_up
+    monkeypatch.setattr(DFlash, "_look_up", lambda self, ctx: found.append(look_up(self, ctx)) or found[-1])
+    monkeypatch.setattr(DFlash, "_plan", lambda self, ctx, src, branches, limit=None: 0 if src == "ngram" else 2)
+    r = run_to_end(engine, dflash(tmp_path / "d"), settings, "", PROMPT)
+    assert r.token_ids == run_to_end(engine, make_strategy("ar"), settings, "", PROMPT).token_ids
+    assert any(found)
+    roles = [e["role"] for e in r.events if e["t"] == "forward"][1:]
+    assert roles and set(roles) == {"verify"}
+    assert {e["src"] for e in r.events if e["t"] == "propose"} == {"draft_model"}
+
+
 @pytest.mark.law
 @pytest.mark.parametrize("params,costs,vocab", [({}, CHAIN_MIXED, None), ({"branches": 3}, (1.0,) * 32, None),
                                                ({}, CHAIN_MIXED, [0, 1, 2, 4, 6])],

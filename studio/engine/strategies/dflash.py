@@ -3,7 +3,8 @@ states in one forward, and the target verifies it with the exact rules -- a chai
 sampled: drafts drawn from its q rows, verified against them) or, with `branches` > 1, a draft tree of each slot's
 top tokens verified in one forward (studio.engine.draft_tree). Lossless either way. Where the context's last tokens
 occurred before (`lookup`), what followed them is verified instead, as a tree of up to `matches` candidates, with no
-drafter forward: a small model repeats itself, and a looked-up guess costs nothing to make.
+drafter forward: a small model repeats itself, and a looked-up guess costs nothing to make. A lookup its planner
+finds not worth its rows leaves the step to the drafter.
 
 The last committed token (`pending`) is not in the target's KV cache yet: it anchors the drafter's block and leads
 every target forward, whose tapped hidden states of the committed rows become the drafter's next context rows.
@@ -194,12 +195,9 @@ class DFlash(Strategy):
 
     def step(self, ctx: DecodeContext) -> None:
         looked = self._look_up(ctx)
-        if looked:
-            tree = self._looked_up_tree(ctx, looked)
-            if len(tree):
-                self._tree_step(ctx, tree, "ngram")
-            else:
-                self._ar_step(ctx)
+        tree = self._looked_up_tree(ctx, looked) if looked else None
+        if tree:   # (a lookup that does not pay leaves the step to the drafter)
+            self._tree_step(ctx, tree, "ngram")
             return
         k = self._plan(ctx, "draft_model", self.params.branches)
         if k == 0:
