@@ -22,8 +22,10 @@ GRAPHS = typer.Option(True, "--graphs/--no-graphs", help="CUDA graphs for decode
                       "--no-graphs runs every forward eagerly).")
 FORCE = typer.Option(False, "--force", help="Overwrite files that exist (default: refuse, before any work).")
 # the commands' own --strategy: one name (run, chat, tui) or a comma list (compare, bench)
-STRATEGY = typer.Option(None, "--strategy", "-s", help="ar, isd, r-isd, jacobi, jacobi-mr, blockdiff, s2d2, simsd, "
-                        "canvas, gemma-canvas, or a strategy preset (default: --preset's, else the model preset's, else ar).")
+# (named here, not read from the registry: `--help` does not load torch; a test holds the list to the registry)
+STRATEGY = typer.Option(None, "--strategy", "-s", help="ar, isd, r-isd, jacobi, jacobi-mr, lookup-tree, dflash, blockdiff, "
+                        "s2d2, simsd, canvas, gemma-canvas, or a strategy preset (default: --preset's, else the model "
+                        "preset's, else ar).")
 STRATEGIES = typer.Option("ar,isd", "--strategy", "-s", help="Comma-separated strategies or presets (ar is always "
                           "added, first: the baseline).")
 

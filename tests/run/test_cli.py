@@ -200,6 +200,13 @@ def test_generation_commands_share_one_declaration_of_each_option():
             assert params[option].opts[0] == declared.param_decls[0].split("/")[0], (name, option)
 
 
+def test_the_strategy_option_s_help_names_every_registered_strategy():
+    from studio.engine.strategies import STRATEGIES
+    from studio.run.options import STRATEGY
+    named = STRATEGY.help.split(", or a strategy preset")[0].split(", ")
+    assert named == list(STRATEGIES)
+
+
 def test_strategy_option_names_a_strategy_or_a_preset():
     """`-s` takes a preset as compare's list does; a preset given twice is refused; nothing given is ar."""
     from studio.errors import BadInput
