@@ -124,7 +124,9 @@ def test_a_gated_lora_forward_through_the_kernel_matches_torchs(monkeypatch, gat
         monkeypatch.setattr(cpu, "lora_rows", lambda *args: False)
         want = lin(x, row_gate)
     assert calls == ([] if row_gate.rows is not None and row_gate.span is None else [sum(gate)])
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the LoRA term sums products of N(0, 1) entries (terms up to ~30): summed in another order, as torch's threads
+    # may after an earlier test changed their count, an entry near 0 moves by ~1e-5
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     off = [i for i, on in enumerate(gate) if not on]
     assert torch.equal(got[0, off], linear(x, lin.weight)[0, off])
 

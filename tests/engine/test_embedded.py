@@ -24,7 +24,9 @@ def test_logit_parity_with_transformers_gguf_loader(default_engine, hf_gguf):
         ref = hf(x[None]).logits[0]
         kv = default_engine.model.new_cache(64)
         ours = default_engine.model(x, torch.arange(64), kv)[0]
-    assert (ours - ref).abs().max().item() <= 1e-4
+    # the same fp32 sums in another order (oneDNN's blocked products against transformers' F.linear) move logits of
+    # ~20 by ~1e-4; a wrong weight or layout moves them by more than 1e-2
+    assert (ours - ref).abs().max().item() <= 3e-4
 
 
 def _run(engine, name, ids, params=None, n=64):

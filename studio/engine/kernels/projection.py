@@ -1,6 +1,6 @@
-"""How a projection runs: on the CPU in fp32 a decode-sized product (at most SMALL_ROWS rows) goes around torch's
-F.linear -- 1-4 rows through our own kernel (`kernels/cpu.py`), 3-16 rows through oneDNN on a pre-packed copy of
-the weight -- and everything else through F.linear (docs/architecture.md#cpu-projections). The packed copies are
+"""How a projection runs: on the CPU in fp32 a product of at most WIDE_ROWS rows goes around torch's F.linear -- 1-4
+rows through our own kernel (`kernels/cpu.py`), 3-128 rows through oneDNN on a pre-packed copy of the weight -- and
+everything else through F.linear (docs/architecture.md#cpu-projections). The packed copies are
 made by `pack_weights` before a run's clock starts, kept across a head's MASK-row writes (`keep_packed_copy`) and
 forgone for a model large against the machine's memory (`forgo_packed_copies`)."""
 from __future__ import annotations
@@ -15,6 +15,10 @@ from studio.engine.compiled import opaque_to_compile
 from studio.engine.kernels import cpu as cpu_kernel
 
 SMALL_ROWS = 16
+# The most rows a CPU product runs through oneDNN on its packed weight: 1.5-3.7x faster than F.linear at 17-128 rows
+# on the embedded model's shapes (a Jacobi window of 16 with its pending row, Jacobi MR's layout, a short prompt's
+# prefill); SMALL_ROWS bounds the decode-sized products of the other paths (the LoRA's, CUDA's 1-byte weights)
+WIDE_ROWS = 128
 # Row counts from which a CPU projection runs through oneDNN on a pre-packed copy of its weight (`linear`)
 PACKED_ROWS = 3
 _HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -41,10 +45,11 @@ def _packed(w: torch.Tensor) -> torch.Tensor | None:
     return cached[1]
 
 
-def cpu_small(x: torch.Tensor) -> bool:
-    """A decode-sized fp32 product on the CPU outside autograd: the shapes `linear` routes around F.linear."""
+def cpu_small(x: torch.Tensor, rows: int = SMALL_ROWS) -> bool:
+    """A decode-sized fp32 product on the CPU outside autograd (at most `rows` rows): the shapes `linear` routes around
+    F.linear."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
-            and x.numel() <= SMALL_ROWS * x.shape[-1])
+            and x.numel() <= rows * x.shape[-1])
 
 
 def _rows_by_n(w: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
@@ -54,7 +59,7 @@ def _rows_by_n(w: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
 
 @opaque_to_compile("small_product", fake=_rows_by_n)
 def _small_product(w: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-    """flat [R, D] through w [N, D] for R <= SMALL_ROWS on the CPU, contiguous [R, N]: 1-4 rows through our own kernel
+    """flat [R, D] through w [N, D] for R <= WIDE_ROWS on the CPU, contiguous [R, N]: 1-4 rows through our own kernel
     (each weight row read once for all of them, a row's result the same bits at any of those row counts), 5+ through
     oneDNN on the packed weight, whose time barely grows with the rows where MKL's small-M kernels grow ~linearly.
     Without the kernel (no C compiler) 1-2 rows run as w @ flat.T (docs/architecture.md#cpu-projections)."""
@@ -69,7 +74,7 @@ def _small_product(w: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
 
 
 def pack_weights(model: nn.Module) -> None:
-    """Make the packed copies of the model's projections and head now (a run whose forwards are 3-16 rows wide calls
+    """Make the packed copies of the model's projections and head now (a run whose forwards are 3-128 rows wide calls
     this before its clock starts), not inside its first forwards: ~0.4 s for the embedded model on a 2-core CPU."""
     if not _HAS_ONEDNN or model.lm_head.weight.device.type != "cpu" or model.lm_head.weight.dtype != torch.float32:
         return
@@ -100,13 +105,13 @@ def forgo_packed_copies(model: nn.Module) -> None:
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
            scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., D] @ w.T (+ b). On the CPU in fp32 a decode-sized product (at most SMALL_ROWS rows) goes around torch's
+    """x [..., D] @ w.T (+ b). On the CPU in fp32 a product of at most WIDE_ROWS rows goes around torch's
     F.linear, whose GEMV for one row and small-M GEMMs read the weights slowly (`_small_product`); wider products
-    (a prefill), training and other devices keep F.linear. With `scale`, w is 1-byte and row n of it stands for
+    (a long prefill), training and other devices keep F.linear. With `scale`, w is 1-byte and row n of it stands for
     w[n] * scale[n] (`quant_linear`)."""
     if scale is not None:
         return quant_linear(x, w, scale, b)
-    if not cpu_small(x):
+    if not cpu_small(x, WIDE_ROWS):
         return F.linear(x, w, b)
     y = _small_product(w, x.reshape(-1, x.shape[-1]))
     if b is not None:
@@ -140,5 +145,5 @@ def vocab_logits(head: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """float logits of x [..., D] through the head [V, D], as W @ x.T for any row count: BLAS streams the head once,
     where F.linear's small-M GEMM is ~3x slower at 7 rows on CPU (the head is a fifth of a small model)."""
     flat = x.reshape(-1, x.shape[-1])
-    out = _small_product(head, flat) if cpu_small(flat) else _w_xt(head, flat)
+    out = _small_product(head, flat) if cpu_small(flat, WIDE_ROWS) else _w_xt(head, flat)
     return out.reshape(*x.shape[:-1], -1).float().contiguous()
