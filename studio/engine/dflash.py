@@ -213,6 +213,15 @@ def _names_dflash(architectures: list) -> bool:
     return any("DFlash" in str(a) for a in architectures)
 
 
+def read_drafter_config(root: Path) -> DrafterConfig:
+    """The drafter config in `root`'s config.json; BadInput where it is not JSON or not a DFlash drafter's."""
+    try:
+        raw = json.loads((root / CONFIG).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadInput(f"{root / CONFIG}: not JSON ({e})") from None
+    return DrafterConfig.from_json(raw, str(root))
+
+
 def load_drafter(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Drafter:
     """A drafter in the published layout (a directory with config.json and model.safetensors)."""
     from studio.engine.lazy_tensors import read_safetensors
@@ -220,11 +229,7 @@ def load_drafter(path: str | Path, device: torch.device | str = "cpu", dtype: to
     root = Path(path).expanduser()
     if not (root / CONFIG).is_file() or not (root / WEIGHTS).is_file():
         raise BadInput(f"{root} is not a DFlash drafter: it needs {CONFIG} and {WEIGHTS}")
-    try:
-        raw = json.loads((root / CONFIG).read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadInput(f"{root / CONFIG}: not JSON ({e})") from None
-    drafter = Drafter(DrafterConfig.from_json(raw, str(root)))
+    drafter = Drafter(read_drafter_config(root))
     weights = dict(read_safetensors(root / WEIGHTS))
     vocab = weights.pop(VOCAB, None)
     if vocab is not None:

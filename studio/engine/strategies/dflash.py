@@ -14,13 +14,12 @@ Design: docs/strategies.md#dflash
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from studio.engine.dflash import CONFIG, WEIGHTS, Drafter, DrafterConfig, load_drafter
+from studio.engine.dflash import WEIGHTS, Drafter, load_drafter, read_drafter_config
 from studio.engine.drafter_cost import CONTEXT, DrafterPrice, drafter_share
 from studio.engine.draft_tree import DraftTree
 from studio.engine.kernels.projection import vocab_logits
@@ -138,11 +137,9 @@ class DFlash(Strategy):
 
         path = self.params.drafter or shipped_drafter(engine.name)
         try:
-            raw = json.loads((Path(path).expanduser() / CONFIG).read_text(encoding="utf-8"))
-            whole = DrafterConfig.from_json(raw).block_size - 1
-        except (TypeError, OSError, ValueError, BadInput):
+            return self._within(read_drafter_config(Path(path).expanduser()).block_size - 1)
+        except (TypeError, OSError, BadInput):   # (TypeError: no drafter shipped for the model)
             return None
-        return self._within(whole)
 
     # -- what it needs
     def _drafts(self) -> int:
