@@ -451,7 +451,10 @@ def tc_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("defaul
 
 
 @train_app.command("dflash")
-def dflash_cmd(data: Path = DATA, out: Path = typer.Option(..., "--out", help="The drafter directory to write (the "
+def dflash_cmd(data: list[Path] = typer.Option(..., "--data", metavar="<path>", help="A directory made by `dlm-studio train data`; "
+                                               "repeat it to train on several (a run resumed with one more appended "
+                                               "computes the new one's features only)."),
+               out: Path = typer.Option(..., "--out", help="The drafter directory to write (the "
                                                            "published layout, checkpointed as it trains)."),
                model: str = typer.Option("default", "--model", help="The target (a causal model)."),
                layers: int = typer.Option(1, "--layers", help="The drafter's layers (each the target's shape)."),
@@ -490,7 +493,7 @@ def dflash_cmd(data: Path = DATA, out: Path = typer.Option(..., "--out", help="T
     budget = _parse_budget(time_budget)
     if not resume and (out / "train_state.json").exists():
         raise BadInput(f"{out} already holds a training run: --resume to continue it, or another --out")
-    seqs = load_sequences(data)   # a readable data directory, before the model loads
+    seqs = [s for d in data for s in load_sequences(d)]   # readable data directories, before the model loads
     engine = Engine.load(model, adapter="none", device=device, dtype=dtype)
     cfg_m = engine.config
     if cfg_m.attention != "causal" or not cfg_m.logit_shift:

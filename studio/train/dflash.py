@@ -79,15 +79,15 @@ class StepReport:
 # -- features ---------------------------------------------------------------------------------------------------------
 def extract(model, seqs: list[Sequence], taps: list[int], root: Path, max_len: int,
             progress: Callable[[str, int, int, str], None] | None = None, deadline: float | None = None) -> int:
-    """Write the tapped hidden states of `seqs` under root/features, resuming after the shards already there; returns
-    how many sequences have features. Stops between shards at `deadline` (perf_counter)."""
+    """Write the tapped hidden states of `seqs` under root/features, resuming after the shards already there (more
+    sequences appended to the data extend them); returns how many sequences have features. Stops between shards at
+    `deadline` (perf_counter)."""
     from safetensors.torch import save_file
 
     out = root / FEATURES
     out.mkdir(parents=True, exist_ok=True)
     n_shards = math.ceil(len(seqs) / SHARD)
-    done = len(list(out.glob("feat-*.safetensors")))
-    for s in range(done, n_shards):
+    for s in range(_kept_shards(out, seqs, max_len), n_shards):
         if deadline is not None and time.perf_counter() > deadline:
             break
         part = seqs[s * SHARD:(s + 1) * SHARD]
@@ -108,6 +108,26 @@ def extract(model, seqs: list[Sequence], taps: list[int], root: Path, max_len: i
         if progress:
             progress("features", min((s + 1) * SHARD, len(seqs)), len(seqs), f"shard {s + 1}/{n_shards}")
     return min(len(list(out.glob("feat-*.safetensors"))) * SHARD, len(seqs))
+
+
+def _kept_shards(out: Path, seqs: list[Sequence], max_len: int) -> int:
+    """How many of the feature shards in `out` hold the first of `seqs`: all of them, but a last shard written when
+    the data was shorter (it is computed again). Shards of other sequences are refused, not mixed in."""
+    from safetensors import safe_open
+
+    names = sorted(out.glob("feat-*.safetensors"))
+    for s, f in enumerate(names):
+        part = seqs[s * SHARD:(s + 1) * SHARD]
+        with safe_open(str(f), "pt") as t:
+            stored = t.get_tensor("tokens").tolist()
+        wanted = [t for q in part for t in q.tokens[:max_len]]
+        if stored == wanted:
+            continue
+        if s == len(names) - 1 and stored == wanted[:len(stored)]:
+            f.unlink()
+            return s
+        raise BadInput(f"{f} holds the features of other sequences than --data's: train into another --out")
+    return len(names)
 
 
 def load_features(root: Path) -> list[Features]:

@@ -10,6 +10,7 @@ from studio.engine.dflash import load_drafter
 from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import make_strategy
 from studio.engine.taps import LayerTaps
+from studio.errors import BadInput
 from studio.run.session import Settings, run_to_end
 from studio.train import dflash as train_dflash
 from studio.train.data import Sequence
@@ -98,3 +99,20 @@ def test_the_draft_vocabulary_is_the_answers_most_frequent_tokens_and_drafts_sta
         drafted = {t for e in r.events if e["t"] == "propose" for t in e["tok"]}
         assert drafted and drafted <= set(vocab)
     assert train_dflash.draft_vocabulary(feats, 16, 0) is None and train_dflash.draft_vocabulary(feats, 16, 16) is None
+
+
+def test_appended_data_extends_the_features_and_other_data_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(train_dflash, "SHARD", 4)
+    engine = tiny_engine("qwen3", vocab=16, seed=3)
+    seqs = _data(engine, n=10)
+    assert train_dflash.extract(engine.model, seqs[:6], [0, 1], tmp_path / "f", 320) == 6   # shards of 4 and 2
+    kept = (tmp_path / "f" / "features" / "feat-00000.safetensors").stat().st_mtime_ns
+    assert train_dflash.extract(engine.model, seqs, [0, 1], tmp_path / "f", 320) == 10      # 4, 4 again, 2
+    assert (tmp_path / "f" / "features" / "feat-00000.safetensors").stat().st_mtime_ns == kept
+    train_dflash.extract(engine.model, seqs, [0, 1], tmp_path / "whole", 320)
+    grown, whole = train_dflash.load_features(tmp_path / "f"), train_dflash.load_features(tmp_path / "whole")
+    assert [f.tokens for f in grown] == [s.tokens for s in seqs]
+    for a, b in zip(grown, whole):
+        torch.testing.assert_close(a.hidden, b.hidden, atol=0, rtol=0)
+    with pytest.raises(BadInput, match="other sequences"):
+        train_dflash.extract(engine.model, seqs[::-1], [0, 1], tmp_path / "f", 320)

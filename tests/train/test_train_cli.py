@@ -198,3 +198,9 @@ def test_dflash_trains_a_drafter_that_run_eval_and_compare_read(tmp_path, embedd
     assert {str(t.dtype) for name, t in packed.items() if name != "draft_vocab"} == {"torch.bfloat16"}
     assert load_drafter(tmp_path / "packed").config == load_drafter(out).config
     assert load_drafter(tmp_path / "packed").vocab.tolist() == load_drafter(out).vocab.tolist()   # ids, not bf16
+    # resumed with a second --data, the run computes the appended answers' features and trains on both
+    r = cli("train", "dflash", "--data", str(embedded_data), "--data", str(embedded_data), "--out", str(out),
+            "--steps", "3", "--batch-size", "2", "--anchors", "2", "--block-size", "4", "--layers", "1",
+            "--taps", "3,20", "--resume", check_rc=0)
+    assert "step 3/3 (done)" in r.stdout
+    assert len(read_safetensors(out / "features" / "feat-00000.safetensors")["prompt_lens"]) == 8
