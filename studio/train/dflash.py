@@ -99,7 +99,7 @@ def extract(model, seqs: list[Sequence], taps: list[int], root: Path, max_len: i
                 hidden.append(tapped.take()[0].to(torch.bfloat16))
         lengths = torch.tensor([h.shape[0] for h in hidden])
         tensors = {"hidden": torch.cat(hidden).contiguous(),
-                   "tokens": torch.tensor([t for q in part for t in q.tokens[:max_len]], dtype=torch.int32),
+                   "tokens": torch.tensor(_shard_tokens(part, max_len), dtype=torch.int32),
                    "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
                    "prompt_lens": torch.tensor([q.prompt_len for q in part], dtype=torch.int32)}
         tmp = out / f"feat-{s:05d}.tmp"
@@ -118,9 +118,9 @@ def _kept_shards(out: Path, seqs: list[Sequence], max_len: int) -> int:
     names = sorted(out.glob("feat-*.safetensors"))
     for s, f in enumerate(names):
         part = seqs[s * SHARD:(s + 1) * SHARD]
-        with safe_open(str(f), "pt") as t:
-            stored = t.get_tensor("tokens").tolist()
-        wanted = [t for q in part for t in q.tokens[:max_len]]
+        with safe_open(str(f), "pt") as shard:
+            stored = shard.get_tensor("tokens").tolist()
+        wanted = _shard_tokens(part, max_len)
         if stored == wanted:
             continue
         if s == len(names) - 1 and stored == wanted[:len(stored)]:
@@ -128,6 +128,11 @@ def _kept_shards(out: Path, seqs: list[Sequence], max_len: int) -> int:
             return s
         raise BadInput(f"{f} holds the features of other sequences than --data's: train into another --out")
     return len(names)
+
+
+def _shard_tokens(part: list[Sequence], max_len: int) -> list[int]:
+    """A feature shard's `tokens`: its sequences' ids, each cut to max_len, end to end."""
+    return [t for q in part for t in q.tokens[:max_len]]
 
 
 def load_features(root: Path) -> list[Features]:
