@@ -1,14 +1,14 @@
 """What a drafter's forward costs on this machine, as a share of its target's 1-token step: the price cost-aware
 drafting adds to every forward that verifies a DFlash drafter's block (strategies/dflash.py).
 
-A count of weights misjudges it: a 2-layer drafter's small products, its attention over the whole context and its
-head's rows cost a 135M target ~0.2 of a step on a CPU, where its weights say 0.1, and a planner that believes the
-lower price drafts at a loss. So it is measured: the drafter's forward (a run's, from the strategy) and the target's
-1-token step after `CONTEXT` tokens, interleaved so that a busy moment slows both, the median of each. A drafter
-forward runs only the rows of the drafts a plan verifies, so it is measured at a few draft counts (`sizes`) and priced
-between them by straight lines (`DrafterPrice`). It is measured once per machine, target and drafter (its weights'
-size and time), and cached beside the cost table, so a seeded run plans the same from one run to the next; a model of
-random weights (tests) is measured once per process.
+A count of weights misjudges it: a 2-layer drafter's small products, its attention over the whole context and its head's
+rows cost a 135M target ~0.2 of a step on a CPU in fp32 (~0.1 in int8), where its weights say 0.1, and a planner that
+believes the lower price drafts at a loss. So it is measured: the drafter's forward (a run's, from the strategy) and the
+target's 1-token step after `CONTEXT` tokens, interleaved so that a busy moment slows both, the median of each. A
+drafter forward runs only the rows of the drafts a plan verifies, so it is measured at a few draft counts (`sizes`) and
+priced between them by straight lines (`DrafterPrice`). It is measured once per machine, target and drafter (its
+weights' size and time, and its quantisation), and cached beside the cost table, so a seeded run plans the same from one
+run to the next; a model of random weights (tests) is measured once per process.
 """
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ def check_quant(kind: str, device: torch.device) -> None:
         raise BadInput(f"--quant {kind} runs on the CPU and on CUDA, not on {device.type}")
 
 
-def _rows(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quantized_rows(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., N, D] in one byte and fp32 scales [..., N]: each row over its largest magnitude / the scheme's top,
     rounded to the nearest int8 step or e4m3 value."""
     dtype, top = _STORAGE[kind]
@@ -67,18 +67,18 @@ def quantize_layers(module: nn.Module, kind: str) -> None:
     for m in module.modules():
         if isinstance(m, Linear) and m.scale is None:
             assert not m.fused, "quantise before fusing"
-            q, m.scale = _rows(m.weight, kind)
+            q, m.scale = quantized_rows(m.weight, kind)
             m.weight = nn.Parameter(q, requires_grad=False)
         elif isinstance(m, Experts) and m.scales is None:
             m.scales = {}
             for name in m.PROJECTIONS:
-                q, m.scales[name] = _rows(getattr(m, name), kind)
+                q, m.scales[name] = quantized_rows(getattr(m, name), kind)
                 setattr(m, name, nn.Parameter(q, requires_grad=False))
 
 
 def quantize_head(model: nn.Module, kind: str) -> None:
     if model.head_scale is None:
-        model.head_quant, model.head_scale = _rows(model.lm_head.weight, kind)
+        model.head_quant, model.head_scale = quantized_rows(model.lm_head.weight, kind)
 
 
 def is_quantized(model: nn.Module) -> bool:

@@ -20,9 +20,9 @@ KINDS = ["int8", "fp8"]
 
 
 def quantized(shape, kind: str, seed: int):
-    from studio.engine.quantize import _rows
+    from studio.engine.quantize import quantized_rows
     w = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-    q, scale = _rows(w, kind)
+    q, scale = quantized_rows(w, kind)
     return q.to(DEVICE), scale.to(DEVICE), (q.float() * scale[..., None]).to(DEVICE)
 
 

@@ -4,6 +4,7 @@ the real path (the drafter's context cache, the target's KV rollback, the tree's
 import dataclasses
 
 import pytest
+import torch
 
 from studio.engine.sampling import SamplingParams
 from studio.engine.strategies import make_strategy
@@ -33,7 +34,7 @@ def test_greedy_is_ar_as_a_chain_and_as_a_tree(tmp_path, family):
     ar = run_to_end(engine, make_strategy("ar"), settings, "", PROMPT)
     assert len(set(ar.token_ids)) > 2
     for params in ({"drafting": "fixed", "lookup": 0}, {"lookup": 0}, {"branches": 3, "drafting": "fixed", "lookup": 0},
-                   {"drafting": "fixed"}, {}):
+                   {"drafting": "fixed"}, {}, {"drafting": "fixed", "lookup": 0, "quant": "none"}):
         r = run_to_end(engine, dflash(tmp_path / "d", **params), settings, "", PROMPT)
         assert r.token_ids == ar.token_ids, params
         proposes = [e for e in r.events if e["t"] == "propose"]
@@ -49,6 +50,27 @@ def test_greedy_is_ar_as_a_chain_and_as_a_tree(tmp_path, family):
             verifies = [e for e in r.events if e["t"] == "forward" and e["role"] == "verify"]
             assert verifies and max(e["n_tokens"] for e in verifies) >= 5   # (a trained drafter's accepts:
             # tests/train/test_dflash_train.py)
+
+
+@pytest.mark.parametrize("vocab", [None, [0, 1, 2, 4, 6, 9, 12]], ids=["whole head", "a draft vocabulary"])
+def test_the_int8_drafter_drafts_close_to_its_float_twin(tmp_path, vocab):
+    """On the CPU in fp32 the drafter runs in int8 unless `quant=none`: its layers and head rows in one byte with a
+    scale per row. Its draft logits are the float drafter's within int8 rounding, over the same draft vocabulary; the
+    runs above and the sampled law test run it, so exactness holds on that path."""
+    engine = tiny_engine("llama", vocab=16, seed=3)
+    tiny_drafter(engine, tmp_path / "d", block=5, seed=1, vocab=vocab)
+    strategies = {quant: dflash(tmp_path / "d", quant=quant) for quant in ("auto", "none")}
+    for s in strategies.values():
+        s.ready(engine)
+    int8, float32 = strategies["auto"], strategies["none"]
+    assert int8.drafter.fc.weight.dtype == torch.int8 and float32.drafter.fc.weight.dtype == torch.float32
+    width = len(float32.drafter.config.taps) * engine.config.dim
+    taps = torch.randn(1, 12, width, generator=torch.Generator().manual_seed(0))   # 12 context rows
+    f, q = (s._draft_logits(engine.model, taps, 3, 4, s.drafter.new_cache(32)) for s in (float32, int8))
+    assert torch.equal(f.isinf(), q.isinf()) and f.isinf().any() == (vocab is not None)
+    seen = f.isfinite()
+    err = (f[seen] - q[seen]).abs().max()
+    assert 0 < err < 0.03 * f[seen].abs().max(), (err, f[seen].abs().max())
 
 
 def test_a_lookup_that_does_not_pay_leaves_the_step_to_the_drafter(monkeypatch, tmp_path):
@@ -120,6 +142,6 @@ def test_a_run_without_a_drafter_or_with_one_for_another_model_is_refused_in_one
     with pytest.raises(BadInput, match="64 wide"):
         run_to_end(engine, dflash(tmp_path / "wide"), Settings(max_new_tokens=4), "", PROMPT)
     for params, needle in (({"branches": 0}, "branches must be >= 1"), ({"rows": 1}, "rows must be >= 2"),
-                           ({"drafting": "x"}, "drafting must be")):
+                           ({"drafting": "x"}, "drafting must be"), ({"quant": "fp8"}, "quant must be one of")):
         with pytest.raises(BadInput, match=needle):
             make_strategy("dflash", params)

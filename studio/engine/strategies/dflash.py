@@ -22,7 +22,8 @@ import torch
 from studio.engine.dflash import WEIGHTS, Drafter, load_drafter, read_drafter_config
 from studio.engine.drafter_cost import CONTEXT, DrafterPrice, drafter_share
 from studio.engine.draft_tree import DraftTree
-from studio.engine.kernels.projection import vocab_logits
+from studio.engine.kernels.projection import quant_linear, vocab_logits
+from studio.engine.quantize import check_quant, quantize_layers, quantized_rows
 from studio.engine.sampling import Proposal, process_logits, sample, sample_token
 from studio.engine.strategies import drafting
 from studio.engine.strategies import lookup as prompt_lookup
@@ -32,23 +33,34 @@ from studio.engine.taps import LayerTaps
 from studio.errors import BadInput
 
 
-def _drafter(path: str, device: str, dtype: torch.dtype) -> Drafter:
-    """A drafter loaded once per directory, device and dtype (every run of a comparison shares it), again when its
-    weights were rewritten since (a drafter trained on in the same directory)."""
+QUANTS = ("auto", "int8", "none")
+
+
+def _drafter(path: str, device: str, dtype: torch.dtype, quant: str) -> Drafter:
+    """A drafter loaded once per directory, device, dtype and quantisation (every run of a comparison shares it), again
+    when its weights were rewritten since (a drafter trained on in the same directory)."""
     weights = Path(path).expanduser() / WEIGHTS
-    return _load(path, weights.stat().st_mtime_ns if weights.is_file() else 0, device, dtype)
+    return _load(path, weights.stat().st_mtime_ns if weights.is_file() else 0, device, dtype, quant)
 
 
 @functools.lru_cache(maxsize=4)
-def _load(path: str, version: int, device: str, dtype: torch.dtype) -> Drafter:
-    return load_drafter(path, device, dtype)
+def _load(path: str, version: int, device: str, dtype: torch.dtype, quant: str) -> Drafter:
+    drafter = load_drafter(path, device, dtype)
+    if quant == "int8":
+        quantize_layers(drafter, "int8")
+    return drafter
 
 
 @functools.lru_cache(maxsize=4)
-def _head_rows(weight: torch.Tensor, vocab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A draft vocabulary's ids on the head's device and its rows of the head, copied once per head and drafter."""
-    ids = vocab.to(weight.device)
-    return ids, weight[ids].contiguous()
+def _head_rows(weight: torch.Tensor, vocab: torch.Tensor | None, quant: str) -> tuple:
+    """(ids on the head's device, rows, row scales) of the head the drafter reads, made once per head, drafter and
+    quantisation: a draft vocabulary's rows (ids None: all of them), in one byte with a scale per row under int8 (scales
+    None: the float rows); None where the drafter reads the target's own head as it is (`model.logits`)."""
+    if vocab is None and quant == "none":
+        return None
+    ids = None if vocab is None else vocab.to(weight.device)
+    rows = weight if ids is None else weight[ids].contiguous()
+    return (ids, *quantized_rows(rows, "int8")) if quant == "int8" else (ids, rows, None)
 
 
 class DFlash(Strategy):
@@ -67,12 +79,15 @@ class DFlash(Strategy):
         matches: int = param(4, "looked-up continuations at most, verified as one tree", tune=(1, 8))
         drafter: str = param("", "a DFlash drafter directory in the published layout (--draft-model); empty: the one "
                                  "shipped for the model")
+        quant: str = param("auto", "the drafter's weights and head rows: int8 (one byte and a scale per row, a quarter "
+                                   "of the bytes its forward streams) | none; auto: int8 on the CPU in fp32",
+                           choices=QUANTS)
 
     def __init__(self, params: dict | None = None):
         super().__init__(params)
         self.drafter: Drafter | None = None
         self.price: DrafterPrice | None = None   # its forward against the target's 1-token step, by drafts (`ready`)
-        self.vocab = self.head = None   # the draft vocabulary's ids and head rows (`ready`; None: the whole head)
+        self.head = None   # the draft vocabulary's ids, head rows and scales (`ready`, `_head_rows`)
 
     @staticmethod
     def validate(p) -> None:
@@ -81,6 +96,8 @@ class DFlash(Strategy):
             if getattr(p, name) < low:
                 raise BadInput(f"dflash {name} must be >= {low}, got {getattr(p, name)}")
         prompt_lookup.validate("dflash", p.lookup)
+        if p.quant not in QUANTS:
+            raise BadInput(f"dflash quant must be one of {', '.join(QUANTS)}, got {p.quant!r}")
 
     def use_drafter(self, path: str) -> None:
         """Draft with the published DFlash drafter at `path` (`--draft-model`) instead of the shipped one."""
@@ -105,23 +122,35 @@ class DFlash(Strategy):
             raise BadInput(f"dflash needs a drafter trained for {engine.name!r}: give --draft-model DIR (a DFlash "
                            "drafter in the published layout) or train one with `dlm-studio train dflash`")
         weight = engine.model.lm_head.weight
-        self.drafter = _drafter(str(path), str(weight.device), weight.dtype)
+        quant = self._quant(weight)
+        self.drafter = _drafter(str(path), str(weight.device), weight.dtype, quant)
         vocab = self.drafter.vocab
         self.drafter.config.check_target(engine.config, engine.name, vocab)
-        # the head's rows the drafter reads: its draft vocabulary's, else the target's whole head
-        self.vocab, self.head = (None, None) if vocab is None else _head_rows(weight, vocab)
+        self.head = _head_rows(weight, vocab, quant)
         # the planner prices the drafter's forward as a share of the target's 1-token step (the cost table prices
         # the target's forwards only), by the drafts it makes: measured once per machine, target and drafter, cached
         weights = Path(path).expanduser() / WEIGHTS
         stat = weights.stat()
-        identity = {"path": str(weights.resolve()), "size": stat.st_size, "mtime": stat.st_mtime_ns}
+        identity = {"path": str(weights.resolve()), "size": stat.st_size, "mtime": stat.st_mtime_ns,
+                    **({"quant": quant} if quant != "none" else {})}   # (a float drafter's key as it always was)
         self.price = drafter_share(engine, identity, self._drafts(), lambda k: self._timed_draft(engine.model, k))
+
+    def _quant(self, weight: torch.Tensor) -> str:
+        """The drafter's quantisation on the target's device and dtype: `auto` is int8 on the CPU in fp32, where a
+        drafter forward streams its weights (on the embedded model an int8 drafter's drafts are as often right, and
+        its forward costs 0.10 of a step instead of 0.16: docs/strategies.md#dflash)."""
+        quant = self.params.quant
+        if quant == "auto":
+            return "int8" if weight.device.type == "cpu" and weight.dtype == torch.float32 else "none"
+        if quant == "int8":
+            check_quant("int8", weight.device)
+        return quant
 
     def _timed_draft(self, model, k: int):
         """A drafter forward of k drafts as a run makes it, for `drafter_share` to time: a new context row, the
         anchor and k MASK rows, the head on the drafts, after CONTEXT rows of the drafter's own cache."""
         taps = torch.zeros(1, CONTEXT, len(self.drafter.config.taps) * model.config.dim,
-                           dtype=self.drafter.fc.weight.dtype, device=model.lm_head.weight.device)
+                           dtype=self.drafter.norm.weight.dtype, device=model.lm_head.weight.device)
         kv = self.drafter.new_cache(CONTEXT + 1 + self.drafter.config.block_size)
         self._draft_logits(model, taps[:, :-1], 0, 1, kv)
 
@@ -269,8 +298,12 @@ class DFlash(Strategy):
             hidden = self.drafter(context, model.model.embed_tokens(block), positions, kv=kv)[0, 1:1 + k]
             if self.head is None:
                 return model.logits(hidden)
+            ids, rows, scale = self.head
+            out = vocab_logits(rows, hidden) if scale is None else quant_linear(hidden, rows, scale).float()
+            if ids is None:
+                return out
             logits = torch.full((k, model.lm_head.weight.shape[0]), float("-inf"), device=device)
-            logits[:, self.vocab] = vocab_logits(self.head, hidden)   # tokens outside it are never drafted
+            logits[:, ids] = out   # tokens outside the draft vocabulary are never drafted
             return logits
 
     def _chain_step(self, ctx: DecodeContext, draft_logits: torch.Tensor) -> None:
