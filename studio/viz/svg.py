@@ -235,6 +235,9 @@ def trajectory_svg(grid: Grid, width: int = 1200) -> str:
         if glyphs:
             marks.append(f'<text x="{_n(x + cw / 2)}" y="{_n(y + rh - 3)}" font-size="9" text-anchor="middle" '
                          f'pointer-events="none">{esc(c.glyph)}</text>')
+        if glyphs and c.branches:   # a draft tree's branch point: its candidate count, as the web rows badge it
+            marks.append(f'<text class="br" x="{_n(x + cw - 1)}" y="{_n(y + 5)}" font-size="6" text-anchor="end" '
+                         f'font-weight="700" fill="#8a6d00" pointer-events="none">{len(c.branches)}</text>')
     for (step, state), positions in carried.items():
         y = top + row_of[step] * rh
         for start, end in _runs(positions):

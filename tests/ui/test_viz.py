@@ -379,5 +379,7 @@ def test_a_draft_tree_step_shows_its_branch_points_with_the_accepted_path_and_th
     assert "draft tree: 3 candidates here" in lines and '  5 "f" refused' in lines and '  6 "g" accepted path' in lines
     assert '  9 "j" pruned' in lines
     assert Tally().feed_all(events).acceptance.by_pos == [0.5, 1.0]
+    from studio.viz.svg import trajectory_svg
     from studio.web.render import row_html
     assert row_html(grid, 1).count('<sup class="br">3</sup>') == 1
+    assert trajectory_svg(grid).count('class="br"') == 1 and '>3</text>' in trajectory_svg(grid)   # the offline report
