@@ -175,7 +175,7 @@ class Drafter(nn.Module):
         self.vocab: torch.Tensor | None = None   # the target ids its head reads (None: all of them)
 
     def new_cache(self, max_len: int) -> KVCache:
-        m, p = self.config.layers, self.norm.weight
+        m, p = self.config.layers, self.norm.weight   # (a norm stays float where the projections are int8)
         return KVCache(m.n_layers, m.n_kv_heads, m.head_dim, max_len, dtype=p.dtype, device=p.device)
 
     def forward(self, context: torch.Tensor, block: torch.Tensor, positions: torch.Tensor,
@@ -186,7 +186,7 @@ class Drafter(nn.Module):
         over its committed context too, and it is left holding the new context rows' K/V (committed) -- never the
         block's. Without it (training), `mask` [B, 1, T, C + T] says which rows each block row sees."""
         C, T = context.shape[1], block.shape[1]
-        dtype = self.norm.weight.dtype
+        dtype = self.norm.weight.dtype   # the activations': a norm stays float in an int8 drafter
         context = self.hidden_norm(self.fc(context.to(dtype)))
         cos, sin = rotary_tables(positions, self.inv_freq, dtype)
         if kv is not None:
