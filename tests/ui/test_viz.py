@@ -382,4 +382,5 @@ def test_a_draft_tree_step_shows_its_branch_points_with_the_accepted_path_and_th
     from studio.viz.svg import trajectory_svg
     from studio.web.render import row_html
     assert row_html(grid, 1).count('<sup class="br">3</sup>') == 1
-    assert trajectory_svg(grid).count('class="br"') == 1 and '>3</text>' in trajectory_svg(grid)   # the offline report
+    report = trajectory_svg(grid)   # the offline HTML report's trajectory
+    assert report.count('class="br"') == 1 and '>3</text>' in report

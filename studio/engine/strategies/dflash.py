@@ -23,7 +23,7 @@ from studio.engine.dflash import WEIGHTS, Drafter, load_drafter, read_drafter_co
 from studio.engine.drafter_cost import CONTEXT, DrafterPrice, drafter_share
 from studio.engine.draft_tree import DraftTree
 from studio.engine.kernels.projection import quant_linear, vocab_logits
-from studio.engine.quantize import check_quant, quantize_layers, quantized_rows
+from studio.engine.quantize import check_quant, is_quantized, quantize_layers, quantized_rows
 from studio.engine.sampling import Proposal, process_logits, sample, sample_token
 from studio.engine.strategies import drafting
 from studio.engine.strategies import lookup as prompt_lookup
@@ -126,7 +126,8 @@ class DFlash(Strategy):
         self.drafter = _drafter(str(path), str(weight.device), weight.dtype, quant)
         vocab = self.drafter.vocab
         self.drafter.config.check_target(engine.config, engine.name, vocab)
-        self.head = _head_rows(weight, vocab, quant)
+        # a drafter reading the whole head of a target quantised already reads its 1-byte head (`model.logits`)
+        self.head = None if vocab is None and is_quantized(engine.model) else _head_rows(weight, vocab, quant)
         # the planner prices the drafter's forward as a share of the target's 1-token step (the cost table prices
         # the target's forwards only), by the drafts it makes: measured once per machine, target and drafter, cached
         weights = Path(path).expanduser() / WEIGHTS
