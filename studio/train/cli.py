@@ -375,7 +375,8 @@ def tc_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("defaul
            preset: str = typer.Option("canvas-cpu", "--preset", help="The canvas decoding that records them."),
            canvas: int = typer.Option(64, "--max-new-tokens", help="The canvas length of the recorded runs."),
            min_agreement: float = typer.Option(0.5, "--min-agreement", help="Keep a trajectory when its answer "
-                                               "agrees with the data's (the base model's) on this share of tokens."),
+                                               "agrees with the data's (the base model's, cut to the canvas) on "
+                                               "this share of tokens (judged again on --resume)."),
            steps: int = STEPS, batch_size: int = typer.Option(4, "--batch-size", help="Sequences per step."),
            lr: float = typer.Option(5e-4, "--lr"), rank: int = RANK, alpha: float = ALPHA, seed: int = SEED,
            save_every: int = SAVE_EVERY, time_budget: Optional[str] = BUDGET, resume: bool = RESUME,

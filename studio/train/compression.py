@@ -3,7 +3,7 @@ decoding its prompts, and the objective that trains it to jump between their non
 (docs/training.md#trajectory-compression).
 
 A golden trajectory is one `canvas` run on a data sequence's prompt, kept when its answer agrees with the base
-model's greedy answer (the data's) on at least `min_agreement` of the tokens: each canvas position is recorded with
+model's greedy answer (the data's, cut to the canvas) on at least `min_agreement` of the tokens: each canvas position is recorded with
 the step (the forward) that revealed it. State s_t is the canvas after t steps: the positions revealed by then hold
 their final tokens, the rest are MASK. Training draws two states a < b of a trajectory, feeds s_a, and puts the loss
 on the positions MASKed in s_a and revealed by s_b, each read on the row before it (the logit shift): one forward
@@ -62,7 +62,8 @@ def agreement(answer: list[int], reference: list[int]) -> float:
 def record(run_one: Callable[[list[int]], tuple[list[int], list[dict]]], seqs: list[Sequence], canvas_len: int,
            fill: int | None, min_agreement: float, path: Path, progress=None) -> list[CanvasTrajectory]:
     """The golden trajectories of `seqs` (`run_one(prompt ids)` -> the run's answer tokens and events), appended to
-    `path` (JSON lines, one per sequence tried: kept or not) and continued where a file there stopped.
+    `path` (JSON lines, one per sequence tried, with its agreement) and continued where a file there stopped. Which
+    are kept is decided by `min_agreement` on every call, so a resumed run may keep more or fewer.
     `progress(done, total, kept)`."""
     lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
     tried = []
@@ -79,14 +80,15 @@ def record(run_one: Callable[[list[int]], tuple[list[int], list[dict]]], seqs: l
         prompt = s.tokens[:s.prompt_len]
         answer, events = run_one(prompt)
         t = trajectory_of(prompt, events, canvas_len, fill)
-        agree = agreement(answer, s.tokens[s.prompt_len:])
-        d = {"tokens": t.tokens, "prompt_len": t.prompt_len, "reveal": t.reveal, "agreement": agree,
-             "kept": agree >= min_agreement}
+        # the canvas holds canvas_len tokens: the data's answer past them cannot be agreed with
+        d = {"tokens": t.tokens, "prompt_len": t.prompt_len, "reveal": t.reveal,
+             "agreement": agreement(answer, s.tokens[s.prompt_len:][:canvas_len])}
         _write(path, [d], "a")
         tried.append(d)
         if progress:
-            progress(len(tried), len(seqs), sum(x["kept"] for x in tried))
-    return [CanvasTrajectory(d["tokens"], d["prompt_len"], d["reveal"]) for d in tried if d["kept"]]
+            progress(len(tried), len(seqs), sum(x["agreement"] >= min_agreement for x in tried))
+    return [CanvasTrajectory(d["tokens"], d["prompt_len"], d["reveal"]) for d in tried
+            if d["agreement"] >= min_agreement]
 
 
 @uninterruptible   # a line is written whole

@@ -2,10 +2,13 @@
 batches (`train tc` on the embedded model: tests/train/test_train_cli.py)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from studio.train.compression import CanvasTrajectory, Compression, agreement, trajectory_of
+from studio.train.compression import CanvasTrajectory, Compression, agreement, record, trajectory_of
+from studio.train.data import Sequence
 from studio.train.objectives import IGNORE
 
 MASK, EOS = 99, 7
@@ -40,3 +43,27 @@ def test_a_batch_feeds_state_a_and_targets_what_was_revealed_between_a_and_b():
         assert batch.n_answer == len(jumped) and batch.tokens[0, :3].tolist() == [5, 6, 7]
         pairs.add((a, b))
     assert pairs == {(a, b) for a in range(5) for b in range(a + 1, 5)}
+
+
+def test_golden_trajectories_are_judged_on_the_canvas_and_rejudged_on_resume(tmp_path):
+    """A canvas run answers at most canvas_len tokens, so it is held to the data's answer cut to the canvas (a full
+    match keeps it at min_agreement 1 however long the data's answer is); the file keeps every run's agreement, and
+    a resumed call with another threshold keeps what that threshold keeps without running anything again."""
+    canvas = 4
+    seqs = [Sequence([1, 2] + [10, 11, 12, 13, 14, 15, 16, EOS], 2),       # data answers longer than the canvas
+            Sequence([3, 4] + [20, 21, 22, 23, 24, 25, 26, EOS], 2)]
+    answers = {(1, 2): [10, 11, 12, 13], (3, 4): [20, 21, 0, 0]}           # agreement 1 and 1/2
+
+    def run_one(prompt):
+        answer = answers[tuple(prompt)]
+        return answer, [{"t": "forward"}, {"t": "unmask", "pos": list(range(canvas)), "tok": answer}]
+
+    path = tmp_path / "golden.jsonl"
+    kept = record(run_one, seqs, canvas, EOS, 1.0, path)
+    assert [t.tokens[2:] for t in kept] == [[10, 11, 12, 13]]
+    assert [json.loads(x)["agreement"] for x in path.read_text().splitlines()] == [1.0, 0.5]
+
+    def never(prompt):
+        raise AssertionError("a recorded run was run again")
+
+    assert len(record(never, seqs, canvas, EOS, 0.5, path)) == 2
