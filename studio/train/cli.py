@@ -433,7 +433,9 @@ def tc_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("defaul
             report.step(r, steps, f"loss {r.task:.3f}")
 
         try:
-            trajs = compression.record(run_one, seqs, canvas, fill, min_agreement, golden, progress=recorded)
+            # half of a time budget records (the canvas runs go one at a time) and the rest trains on what was kept
+            trajs, tried = compression.record(run_one, seqs, canvas, fill, min_agreement, golden, progress=recorded,
+                                              deadline=None if budget is None else t0 + budget / 2)
             if not trajs:
                 raise BadInput(f"no trajectory agreed with its data answer on {min_agreement:.0%} of the tokens: "
                                "lower --min-agreement")
@@ -447,7 +449,8 @@ def tc_cmd(data: Path = DATA, out: Path = OUT, model: str = typer.Option("defaul
             bar.stop()
             raise Interrupted(f"stopped; the trajectories recorded and any checkpoint are kept in {out}: "
                               "continue with --resume") from None
-    typer.echo(f"{out}: {len(trajs)} golden trajectories of {len(seqs)}, step {state['step']}/{steps} "
+    untried = "" if tried == len(seqs) else f" ({len(seqs) - tried} prompts left for --resume to record)"
+    typer.echo(f"{out}: {len(trajs)} golden trajectories of {tried}{untried}, step {state['step']}/{steps} "
                f"({state['stopped']}), {time.perf_counter() - t0:.0f} s; use it with --adapter {out}")
 
 

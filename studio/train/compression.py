@@ -12,6 +12,7 @@ learns what the trajectory took b - a forwards to reveal.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -60,11 +61,13 @@ def agreement(answer: list[int], reference: list[int]) -> float:
 
 
 def record(run_one: Callable[[list[int]], tuple[list[int], list[dict]]], seqs: list[Sequence], canvas_len: int,
-           fill: int | None, min_agreement: float, path: Path, progress=None) -> list[CanvasTrajectory]:
+           fill: int | None, min_agreement: float, path: Path, progress=None,
+           deadline: float | None = None) -> tuple[list[CanvasTrajectory], int]:
     """The golden trajectories of `seqs` (`run_one(prompt ids)` -> the run's answer tokens and events), appended to
     `path` (JSON lines, one per sequence tried, with its agreement) and continued where a file there stopped. Which
-    are kept is decided by `min_agreement` on every call, so a resumed run may keep more or fewer.
-    `progress(done, total, kept)`."""
+    are kept is decided by `min_agreement` on every call, so a resumed run may keep more or fewer. No run starts
+    after `deadline` (a `time.perf_counter()` value): the next call goes on from there. Returns the kept
+    trajectories and how many sequences have been tried. `progress(done, total, kept)`."""
     lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
     tried = []
     for line in lines:
@@ -77,6 +80,8 @@ def record(run_one: Callable[[list[int]], tuple[list[int], list[dict]]], seqs: l
     if len(tried) < len(lines):
         _write(path, tried, "w")
     for s in seqs[len(tried):]:
+        if deadline is not None and time.perf_counter() > deadline:
+            break
         prompt = s.tokens[:s.prompt_len]
         answer, events = run_one(prompt)
         t = trajectory_of(prompt, events, canvas_len, fill)
@@ -87,8 +92,9 @@ def record(run_one: Callable[[list[int]], tuple[list[int], list[dict]]], seqs: l
         tried.append(d)
         if progress:
             progress(len(tried), len(seqs), sum(x["agreement"] >= min_agreement for x in tried))
-    return [CanvasTrajectory(d["tokens"], d["prompt_len"], d["reveal"]) for d in tried
+    kept = [CanvasTrajectory(d["tokens"], d["prompt_len"], d["reveal"]) for d in tried
             if d["agreement"] >= min_agreement]
+    return kept, len(tried)
 
 
 @uninterruptible   # a line is written whole

@@ -59,11 +59,26 @@ def test_golden_trajectories_are_judged_on_the_canvas_and_rejudged_on_resume(tmp
         return answer, [{"t": "forward"}, {"t": "unmask", "pos": list(range(canvas)), "tok": answer}]
 
     path = tmp_path / "golden.jsonl"
-    kept = record(run_one, seqs, canvas, EOS, 1.0, path)
-    assert [t.tokens[2:] for t in kept] == [[10, 11, 12, 13]]
+    kept, tried = record(run_one, seqs, canvas, EOS, 1.0, path)
+    assert tried == 2 and [t.tokens[2:] for t in kept] == [[10, 11, 12, 13]]
     assert [json.loads(x)["agreement"] for x in path.read_text().splitlines()] == [1.0, 0.5]
 
     def never(prompt):
         raise AssertionError("a recorded run was run again")
 
-    assert len(record(never, seqs, canvas, EOS, 0.5, path)) == 2
+    assert len(record(never, seqs, canvas, EOS, 0.5, path)[0]) == 2
+
+
+def test_recording_stops_at_its_deadline_and_resumes_where_it_stopped(tmp_path):
+    seqs = [Sequence([1, p, 10, EOS], 2) for p in range(5)]
+    ran = []
+
+    def run_one(prompt):
+        ran.append(prompt[1])
+        return [10], [{"t": "forward"}, {"t": "unmask", "pos": [0], "tok": [10]}]
+
+    path = tmp_path / "golden.jsonl"
+    assert record(run_one, seqs, 1, EOS, 0.5, path, deadline=0.0) == ([], 0)      # past: nothing starts
+    assert record(run_one, seqs[:2], 1, EOS, 0.5, path)[1] == 2
+    kept, tried = record(run_one, seqs, 1, EOS, 0.5, path)
+    assert tried == 5 and len(kept) == 5 and ran == [0, 1, 2, 3, 4]
