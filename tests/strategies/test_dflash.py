@@ -64,6 +64,7 @@ def test_the_int8_drafter_drafts_close_to_its_float_twin(tmp_path, vocab):
         s.ready(engine)
     int8, float32 = strategies["auto"], strategies["none"]
     assert int8.drafter.fc.weight.dtype == torch.int8 and float32.drafter.fc.weight.dtype == torch.float32
+    assert int8.header_params()["quant"] == "int8" and float32.header_params()["quant"] == "none"   # what ran
     width = len(float32.drafter.config.taps) * engine.config.dim
     taps = torch.randn(1, 12, width, generator=torch.Generator().manual_seed(0))   # 12 context rows
     f, q = (s._draft_logits(engine.model, taps, 3, 4, s.drafter.new_cache(32)) for s in (float32, int8))

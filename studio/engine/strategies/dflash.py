@@ -88,6 +88,7 @@ class DFlash(Strategy):
         self.drafter: Drafter | None = None
         self.price: DrafterPrice | None = None   # its forward against the target's 1-token step, by drafts (`ready`)
         self.head = None   # the draft vocabulary's ids, head rows and scales (`ready`, `_head_rows`)
+        self.quant: str | None = None   # `quant` resolved on the target's device and dtype (`ready`)
 
     @staticmethod
     def validate(p) -> None:
@@ -122,7 +123,7 @@ class DFlash(Strategy):
             raise BadInput(f"dflash needs a drafter trained for {engine.name!r}: give --draft-model DIR (a DFlash "
                            "drafter in the published layout) or train one with `dlm-studio train dflash`")
         weight = engine.model.lm_head.weight
-        quant = self._quant(weight)
+        quant = self.quant = self._quant(weight)
         self.drafter = _drafter(str(path), str(weight.device), weight.dtype, quant)
         vocab = self.drafter.vocab
         self.drafter.config.check_target(engine.config, engine.name, vocab)
@@ -195,7 +196,9 @@ class DFlash(Strategy):
         return True
 
     def header_params(self) -> dict:
-        return dict(super().header_params(), drafter=self.params.drafter or "shipped")
+        # the quantisation the drafter runs in, once `ready` resolved `auto`
+        return dict(super().header_params(), drafter=self.params.drafter or "shipped",
+                    quant=self.quant or self.params.quant)
 
     # -- decoding
     def start(self, ctx: DecodeContext, prompt: list[int]) -> None:
