@@ -3,11 +3,11 @@ decoding its prompts, and the objective that trains it to jump between their non
 (docs/training.md#trajectory-compression).
 
 A golden trajectory is one `canvas` run on a data sequence's prompt, kept when its answer agrees with the base
-model's greedy answer (the data's, cut to the canvas) on at least `min_agreement` of the tokens: each canvas position is recorded with
-the step (the forward) that revealed it. State s_t is the canvas after t steps: the positions revealed by then hold
-their final tokens, the rest are MASK. Training draws two states a < b of a trajectory, feeds s_a, and puts the loss
-on the positions MASKed in s_a and revealed by s_b, each read on the row before it (the logit shift): one forward
-learns what the trajectory took b - a forwards to reveal.
+model's greedy answer (the data's, cut to the canvas) on at least `min_agreement` of the tokens: each canvas
+position is recorded with the step (the forward) that revealed it. State s_t is the canvas after t steps: the
+positions revealed by then hold their final tokens, the rest are MASK. Training draws two states a < b of a
+trajectory, feeds s_a, and puts the loss on the positions MASKed in s_a and revealed by s_b, each read on the row
+before it (the logit shift): one forward learns what the trajectory took b - a forwards to reveal.
 """
 from __future__ import annotations
 
@@ -79,6 +79,9 @@ def record(run_one: Callable[[list[int]], tuple[list[int], list[dict]]], seqs: l
         raise BadInput(f"{path} holds the trajectories of other prompts: remove it to record these")
     if len(tried) < len(lines):
         _write(path, tried, "w")
+    def golden(d: dict) -> bool:
+        return d["agreement"] >= min_agreement
+
     for s in seqs[len(tried):]:
         if deadline is not None and time.perf_counter() > deadline:
             break
@@ -91,10 +94,8 @@ def record(run_one: Callable[[list[int]], tuple[list[int], list[dict]]], seqs: l
         _write(path, [d], "a")
         tried.append(d)
         if progress:
-            progress(len(tried), len(seqs), sum(x["agreement"] >= min_agreement for x in tried))
-    kept = [CanvasTrajectory(d["tokens"], d["prompt_len"], d["reveal"]) for d in tried
-            if d["agreement"] >= min_agreement]
-    return kept, len(tried)
+            progress(len(tried), len(seqs), sum(map(golden, tried)))
+    return [CanvasTrajectory(d["tokens"], d["prompt_len"], d["reveal"]) for d in tried if golden(d)], len(tried)
 
 
 @uninterruptible   # a line is written whole
